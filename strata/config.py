@@ -1,0 +1,149 @@
+"""Training settings: one dataclass, filled from defaults, then a TOML file, then command-line flags,
+and validated once, up front, before any process group exists."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import asdict, dataclass, fields
+
+from strata.model.presets import PRESETS
+
+DTYPES = ("fp32", "fp64", "bf16")
+
+
+class ConfigError(ValueError):
+    """A bad setting. The CLI prints it as one line and exits with code 2."""
+
+
+@dataclass
+class TrainConfig:
+    # what to train on what
+    model: str = "tiny"
+    data: str = "synthetic"  # a directory written by `strata data prepare`, or "synthetic"
+    seq_len: int | None = None  # default: the model's max_seq_len
+    seed: int = 0
+    dtype: str = "fp32"
+    # batch: global_batch sequences per optimizer step, micro_batch per forward/backward
+    steps: int = 100
+    micro_batch: int = 8
+    global_batch: int = 8
+    # optimizer (AdamW) and learning-rate schedule (linear warm-up, cosine decay to min_lr)
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    # layout
+    nproc: int = 1
+    dp: int | None = None  # default: what is left of the world after tp and pp
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    timeout: float = 300.0  # seconds any collective may take before it fails
+    # evaluation, output, checkpoints
+    eval_every: int = 0  # 0: only before the first and after the last step
+    eval_batches: int = 4
+    metrics: str | None = None
+    save: str | None = None
+    save_every: int = 0  # 0: only at the end (when --save is given)
+    resume: str | None = None
+    progress: bool = True
+    peak_flops: float | None = None  # FLOP/s per device for MFU; default: measured once and cached
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_toml(path: str) -> dict:
+    """Read a TOML config; keys are the long flag names with '_' or '-'."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    valid = TrainConfig.keys()
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in valid:
+            raise ConfigError(f"--config {path}: unknown key {key!r}; valid keys: {', '.join(valid)}")
+        out[name] = value
+    return out
+
+
+def make_config(file_values: dict, flag_values: dict) -> TrainConfig:
+    """Defaults < config file < flags (flags given as None were not set)."""
+    values = dict(file_values)
+    values.update({k: v for k, v in flag_values.items() if v is not None})
+    cfg = TrainConfig(**values)
+    for f in fields(TrainConfig):  # TOML gives ints where floats are meant, and vice versa
+        value = getattr(cfg, f.name)
+        if f.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+            setattr(cfg, f.name, float(value))
+    return cfg
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Check every setting against the others and the world size; raise ConfigError on the first
+    problem with a message that names the value and what would be valid."""
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(cfg.model in PRESETS, f"--model {cfg.model}: unknown preset; valid: {', '.join(PRESETS)}")
+    model = PRESETS[cfg.model]
+    need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: valid: {', '.join(DTYPES)}")
+    need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")),
+         f"--data {cfg.data}: no meta.json there; run `strata data prepare --out {cfg.data}` "
+         f"first, or use --data synthetic")
+    need(cfg.device in ("auto", "cpu", "cuda"), f"--device {cfg.device}: valid: auto, cpu, cuda")
+    for name in ("steps", "micro_batch", "global_batch", "nproc", "tp", "pp", "eval_batches"):
+        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 1")
+    for name in ("warmup_steps", "save_every", "eval_every"):
+        need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    need(cfg.lr > 0, f"--lr {cfg.lr}: must be > 0")
+    need(0 <= cfg.min_lr <= cfg.lr, f"--min-lr {cfg.min_lr}: must be between 0 and --lr {cfg.lr}")
+    need(cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 disables clipping)")
+    need(cfg.timeout > 0, f"--timeout {cfg.timeout}: must be > 0 seconds")
+    seq_len = cfg.seq_len or model.max_seq_len
+    need(1 <= seq_len <= model.max_seq_len,
+         f"--seq-len {seq_len}: must be between 1 and the model's max_seq_len {model.max_seq_len}")
+
+    # layout: the product of the degrees is the world size
+    need(cfg.zero in (0, 1, 2, 3), f"--zero {cfg.zero}: valid: 0, 1, 2, 3")
+    need(world_size % (cfg.tp * cfg.pp) == 0,
+         f"--tp {cfg.tp} x --pp {cfg.pp} = {cfg.tp * cfg.pp} does not divide the world size {world_size}")
+    dp = cfg.dp if cfg.dp is not None else world_size // (cfg.tp * cfg.pp)
+    need(dp >= 1, f"--dp {dp}: must be >= 1")
+    need(dp * cfg.tp * cfg.pp == world_size,
+         f"--dp {dp} x --tp {cfg.tp} x --pp {cfg.pp} = {dp * cfg.tp * cfg.pp}, "
+         f"but the world size is {world_size}; the product must equal it")
+    need(model.n_heads % cfg.tp == 0,
+         f"--tp {cfg.tp}: must divide the model's {model.n_heads} attention heads")
+    need(model.n_layers >= cfg.pp, f"--pp {cfg.pp}: more stages than the model's {model.n_layers} layers")
+
+    # batch: global = micro x accumulation x dp
+    need(cfg.global_batch % (cfg.micro_batch * dp) == 0,
+         f"--global-batch {cfg.global_batch}: must be a multiple of --micro-batch {cfg.micro_batch} "
+         f"x dp {dp} = {cfg.micro_batch * dp}")
+
+    # what this version can run (the degrees above are already checked)
+    need(cfg.tp == 1, f"--tp {cfg.tp}: tensor parallelism is not built yet; valid: 1")
+    need(cfg.pp == 1, f"--pp {cfg.pp}: pipeline parallelism is not built yet; valid: 1")
+    need(cfg.zero == 0, f"--zero {cfg.zero}: ZeRO is not built yet; valid: 0")
+    need(cfg.nproc == 1 or world_size == cfg.nproc,
+         f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")
+
+
+def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
+    return cfg.dp if cfg.dp is not None else world_size // (cfg.tp * cfg.pp)

@@ -1,0 +1,94 @@
+"""Deterministic (input, target) windows.
+
+The windows of optimizer step k are a pure function of (seed, split, k): a generator seeded with
+them draws `global_batch` window starts. Data-parallel rank r of N takes rows [r·B/N, (r+1)·B/N) of
+that batch, so N ranks together see exactly the batch one process would, and resuming at step k
+needs nothing but k."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from strata.config import ConfigError
+
+_SPLIT_ID = {"train": 0, "val": 1}
+
+
+class TokenSource:
+    """One split: a list of token arrays (memory-mapped shards, or an in-memory synthetic stream).
+    A window never crosses a shard boundary."""
+
+    def __init__(self, shards: list[np.ndarray], vocab_size: int):
+        self.shards = [s for s in shards if len(s) > 0]
+        self.vocab_size = vocab_size
+
+    def window_starts(self, seq_len: int) -> np.ndarray:
+        """Cumulative count of valid window starts per shard (a window is seq_len + 1 tokens)."""
+        return np.cumsum([max(len(s) - seq_len, 0) for s in self.shards])
+
+    def window(self, index: int, seq_len: int, cumulative: np.ndarray) -> np.ndarray:
+        shard = int(np.searchsorted(cumulative, index, side="right"))
+        offset = index - (int(cumulative[shard - 1]) if shard else 0)
+        return np.asarray(self.shards[shard][offset:offset + seq_len + 1], dtype=np.int64)
+
+
+def open_split(data_dir: str, split: str) -> TokenSource:
+    """Memory-map the shards of `split` written by `strata data prepare`."""
+    meta_path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"--data {data_dir}: no meta.json; run `strata data prepare --out {data_dir}` "
+                          f"first, or use --data synthetic")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    shards = [np.memmap(os.path.join(data_dir, s["file"]), dtype=meta["dtype"], mode="r")
+              for s in meta["splits"][split]["shards"] if s["tokens"] > 0]
+    return TokenSource(shards, meta["vocab_size"])
+
+
+def synthetic_split(vocab_size: int, seed: int, split: str, tokens: int = 1 << 18) -> TokenSource:
+    """Deterministic tokens with structure a model can learn: each token is followed by a fixed
+    successor three times in four, otherwise by a random token."""
+    rng = np.random.default_rng([seed, 7919, _SPLIT_ID[split]])
+    successor = np.random.default_rng([seed, 104729]).permutation(vocab_size)
+    noise = rng.integers(0, vocab_size, size=tokens)
+    follow = rng.random(tokens) < 0.75
+    stream = np.empty(tokens, dtype=np.int64)
+    stream[0] = noise[0]
+    for i in range(1, tokens):  # a short loop over a fixed-size stream, once per run
+        stream[i] = successor[stream[i - 1]] if follow[i] else noise[i]
+    return TokenSource([stream], vocab_size)
+
+
+class BatchLoader:
+    def __init__(self, source: TokenSource, seq_len: int, global_batch: int, seed: int,
+                 split: str = "train", dp_rank: int = 0, dp_size: int = 1):
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by dp size {dp_size}")
+        self.source, self.seq_len, self.global_batch = source, seq_len, global_batch
+        self.seed, self.split_id = seed, _SPLIT_ID[split]
+        self.dp_rank, self.rows_per_rank = dp_rank, global_batch // dp_size
+        self.cumulative = source.window_starts(seq_len)
+        if len(self.cumulative) == 0 or self.cumulative[-1] == 0:
+            raise ConfigError(f"--seq-len {seq_len}: the {split} split is shorter than one window; "
+                              f"use a shorter --seq-len or more text")
+
+    def global_window_indices(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.split_id, step])
+        return rng.integers(0, int(self.cumulative[-1]), size=self.global_batch)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of step `step`: (inputs, targets), each (rows, seq_len) int64."""
+        indices = self.global_window_indices(step)
+        mine = indices[self.dp_rank * self.rows_per_rank:(self.dp_rank + 1) * self.rows_per_rank]
+        windows = np.stack([self.source.window(int(i), self.seq_len, self.cumulative) for i in mine])
+        tokens = torch.from_numpy(windows)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def micro_batches(self, step: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        inputs, targets = self.batch(step)
+        return [(inputs[i:i + micro_batch], targets[i:i + micro_batch])
+                for i in range(0, len(inputs), micro_batch)]

@@ -1,0 +1,63 @@
+"""ParallelDims: the one source of truth for which rank holds which slice of the work.
+
+Rank order (row-major over (pp, dp, tp)): tp innermost, so a tensor-parallel group is a run of
+adjacent ranks and stays inside one node on a real cluster; dp next; pp outermost, so pipeline
+stages are the groups that cross nodes. Process groups come from `init_device_mesh` and are passed
+to whoever needs them; no module builds its own."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's position on each dimension."""
+        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The named mesh ("pp", "dp", "tp"); None for a single process (no process group)."""
+        if self.world_size == 1:
+            return None
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def pick_device(choice: str = "auto") -> torch.device:
+    """cuda (one device per local rank) when asked for or available, else cpu."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
+    """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU) with a timeout on every
+    collective. Returns (rank, world_size); (0, 1) when not launched by torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))

@@ -1,0 +1,75 @@
+"""`strata generate`: load a checkpoint, encode the prompt, stream the sampled text."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from strata.checkpoint import store
+from strata.config import ConfigError
+from strata.infer.generate import generate
+from strata.model.config import ModelConfig
+from strata.model.transformer import build_model
+
+
+def load_for_inference(checkpoint: str, device="cpu"):
+    """(model, tokenizer or None) from a checkpoint directory or a save directory."""
+    if not os.path.isdir(checkpoint):
+        raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
+    path = store.resolve(checkpoint)
+    state = store.read_state(path)
+    model_cfg = ModelConfig.from_dict(state["model_config"])
+    dtype = torch.float64 if state["config"]["dtype"] == "fp64" else torch.float32
+    model = build_model(model_cfg, device, dtype, seed=0)
+    store.load_model(path, model, device)
+    tokenizer = None
+    tokenizer_file = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tokenizer_file):
+        from strata.data.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(tokenizer_file)
+    return model, tokenizer
+
+
+def run_generate(args) -> int:
+    for name in ("max_new_tokens", "top_k"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1]")
+    model, tokenizer = load_for_inference(args.checkpoint)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ConfigError(f"--prompt: checkpoint {args.checkpoint} has no tokenizer.json "
+                              f"(trained on synthetic data); use --prompt-ids 1,2,3")
+        ids = tokenizer.encode(args.prompt).ids
+    else:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--prompt-ids {args.prompt_ids}: want comma-separated integers") from None
+    vocab = model.cfg.vocab_size
+    if not ids or any(not 0 <= i < vocab for i in ids):
+        raise ConfigError(f"prompt ids {ids[:8]}: want at least one id, each in [0, {vocab})")
+
+    out = sys.stdout
+    out.write(args.prompt if args.prompt is not None else " ".join(map(str, ids)))
+    generated: list[int] = []
+    printed = ""
+    for next_ids in generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature,
+                             args.top_k, args.top_p, args.seed):
+        generated.append(int(next_ids[0]))
+        if tokenizer is None:
+            out.write(f" {generated[-1]}")
+        else:  # decode the whole answer each time: a multi-byte character may span tokens
+            text = tokenizer.decode(generated)
+            if not text.endswith("\ufffd"):
+                out.write(text[len(printed):])
+                printed = text
+        out.flush()
+    out.write("\n")
+    return 0

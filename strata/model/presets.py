@@ -1,0 +1,47 @@
+"""Named model shapes. `tiny` and `small` run here; the rest are real shapes for planning and
+are built on the meta device (no memory) to count parameters and FLOPs."""
+
+from __future__ import annotations
+
+from strata.model.config import ModelConfig
+
+_GPT = dict(norm="layernorm", position="learned", mlp="gelu", tie_embeddings=True, bias=True)
+_LLAMA = dict(norm="rmsnorm", position="rope", mlp="swiglu", tie_embeddings=False, bias=False)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tests: LLaMA-style with grouped-query attention, well under 1M parameters.
+    "tiny": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
+                        max_seq_len=64, **_LLAMA),
+    "tiny-gpt2": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256,
+                             max_seq_len=64, **_GPT),
+    # The demo: about 17M parameters with an 8192-token vocabulary.
+    "small": ModelConfig(vocab_size=8192, n_layers=6, d_model=384, n_heads=6, d_ff=1024,
+                         max_seq_len=256, **_LLAMA),
+    # Radford et al. 2019.
+    "gpt2-124m": ModelConfig(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, d_ff=3072,
+                             max_seq_len=1024, **_GPT),
+    "gpt2-1.5b": ModelConfig(vocab_size=50257, n_layers=48, d_model=1600, n_heads=25, d_ff=6400,
+                             max_seq_len=1024, **_GPT),
+    # Touvron et al. 2023 (LLaMA) and LLaMA 2 (70B: grouped-query attention with 8 KV heads).
+    "llama-7b": ModelConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, d_ff=11008,
+                            max_seq_len=2048, norm_eps=1e-6, **_LLAMA),
+    "llama-13b": ModelConfig(vocab_size=32000, n_layers=40, d_model=5120, n_heads=40, d_ff=13824,
+                             max_seq_len=2048, norm_eps=1e-6, **_LLAMA),
+    "llama-65b": ModelConfig(vocab_size=32000, n_layers=80, d_model=8192, n_heads=64, d_ff=22016,
+                             max_seq_len=2048, norm_eps=1e-6, **_LLAMA),
+    "llama-70b": ModelConfig(vocab_size=32000, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+                             d_ff=28672, max_seq_len=4096, norm_eps=1e-5, **_LLAMA),
+    # Brown et al. 2020.
+    "gpt3-175b": ModelConfig(vocab_size=50257, n_layers=96, d_model=12288, n_heads=96, d_ff=49152,
+                             max_seq_len=2048, **_GPT),
+    # BigScience 2022: ALiBi positions and a layernorm after the embedding.
+    "bloom-176b": ModelConfig(vocab_size=250880, n_layers=70, d_model=14336, n_heads=112, d_ff=57344,
+                              max_seq_len=2048, norm="layernorm", position="alibi", mlp="gelu",
+                              tie_embeddings=True, bias=True, embedding_norm=True),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; valid: {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,112 @@
+"""The decoder-only transformer: embeddings, a stack of blocks, a final norm and the vocabulary head.
+
+Written once, for one device. Build it on the meta device (no memory), move it with `to_empty`,
+then `init_weights(seed)`: every parameter is drawn from a generator seeded by the run seed and the
+parameter's own name, so any later slicing of the model (tensor or pipeline parallel) starts from
+exactly the weights a single process would have."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.model.config import ModelConfig
+from strata.model.layers import Block, alibi_slopes, make_norm, rope_tables
+
+INIT_STD = 0.02  # GPT-2's initialisation; residual output projections are scaled by 1/sqrt(2L)
+_RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.w_out.weight")
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.embed_norm = make_norm(cfg) if cfg.embedding_norm else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = make_norm(cfg)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
+        # Position tables are derived, not learned: not saved in checkpoints, rebuilt by init_weights.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.register_buffer("alibi", torch.empty(0), persistent=False)
+        if cfg.position == "rope":
+            self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        if cfg.position == "alibi":
+            self.alibi = alibi_slopes(cfg.n_heads)
+
+    # --- initialisation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from (seed, its name); rebuild the position tables."""
+        for name, param in self.named_parameters():
+            param.copy_(initial_value(name, tuple(param.shape), seed, self.cfg.n_layers))
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        cfg, device, dtype = self.cfg, self.embed.weight.device, self.embed.weight.dtype
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
+        if cfg.position == "alibi":
+            self.alibi = alibi_slopes(cfg.n_heads).to(device, dtype)
+
+    # --- forward ----------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, caches=None):
+        """tokens: (batch, seq) ids. With targets, returns the mean cross-entropy; without, the
+        logits. caches: one KV cache per block (generation), or None."""
+        start = caches[0].pos if caches is not None else 0
+        seq = tokens.shape[1]
+        h = self.embed(tokens)
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(torch.arange(start, start + seq, device=tokens.device))
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        rope = None
+        if self.cfg.position == "rope":
+            rope = (self.rope_cos[start:start + seq], self.rope_sin[start:start + seq])
+        alibi = self.alibi if self.cfg.position == "alibi" else None
+        for i, block in enumerate(self.blocks):
+            h = block(h, rope, alibi, caches[i] if caches is not None else None)
+        logits = self.output(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.final_norm(h)
+        if self.head is None:
+            return F.linear(h, self.embed.weight)
+        return self.head(h)
+
+
+def initial_value(name: str, shape: tuple[int, ...], seed: int, n_layers: int) -> torch.Tensor:
+    """The initial value of the logical (unsharded) parameter `name`, in fp32 on the CPU."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and leaf == "weight":
+        return torch.ones(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(_RESIDUAL_OUTPUTS) else INIT_STD
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype=torch.float32,
+                seed: int | None = 0) -> Transformer:
+    """Build on the meta device, then materialise on `device` in `dtype` and initialise.
+    seed=None leaves the model on the meta device (for counting, planning)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if seed is None:
+        return model
+    model = model.to_empty(device=device).to(dtype)
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,103 @@
+"""What a step reports: throughput, model FLOPs utilisation, memory, and the JSONL file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+
+import torch
+
+
+
+def _peak_cache_path() -> str:
+    return os.path.join(os.environ.get("STRATA_CACHE_DIR", os.path.expanduser("~/.cache/strata")),
+                        "peak_flops.json")
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 6) -> float:
+    """FLOP/s of a square matmul on this device with this process's threads: the peak that MFU is
+    measured against where no datasheet number applies (a CPU). The best of several timed runs, as
+    a peak should be; a single short timing is easily caught by a frequency ramp or a neighbour."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b  # warm-up: kernels chosen, caches and clocks up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The measured peak, cached per machine, device, dtype and thread count (measured once)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    key = f"{platform.node()}|{name}|{dtype}|threads={torch.get_num_threads()}"
+    cache, cache_path = {}, _peak_cache_path()
+    if os.path.isfile(cache_path):
+        try:
+            with open(cache_path) as f:
+                cache = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    if key not in cache:
+        cache[key] = measure_matmul_flops(device, dtype)
+        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+        tmp = f"{cache_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(tmp, cache_path)
+    return cache[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Max allocated on CUDA; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the model states this rank holds, counted from the tensors themselves (call it while
+    the gradients exist). The optimizer's 0-dim step counters are left out: a few bytes per tensor,
+    not per parameter, and no formula of the field counts them."""
+    params = list(model.parameters())
+    return {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params),
+        "optimizer": tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                                  if isinstance(v, torch.Tensor) and v.dim() > 0),
+    }
+
+
+class MetricsWriter:
+    """One JSON object per line; only rank 0 writes."""
+
+    def __init__(self, path: str | None, enabled: bool, append: bool = False):
+        self.file = None
+        if path and enabled:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a" if append else "w")
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()

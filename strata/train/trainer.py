@@ -1,0 +1,187 @@
+"""`strata train`: set up the layout, the model, the data and the optimizer, then run the loop."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from strata.checkpoint import store
+from strata.config import TrainConfig, data_parallel_size, validate
+from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
+from strata.distributed import comm
+from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+from strata.model.config import ModelConfig
+from strata.model.presets import get_preset
+from strata.model.transformer import Transformer, build_model
+from strata.parallel import data as data_parallel
+from strata.train import metrics as m
+from strata.train.optim import build_optimizer, lr_at
+
+PARAM_DTYPE = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32}
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by `setup`."""
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    device: torch.device
+    rank: int
+    world_size: int
+    dims: ParallelDims
+    dp_rank: int
+    dp_group: object
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    train_data: BatchLoader
+    val_data: BatchLoader
+    start_step: int = 0
+
+
+def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
+    if cfg.data == "synthetic":
+        return synthetic_split(vocab_size, cfg.seed, split)
+    return open_split(cfg.data, split)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    device = pick_device(cfg.device)
+    rank, world_size = init_distributed(device, cfg.timeout)
+    validate(cfg, world_size)
+    dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
+    mesh = dims.build_mesh(device.type)
+    dp_group = mesh["dp"].get_group() if mesh is not None and dims.dp > 1 else None
+    dp_rank = dims.coordinates(rank)["dp"]
+
+    preset = get_preset(cfg.model)
+    train_source = load_data(cfg, "train", preset.vocab_size)
+    val_source = load_data(cfg, "val", preset.vocab_size)
+    # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
+    model_cfg = preset.with_overrides(vocab_size=train_source.vocab_size)
+    seq_len = cfg.seq_len or model_cfg.max_seq_len
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg, device, PARAM_DTYPE[cfg.dtype], cfg.seed)
+    if dp_group is not None:
+        data_parallel.broadcast_parameters(model, dp_group)
+    optimizer = build_optimizer(model, cfg)
+    run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, model, optimizer,
+              BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
+              BatchLoader(val_source, seq_len, cfg.micro_batch * dims.dp, cfg.seed, "val", dp_rank, dims.dp))
+    if cfg.resume:
+        run.start_step = store.load(cfg.resume, model, optimizer, device, rank)["step"]
+    return run
+
+
+def autocast(run: Run):
+    if run.cfg.dtype == "bf16":
+        return torch.autocast(run.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
+    """One optimizer step: forward/backward over this rank's micro-batches, gradients averaged over
+    data-parallel ranks, clipping by the global norm, AdamW. Returns (loss, grad_norm, the model
+    state bytes at their peak: after the update, before the gradients are freed)."""
+    cfg, model = run.cfg, run.model
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    micro_batches = run.train_data.micro_batches(step, cfg.micro_batch)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    for inputs, targets in micro_batches:
+        with autocast(run):
+            loss = model(inputs.to(run.device), targets.to(run.device))
+        # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
+        (loss / len(micro_batches)).backward()
+        loss_sum += loss.detach().double()
+    if run.dp_group is not None:
+        data_parallel.average_gradients(model, run.dp_group, run.dims.dp)
+        comm.all_reduce(loss_sum, run.dp_group, "dp")
+        loss_sum /= run.dims.dp
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads)
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, grad_norm)
+    run.optimizer.step()
+    states = m.model_state_bytes(model, run.optimizer)
+    run.optimizer.zero_grad(set_to_none=True)
+    return (loss_sum / len(micro_batches)).item(), grad_norm.item(), states
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean validation loss over eval_batches fixed batches (the same ones every time)."""
+    run.model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    for batch_index in range(run.cfg.eval_batches):
+        inputs, targets = run.val_data.batch(batch_index)
+        with autocast(run):
+            total += run.model(inputs.to(run.device), targets.to(run.device)).double()
+    if run.dp_group is not None:
+        comm.all_reduce(total, run.dp_group, "dp")
+        total /= run.dims.dp
+    run.model.train()
+    return (total / run.cfg.eval_batches).item()
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run training; returns a summary (losses per step, validation losses, final checkpoint)."""
+    run = setup(cfg)
+    is_main = run.rank == 0
+    writer = m.MetricsWriter(cfg.metrics, is_main, append=bool(cfg.resume))
+    peak = cfg.peak_flops or m.peak_flops(run.device, torch.bfloat16 if cfg.dtype == "bf16" else PARAM_DTYPE[cfg.dtype])
+    seq_len = run.train_data.seq_len
+    tokens_per_step = cfg.global_batch * seq_len
+    flops_per_token = run.model_cfg.flops_per_token(seq_len)
+    summary = {"losses": [], "val_losses": [], "checkpoint": None}
+
+    def validate_and_log(step: int) -> None:
+        val_loss = evaluate(run)
+        summary["val_losses"].append((step, val_loss))
+        writer.write({"kind": "eval", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+        if is_main and progress is not None:
+            progress.write(f"step {step}: validation loss {val_loss:.4f}")
+
+    progress = tqdm(total=cfg.steps, initial=run.start_step, disable=not (is_main and cfg.progress),
+                    desc="train", unit="step", dynamic_ncols=True)
+    if run.start_step == 0:
+        validate_and_log(0)
+    for step in range(run.start_step, cfg.steps):
+        comm.counter.reset()
+        started = time.perf_counter()
+        loss, grad_norm, states = train_step(run, step)
+        elapsed = time.perf_counter() - started
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"step {step + 1}: loss is {loss}; stopping (lower --lr, or use fp32)")
+        tokens_per_s = tokens_per_step / elapsed
+        record = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / (peak * run.world_size),
+                  "step_time_s": elapsed, "model_state_bytes": sum(states.values()),
+                  "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
+                  "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+        writer.write(record)
+        summary["losses"].append(loss)
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}")
+        last = step + 1 == cfg.steps
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+            validate_and_log(step + 1)
+        if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
+            state = {"config": cfg.to_dict(), "model_config": run.model_cfg.to_dict()}
+            tokenizer = os.path.join(cfg.data, "tokenizer.json")
+            summary["checkpoint"] = store.save(cfg.save, step + 1, run.model, run.optimizer, state,
+                                               run.rank, run.world_size,
+                                               (tokenizer,) if os.path.isfile(tokenizer) else ())
+    progress.close()
+    writer.close()
+    summary["model"] = run.model
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary

@@ -1,0 +1,87 @@
+"""Run a function on N gloo ranks in separate processes, the way every distributed test does.
+
+- Each rank is a process forked from a fork server that has torch imported already (quick to start,
+  and safe: the server has no threads of its own), with 1 compute thread.
+- A free port for the rendezvous; every collective times out after `collective_timeout` seconds.
+- The first rank to fail ends the run: its traceback is raised in the test, the others are killed.
+- The whole run is bounded by `timeout` seconds: a hang fails the test, naming the ranks that did
+  not finish."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, collective_timeout, results, args, kwargs):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=collective_timeout))
+        # Plain pickle, not torch's shared-memory reductions: the rank exits right after, and a
+        # tensor shared by file descriptor would be gone before the test reads it.
+        results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, collective_timeout: float = 60.0,
+                 **kwargs) -> list:
+    """fn(*args, **kwargs) on each of `world_size` ranks; returns the results in rank order.
+    fn must be a module-level function (it is pickled into the workers)."""
+    port = free_port()
+    results = _CONTEXT.Queue()
+    procs = [_CONTEXT.Process(target=_worker, daemon=True,
+                              args=(fn, rank, world_size, port, collective_timeout, results, args, kwargs))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    done: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(done))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            done[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [done[r] for r in range(world_size)]

@@ -1,0 +1,80 @@
+"""What a user types: the `strata` command end to end, in subprocesses."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+STRATA = [sys.executable, "-m", "strata"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def strata(*args, cwd=None, timeout=300):
+    return subprocess.run([*STRATA, *map(str, args)], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--model", "gpt5"], "--model gpt5: unknown preset; valid: tiny"),
+    (["train", "--dtype", "fp8"], "--dtype fp8: valid: fp32, fp64, bf16"),
+    (["train", "--nproc", "4", "--dp", "3"], "the product must equal it"),
+    (["train", "--nproc", "2", "--tp", "3"], "--tp 3 x --pp 1 = 3 does not divide the world size 2"),
+    (["train", "--global-batch", "6", "--micro-batch", "4"], "--global-batch 6: must be a multiple"),
+    (["train", "--seq-len", "100000"], "--seq-len 100000: must be between 1 and"),
+    (["train", "--data", "/nonexistent"], "--data /nonexistent: no meta.json"),
+    (["train", "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--nproc", "4", "--tp", "2", "--global-batch", "16"], "--tp 2: tensor parallelism is not built yet"),
+    (["generate", "--checkpoint", "/nonexistent", "--prompt-ids", "1"], "no such directory"),
+    (["plot", "/nonexistent.jsonl", "--out", "x.png"], "no such file"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, needle):
+    result = strata(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("strata: error:"), result.stderr
+    assert needle in lines[0]
+
+
+def test_toml_config_with_an_unknown_key_is_refused(tmp_path):
+    (tmp_path / "c.toml").write_text('model = "tiny"\nlearning_rat = 0.1\n')
+    result = strata("train", "--config", tmp_path / "c.toml")
+    assert result.returncode == 2 and "unknown key 'learning_rat'" in result.stderr
+
+
+def test_prepare_train_generate_plot_end_to_end(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("It was the best of times, it was the worst of times.\n" * 300)
+    assert strata("data", "prepare", "--source", text, "--tokenizer", "bpe:300", "--out", tmp_path / "d").returncode == 0
+    config = tmp_path / "run.toml"
+    config.write_text('model = "tiny"\nseq-len = 32\nsteps = 4\nmicro_batch = 2\nglobal_batch = 4\n'
+                      'peak_flops = 1e10\nprogress = false\n')
+    result = strata("train", "--config", config, "--data", tmp_path / "d", "--metrics", tmp_path / "m.jsonl",
+                    "--save", tmp_path / "ck", "--nproc", 2)
+    assert result.returncode == 0, result.stderr
+    assert "validation loss:" in result.stdout
+    records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert all(r["comm_bytes"] > 0 for r in records if r["kind"] == "train")  # 2 ranks talked
+    assert (tmp_path / "ck" / "step_000004" / "tokenizer.json").is_file()
+
+    result = strata("generate", "--checkpoint", tmp_path / "ck", "--prompt", "It was", "--max-new-tokens", 5,
+                    "--temperature", 0)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("It was") and len(result.stdout) > len("It was\n")
+
+    result = strata("plot", tmp_path / "m.jsonl", "--out", tmp_path / "loss.png")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prompt_text_without_a_tokenizer_is_refused(tmp_path):
+    assert strata("train", "--steps", 1, "--global-batch", 2, "--micro-batch", 2, "--seq-len", 16,
+                  "--peak-flops", 1e10, "--no-progress", "--save", tmp_path / "ck").returncode == 0
+    result = strata("generate", "--checkpoint", tmp_path / "ck", "--prompt", "hi")
+    assert result.returncode == 2 and "use --prompt-ids" in result.stderr
+    result = strata("generate", "--checkpoint", tmp_path / "ck", "--prompt-ids", "1,2", "--max-new-tokens", 3,
+                    "--temperature", 0)
+    assert result.returncode == 0 and len(result.stdout.split()) == 5
