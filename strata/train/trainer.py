@@ -140,7 +140,7 @@ def train(cfg: TrainConfig) -> dict:
     seq_len = run.train_data.seq_len
     tokens_per_step = cfg.global_batch * seq_len
     flops_per_token = run.model_cfg.flops_per_token(seq_len)
-    summary = {"losses": [], "val_losses": [], "checkpoint": None}
+    summary = {"losses": [], "val_losses": [], "step_times": [], "checkpoint": None}
 
     def validate_and_log(step: int) -> None:
         val_loss = evaluate(run)
@@ -168,6 +168,7 @@ def train(cfg: TrainConfig) -> dict:
                   "peak_mem_bytes": m.peak_memory_bytes(run.device)}
         writer.write(record)
         summary["losses"].append(loss)
+        summary["step_times"].append(elapsed)
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}")
         last = step + 1 == cfg.steps
