@@ -42,6 +42,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    bucket_mb: float = 25.0  # gradient bucket size for data parallelism and ZeRO-1/2
     device: str = "auto"  # auto | cpu | cuda
     timeout: float = 300.0  # seconds any collective may take before it fails
     # evaluation, output, checkpoints
@@ -140,7 +141,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     # what this version can run (the degrees above are already checked)
     need(cfg.tp == 1, f"--tp {cfg.tp}: tensor parallelism is not built yet; valid: 1")
     need(cfg.pp == 1, f"--pp {cfg.pp}: pipeline parallelism is not built yet; valid: 1")
-    need(cfg.zero == 0, f"--zero {cfg.zero}: ZeRO is not built yet; valid: 0")
+    need(cfg.zero == 0 or dp > 1,
+         f"--zero {cfg.zero}: ZeRO shards states across data-parallel ranks, and dp is 1; "
+         f"use --zero 0, or --nproc N with dp > 1")
+    need(cfg.bucket_mb > 0, f"--bucket-mb {cfg.bucket_mb}: must be > 0")
     need(cfg.nproc == 1 or world_size == cfg.nproc,
          f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")
 

@@ -1,9 +1,10 @@
 """Saving and resuming a run.
 
 A checkpoint is a directory `step_NNNNNN` under the save directory:
-  model.safetensors   the model's parameters (rank 0, which holds them all while the layout is
-                      replicated)
-  optimizer.pt        the optimizer's state_dict
+  model.safetensors   the model's full parameters (gathered, written by rank 0)
+  optimizer.pt        the optimizer's state_dict (replicated layouts: rank 0's), or
+  optimizer_<rank>.pt one per rank when ZeRO shards the optimizer states; these load only under
+                      the same layout (resharding comes with layout-free checkpoints)
   rng_<rank>.pt       every random stream of every rank (torch, numpy, python)
   state.json          step, train config, model config
 It is written to `step_NNNNNN.tmp` and renamed into place only when complete (all ranks finished),
@@ -28,8 +29,8 @@ def step_dir(save_dir: str, step: int) -> str:
     return os.path.join(save_dir, f"step_{step:06d}")
 
 
-def save(save_dir: str, step: int, model, optimizer, state: dict, rank: int, world_size: int,
-         extra_files: tuple[str, ...] = ()) -> str:
+def save(save_dir: str, step: int, parallel, optimizer, state: dict, rank: int, world_size: int,
+         layout: dict, extra_files: tuple[str, ...] = ()) -> str:
     """Write checkpoint `step` under save_dir (every rank calls this); extra_files (such as the
     tokenizer) are copied in, so the checkpoint alone is enough to generate from."""
     final = step_dir(save_dir, step)
@@ -39,14 +40,17 @@ def save(save_dir: str, step: int, model, optimizer, state: dict, rank: int, wor
         os.makedirs(tmp)
     _barrier(world_size)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
+    tensors = parallel.full_state_dict()  # every rank takes part: ZeRO-3 gathers
+    if layout["zero"] > 0:
+        torch.save(optimizer.state_dict(), os.path.join(tmp, f"optimizer_{rank}.pt"))
     if rank == 0:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(tensors, os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
+        if layout["zero"] == 0:
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         for path in extra_files:
             shutil.copy(path, tmp)
         with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump({"step": step, "world_size": world_size, **state}, f, indent=2)
+            json.dump({"step": step, "world_size": world_size, "layout": layout, **state}, f, indent=2)
     _barrier(world_size)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -74,24 +78,36 @@ def read_state(path: str) -> dict:
         return json.load(f)
 
 
+def read_model(path: str, device) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(resolve(path), "model.safetensors"), device=str(device))
+
+
 def load_model(path: str, model, device) -> None:
-    tensors = load_file(os.path.join(resolve(path), "model.safetensors"), device=str(device))
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    check_model_keys(path, model.load_state_dict(read_model(path, device), strict=False))
+
+
+def check_model_keys(path: str, result) -> None:
+    missing, unexpected = result
     if missing or unexpected:
         raise ConfigError(f"checkpoint {path}: does not match the model "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+                          f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
 
 
-def load(path: str, model, optimizer, device, rank: int) -> dict:
+def load(path: str, parallel, optimizer, device, rank: int, layout: dict) -> dict:
     """Restore model, optimizer and this rank's random streams; returns state.json."""
     path = resolve(path)
-    load_model(path, model, device)
-    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device,
-                                         weights_only=True))
+    state = read_state(path)
+    saved = state.get("layout", {"dp": 1, "tp": 1, "pp": 1, "zero": 0})
+    if (saved["zero"] > 0 or layout["zero"] > 0) and saved != layout:
+        raise ConfigError(f"--resume {path}: saved with layout {saved}, now {layout}; ZeRO-sharded "
+                          f"optimizer states load only under the layout that saved them")
+    check_model_keys(path, parallel.load_full_state_dict(read_model(path, device)))
+    name = f"optimizer_{rank}.pt" if layout["zero"] > 0 else "optimizer.pt"
+    optimizer.load_state_dict(torch.load(os.path.join(path, name), map_location=device, weights_only=True))
     rng_file = os.path.join(path, f"rng_{rank}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    return read_state(path)
+    return state
 
 
 def _rng_state() -> dict:

@@ -2,13 +2,13 @@
 operation and process group, from the ring algorithm's volume) and bounded by the process group's
 timeout, and a failure names the operation and the group.
 
-Volumes per rank for n bytes on a group of N ranks (ring algorithms, as in nccl-tests):
-all-reduce 2(N-1)/N·n; reduce-scatter and all-gather (N-1)/N·n of the full tensor; broadcast n."""
+Volumes per rank for a tensor of n bytes on a group of N ranks (ring algorithms, as nccl-tests
+count them): all-reduce 2(N-1)/N·n; reduce-scatter (N-1)/N·n of its input; all-gather (N-1)/N·n of
+its output; broadcast n."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -23,14 +23,11 @@ class CommCounter:
     def add(self, op: str, group_name: str, nbytes: float) -> None:
         self.bytes_sent[(op, group_name)] += nbytes
 
-    def total(self) -> float:
-        return sum(self.bytes_sent.values())
+    def total(self, op: str | None = None) -> float:
+        return sum(v for (o, _), v in self.bytes_sent.items() if op is None or o == op)
 
     def by_op(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for (op, group), nbytes in self.bytes_sent.items():
-            out[f"{op}/{group}"] += nbytes
-        return dict(out)
+        return {f"{op}/{group}": nbytes for (op, group), nbytes in self.bytes_sent.items()}
 
     def reset(self) -> None:
         self.bytes_sent.clear()
@@ -40,22 +37,53 @@ class CommCounter:
 counter = CommCounter()
 
 
-@contextmanager
-def _named(op: str, group_name: str):
+class _Pending:
+    """An async collective: wait() re-raises a failure with the operation and group named."""
+
+    def __init__(self, work, op: str, group_name: str):
+        self.work, self.op, self.group_name = work, op, group_name
+
+    def wait(self) -> None:
+        _run(self.op, self.group_name, self.work.wait)
+
+
+def _run(op: str, group_name: str, call):
     try:
-        yield
+        return call()
     except RuntimeError as e:
         raise RuntimeError(f"collective {op} on process group {group_name!r} failed: {e}") from e
 
 
-def all_reduce(tensor: torch.Tensor, group, group_name: str, op=dist.ReduceOp.SUM) -> None:
+def _issue(op: str, group_name: str, nbytes: float, call, async_op: bool):
+    counter.add(op, group_name, nbytes)
+    work = _run(op, group_name, call)
+    return _Pending(work, op, group_name) if async_op else None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor, group, group_name: str, op=dist.ReduceOp.SUM, async_op: bool = False):
     n = dist.get_world_size(group)
-    counter.add("all_reduce", group_name, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
-    with _named("all_reduce", group_name):
-        dist.all_reduce(tensor, op=op, group=group)
+    return _issue("all_reduce", group_name, 2 * (n - 1) / n * _nbytes(tensor),
+                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
 
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group, group_name: str) -> None:
-    counter.add("broadcast", group_name, tensor.numel() * tensor.element_size())
-    with _named("broadcast", group_name):
-        dist.broadcast(tensor, group=group, group_src=src_group_rank)
+def reduce_scatter(output, input, group, group_name: str, async_op: bool = False):
+    """Sum `input` over the group; rank r gets slice r in `output` (which may alias that slice)."""
+    n = dist.get_world_size(group)
+    return _issue("reduce_scatter", group_name, (n - 1) / n * _nbytes(input),
+                  lambda: dist.reduce_scatter_single(output, input, group=group, async_op=async_op), async_op)
+
+
+def all_gather(output, input, group, group_name: str, async_op: bool = False):
+    """Concatenate every rank's `input` into `output` (input may alias this rank's slice)."""
+    n = dist.get_world_size(group)
+    return _issue("all_gather", group_name, (n - 1) / n * _nbytes(output),
+                  lambda: dist.all_gather_single(output, input, group=group, async_op=async_op), async_op)
+
+
+def broadcast(tensor, src_group_rank: int, group, group_name: str) -> None:
+    _issue("broadcast", group_name, _nbytes(tensor),
+           lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank), False)

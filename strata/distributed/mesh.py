@@ -46,17 +46,19 @@ def pick_device(choice: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int, bool]:
     """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU) with a timeout on every
-    collective. Returns (rank, world_size); (0, 1) when not launched by torchrun."""
+    collective. Returns (rank, world_size, created): (0, 1, False) when not launched by torchrun;
+    created is False when the caller had initialised the group already (and will tear it down)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1:
-        return 0, 1
-    if not dist.is_initialized():
+        return 0, 1, False
+    created = not dist.is_initialized()
+    if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(), dist.get_world_size(), created
 
 
 def world_size_from_env() -> int:

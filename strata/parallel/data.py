@@ -1,38 +1,164 @@
-"""Data parallelism, plain form: every rank holds the whole model, starts from the same weights
-and averages its gradients with the others before the optimizer step.
+"""Data parallelism (`--zero 0`): every rank holds the whole model, starts from rank 0's weights and
+averages its gradients with the other ranks before the optimizer step.
 
-All gradients travel in one flat buffer per dtype (one all-reduce instead of one per tensor)."""
+As the field does it (Li et al., "PyTorch Distributed", VLDB 2020; megatron-core's
+param_and_grad_buffer): gradients live in one flat buffer, each parameter's `.grad` a view into it,
+so autograd accumulates in place; the buffer is cut into buckets (`--bucket-mb`), and a bucket's
+all-reduce starts from a backward hook as soon as its last gradient has arrived, overlapping the
+rest of the backward pass. Micro-batches before the last one of an accumulation communicate
+nothing.
+
+`DataParallel` is also the interface the trainer sees for every ZeRO stage (strata/parallel/zero.py
+subclasses it); with no process group it is the single-process case and never communicates."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from functools import partial
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from strata.distributed import comm
+from strata.parallel.buckets import Bucket, bucket_elements, plan_buckets
 
 
 @torch.no_grad()
-def broadcast_parameters(model: nn.Module, group) -> None:
-    """Copy rank 0's parameters to every rank of the group, so all replicas start identical."""
-    params = [p for p in model.parameters()]
-    flat = torch.cat([p.reshape(-1) for p in params])
-    comm.broadcast(flat, 0, group, "dp")
-    offset = 0
-    for p in params:
-        p.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+def broadcast_parameters(buckets: list[Bucket], group) -> None:
+    """Copy rank 0's parameters to every rank of the group, so all replicas start identical; one
+    broadcast per bucket, through a buffer of one bucket's size."""
+    for bucket in buckets:
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        comm.broadcast(flat, 0, group, "dp")
+        for p, piece in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
+            p.copy_(piece.view_as(p))
 
 
-@torch.no_grad()
-def average_gradients(model: nn.Module, group, world_size: int) -> None:
-    """Average the gradients over the group: sum by all-reduce, then divide."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group, "dp")
-    flat.div_(world_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+class DataParallel:
+    stage = 0
+    # Collectives allowed in flight before the oldest is waited for. Two keep the network busy
+    # while backward computes; more would only add the backend's temporary buffers (gloo copies
+    # each message) and, under ZeRO-2/3, staging buffers of full gradients.
+    max_in_flight = 2
+
+    def __init__(self, model: nn.Module, group=None, bucket_mb: float = 25.0):
+        self.model, self.group = model, group
+        self.dp_size = dist.get_world_size(group) if group is not None else 1
+        self.dp_rank = dist.get_rank(group) if group is not None else 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        sample = self.params[0]
+        self.buckets, self.total = plan_buckets(list(reversed(self.params)),
+                                                bucket_elements(bucket_mb, sample.dtype), self.dp_size)
+        if group is not None:
+            broadcast_parameters(self.buckets, group)
+        self.sync_enabled = True
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        self._pending: list = []
+        self._setup_grads(sample.dtype, sample.device)
+        if group is not None:
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket))
+
+    # --- the gradient buffer ------------------------------------------------------------------
+    def _setup_grads(self, dtype, device) -> None:
+        self.grad_buffer = torch.zeros(self.total, dtype=dtype, device=device)
+        self._grad_views = {}
+        for bucket in self.buckets:
+            for p, offset in zip(bucket.params, bucket.offsets):
+                view = self.grad_buffer[offset:offset + p.numel()].view_as(p)
+                self._grad_views[p] = view
+                p.grad = view
+
+    def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+        if not self.sync_enabled:
+            return  # an accumulation micro-step: gradients just add up in the buffer
+        view = self._grad_views[param]
+        if param.grad is not view:  # autograd replaced the view instead of adding into it
+            view.copy_(param.grad)
+            param.grad = view
+        self._ready[bucket.index] += 1
+        if self._ready[bucket.index] == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._launched[bucket.index] = True
+        self._pending.append((bucket, self._start_reduction(bucket)))
+        while len(self._pending) > self.max_in_flight:
+            self._complete_oldest()
+
+    def _start_reduction(self, bucket: Bucket):
+        flat = self.grad_buffer[bucket.start:bucket.start + bucket.size]
+        return comm.all_reduce(flat, self.group, "dp", async_op=True)
+
+    def _complete_oldest(self) -> None:
+        bucket, work = self._pending.pop(0)
+        work.wait()
+        self._reduced(bucket)
+
+    def _reduced(self, bucket: Bucket) -> None:
+        """A bucket's sum has arrived: turn it into the average."""
+        self.grad_buffer[bucket.start:bucket.start + bucket.size].div_(self.dp_size)
+
+    # --- what the trainer calls ---------------------------------------------------------------
+    @contextmanager
+    def backward(self, is_last_micro_batch: bool):
+        """Wrap each micro-batch's backward; gradients are reduced after the last one."""
+        self.sync_enabled = is_last_micro_batch or self.group is None
+        yield
+        if self.group is not None and self.sync_enabled:
+            self._finish()
+
+    def _finish(self) -> None:
+        for bucket in self.buckets:  # parameters that got no gradient: send their zeros anyway
+            if not self._launched[bucket.index]:
+                self._launch(bucket)
+        while self._pending:
+            self._complete_oldest()
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+
+    def optimizer_param_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensors with weight decay, tensors without) for the optimizer."""
+        return [p for p in self.params if p.dim() >= 2], [p for p in self.params if p.dim() < 2]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the averaged gradient (every rank holds all of it here)."""
+        return torch.nn.utils.get_total_norm(self.local_grads())
+
+    def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        torch.nn.utils.clip_grads_with_norm_(self.local_grads(), max_norm, total_norm)
+
+    def after_step(self) -> None:
+        """Nothing to do: every replica applied the same update."""
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Model-state bytes this rank holds, counted from the tensors (padding not included)."""
+        return {"params": _bytes(self.params), "grads": _bytes(self.local_grads()),
+                "optimizer": optimizer_state_bytes(optimizer)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]):
+        """Copy full parameters in place; returns (missing, unexpected) names."""
+        return self.model.load_state_dict(state, strict=False)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer's per-element states (Adam's moments); its 0-dim step counters are left out,
+    a few bytes per tensor that no formula of the field counts."""
+    return _bytes(v for state in optimizer.state.values() for v in state.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0)

@@ -67,23 +67,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of the model states this rank holds, counted from the tensors themselves (call it while
-    the gradients exist). The optimizer's 0-dim step counters are left out: a few bytes per tensor,
-    not per parameter, and no formula of the field counts them."""
-    params = list(model.parameters())
-    return {
-        "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params),
-        "optimizer": tensor_bytes(v for state in optimizer.state.values() for v in state.values()
-                                  if isinstance(v, torch.Tensor) and v.dim() > 0),
-    }
-
-
 class MetricsWriter:
     """One JSON object per line; only rank 0 writes."""
 

@@ -9,15 +9,13 @@ import torch
 from strata.config import TrainConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """Weight decay applies to weight matrices and embeddings (2-D tensors), not to norms or
-    biases, as in GPT-3 and LLaMA training."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the tensors this rank updates (whole parameters, or its ZeRO shards of them).
+    Weight decay applies to what comes from matrices and embeddings, not to norms or biases, as in
+    GPT-3 and LLaMA training."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

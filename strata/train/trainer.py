@@ -19,8 +19,9 @@ from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
 from strata.model.config import ModelConfig
 from strata.model.presets import get_preset
-from strata.model.transformer import Transformer, build_model
-from strata.parallel import data as data_parallel
+from strata.model.transformer import Transformer
+from strata.parallel.apply import parallelize
+from strata.parallel.data import DataParallel
 from strata.train import metrics as m
 from strata.train.optim import build_optimizer, lr_at
 
@@ -39,10 +40,12 @@ class Run:
     dp_rank: int
     dp_group: object
     model: Transformer
+    parallel: DataParallel  # data parallelism / ZeRO: gradient sync, sharded states
     optimizer: torch.optim.Optimizer
     train_data: BatchLoader
     val_data: BatchLoader
     start_step: int = 0
+    owns_process_group: bool = False
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -53,7 +56,7 @@ def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
 
 def setup(cfg: TrainConfig) -> Run:
     device = pick_device(cfg.device)
-    rank, world_size = init_distributed(device, cfg.timeout)
+    rank, world_size, owns_process_group = init_distributed(device, cfg.timeout)
     validate(cfg, world_size)
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     mesh = dims.build_mesh(device.type)
@@ -68,16 +71,20 @@ def setup(cfg: TrainConfig) -> Run:
     seq_len = cfg.seq_len or model_cfg.max_seq_len
 
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, device, PARAM_DTYPE[cfg.dtype], cfg.seed)
-    if dp_group is not None:
-        data_parallel.broadcast_parameters(model, dp_group)
-    optimizer = build_optimizer(model, cfg)
-    run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, model, optimizer,
+    model, parallel = parallelize(model_cfg, cfg, device, PARAM_DTYPE[cfg.dtype], dp_group)
+    optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg)
+    run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, model, parallel, optimizer,
               BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.micro_batch * dims.dp, cfg.seed, "val", dp_rank, dims.dp))
+    run.owns_process_group = owns_process_group
     if cfg.resume:
-        run.start_step = store.load(cfg.resume, model, optimizer, device, rank)["step"]
+        run.start_step = store.load(cfg.resume, parallel, optimizer, device, rank, layout(run))["step"]
     return run
+
+
+def layout(run: Run) -> dict:
+    """What a checkpoint's sharded optimizer states depend on."""
+    return {"dp": run.dims.dp, "tp": run.dims.tp, "pp": run.dims.pp, "zero": run.cfg.zero}
 
 
 def autocast(run: Run):
@@ -95,23 +102,22 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         group["lr"] = lr_at(step, cfg)
     micro_batches = run.train_data.micro_batches(step, cfg.micro_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    for inputs, targets in micro_batches:
-        with autocast(run):
+    for i, (inputs, targets) in enumerate(micro_batches):
+        with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run):
             loss = model(inputs.to(run.device), targets.to(run.device))
-        # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
-        (loss / len(micro_batches)).backward()
+            # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
+            (loss / len(micro_batches)).backward()
         loss_sum += loss.detach().double()
     if run.dp_group is not None:
-        data_parallel.average_gradients(model, run.dp_group, run.dims.dp)
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.dp
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm(grads)
+    grad_norm = run.parallel.grad_norm()
     if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, grad_norm)
+        run.parallel.clip_(cfg.grad_clip, grad_norm)
     run.optimizer.step()
-    states = m.model_state_bytes(model, run.optimizer)
-    run.optimizer.zero_grad(set_to_none=True)
+    run.parallel.after_step()
+    states = run.parallel.state_bytes(run.optimizer)
+    run.parallel.zero_grad()
     return (loss_sum / len(micro_batches)).item(), grad_norm.item(), states
 
 
@@ -131,8 +137,9 @@ def evaluate(run: Run) -> float:
     return (total / run.cfg.eval_batches).item()
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run training; returns a summary (losses per step, validation losses, final checkpoint)."""
+def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
+    """Run training; returns a summary: losses, validation losses, the metrics records, the final
+    checkpoint, and with keep_state the full final parameters (gathered, on every rank)."""
     run = setup(cfg)
     is_main = run.rank == 0
     writer = m.MetricsWriter(cfg.metrics, is_main, append=bool(cfg.resume))
@@ -140,7 +147,7 @@ def train(cfg: TrainConfig) -> dict:
     seq_len = run.train_data.seq_len
     tokens_per_step = cfg.global_batch * seq_len
     flops_per_token = run.model_cfg.flops_per_token(seq_len)
-    summary = {"losses": [], "val_losses": [], "step_times": [], "checkpoint": None}
+    summary = {"losses": [], "val_losses": [], "step_times": [], "records": [], "checkpoint": None}
 
     def validate_and_log(step: int) -> None:
         val_loss = evaluate(run)
@@ -165,10 +172,12 @@ def train(cfg: TrainConfig) -> dict:
                   "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / (peak * run.world_size),
                   "step_time_s": elapsed, "model_state_bytes": sum(states.values()),
                   "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
+                  "comm_bytes_by_op": comm.counter.by_op(),
                   "peak_mem_bytes": m.peak_memory_bytes(run.device)}
         writer.write(record)
         summary["losses"].append(loss)
         summary["step_times"].append(elapsed)
+        summary["records"].append(record)
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}")
         last = step + 1 == cfg.steps
@@ -177,12 +186,14 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
             state = {"config": cfg.to_dict(), "model_config": run.model_cfg.to_dict()}
             tokenizer = os.path.join(cfg.data, "tokenizer.json")
-            summary["checkpoint"] = store.save(cfg.save, step + 1, run.model, run.optimizer, state,
-                                               run.rank, run.world_size,
+            summary["checkpoint"] = store.save(cfg.save, step + 1, run.parallel, run.optimizer, state,
+                                               run.rank, run.world_size, layout(run),
                                                (tokenizer,) if os.path.isfile(tokenizer) else ())
     progress.close()
     writer.close()
     summary["model"] = run.model
-    if dist.is_initialized():
+    if keep_state:
+        summary["state"] = run.parallel.full_state_dict()
+    if run.owns_process_group:
         dist.destroy_process_group()
     return summary

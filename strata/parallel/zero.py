@@ -1,0 +1,137 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020) on the bucketed buffers of data parallelism.
+
+Rank r owns shard r of every bucket (strata/parallel/buckets.py). The optimizer sees only the
+pieces of the parameters in this rank's shards, so Adam's moments take 8Ψ/N bytes in fp32.
+- ZeRO-1 keeps the full gradient buffer (gradient accumulation adds up locally, as in plain data
+  parallelism) and, on the last micro-batch, reduce-scatters each bucket as soon as it is complete:
+  this rank receives the sum of its own shard only.
+- ZeRO-2 keeps only this rank's shard of the gradients: each bucket is staged while backward fills
+  it, reduce-scattered, and the staging freed. With gradient accumulation this happens on every
+  micro-batch (as in DeepSpeed), since no full gradient is kept between them.
+After the optimizer step each bucket's updated shards are all-gathered into the parameters, which
+live in one flat buffer so the all-gather writes them in place. Per step and rank this moves
+Ψ(N-1)/N in the reduce-scatter and Ψ(N-1)/N in the all-gather: 2Ψ(N-1)/N, as plain all-reduce."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.distributed import comm
+from strata.parallel.buckets import Bucket, shard_pieces
+from strata.parallel.data import DataParallel, _bytes
+
+
+class ShardedStates:
+    """What ZeRO-1, 2 and 3 share: the optimizer updates only this rank's pieces of the parameters
+    (`self.pieces`, `self.shard_params`, each shard with its gradient shard as .grad)."""
+
+    pieces: list
+    shard_params: list[torch.Tensor]
+
+    def optimizer_param_groups(self):
+        decay = [s for pc, s in zip(self.pieces, self.shard_params) if pc.decays]
+        no_decay = [s for pc, s in zip(self.pieces, self.shard_params) if not pc.decays]
+        return decay, no_decay
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.shard_params]
+
+    def grad_norm(self) -> torch.Tensor:
+        """Each rank holds a disjoint part of the averaged gradient: sum the squares over ranks."""
+        squared = sum((g.double() ** 2).sum() for g in self.local_grads()).reshape(1)
+        comm.all_reduce(squared, self.group, "dp")
+        return squared.sqrt()[0].to(self.shard_params[0].dtype)
+
+
+class ZeroDataParallel(ShardedStates, DataParallel):
+    def __init__(self, model: nn.Module, group, stage: int, bucket_mb: float = 25.0):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
+        self.stage = stage
+        super().__init__(model, group, bucket_mb)
+        sample = self.params[0]
+        # Parameters move into one flat buffer, one at a time (each original is freed as its
+        # .data is replaced, so the model is never held twice).
+        self.param_buffer = torch.empty(self.total, dtype=sample.dtype, device=sample.device)
+        for bucket in self.buckets:
+            end = bucket.offsets[-1] + bucket.params[-1].numel()
+            self.param_buffer[end:bucket.start + bucket.size].zero_()  # the padding
+            for p, offset in zip(bucket.params, bucket.offsets):
+                view = self.param_buffer[offset:offset + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+        self._offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
+        self.pieces = shard_pieces(self.buckets, self.dp_rank, self.dp_size)
+        # What the optimizer updates: views of this rank's shards of the parameter buffer, each
+        # with its gradient shard as .grad.
+        self.shard_params = [self.param_buffer[pc.start:pc.end] for pc in self.pieces]
+        for piece, shard in zip(self.pieces, self.shard_params):
+            shard.grad = (self.grad_buffer[piece.start:piece.end] if stage == 1 else
+                          self.shard_grad_buffer[piece.shard_index:piece.shard_index + piece.end - piece.start])
+
+    def _setup_grads(self, dtype, device) -> None:
+        if self.stage == 1:
+            return super()._setup_grads(dtype, device)
+        self.shard_grad_buffer = torch.zeros(self.total // self.dp_size, dtype=dtype, device=device)
+        self._staging: dict[int, torch.Tensor] = {}
+        for p in self.params:
+            p.grad = None
+
+    def _staging_for(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.index not in self._staging:
+            sample = self.shard_grad_buffer
+            self._staging[bucket.index] = torch.zeros(bucket.size, dtype=sample.dtype, device=sample.device)
+        return self._staging[bucket.index]
+
+    def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+        if self.stage == 1:
+            return super()._on_grad_ready(bucket, param)
+        offset = self._offset_of[id(param)] - bucket.start
+        self._staging_for(bucket)[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None  # the full gradient is not kept: that is ZeRO-2
+        self._ready[bucket.index] += 1
+        if self._ready[bucket.index] == len(bucket.params):
+            self._launch(bucket)
+
+    def _start_reduction(self, bucket: Bucket):
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        if self.stage == 1:
+            flat, shard = self.grad_buffer[bucket.start:bucket.start + bucket.size], self.grad_buffer[lo:hi]
+        else:
+            flat = self._staging_for(bucket)
+            shard = flat[lo - bucket.start:hi - bucket.start]
+        return comm.reduce_scatter(shard, flat, self.group, "dp", async_op=True)
+
+    def _reduced(self, bucket: Bucket) -> None:
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        if self.stage == 1:
+            self.grad_buffer[lo:hi].div_(self.dp_size)
+            return
+        first = bucket.start // self.dp_size  # this bucket's place in the gradient shard
+        staged = self._staging.pop(bucket.index)[lo - bucket.start:hi - bucket.start]
+        self.shard_grad_buffer[first:first + hi - lo].add_(staged, alpha=1 / self.dp_size)
+
+    def backward(self, is_last_micro_batch: bool):
+        # ZeRO-2 reduces every micro-batch: no full gradient survives between them.
+        return super().backward(is_last_micro_batch or self.stage == 2)
+
+    def after_step(self) -> None:
+        """All-gather every bucket's updated shards into the parameters."""
+        pending = []
+        for bucket in self.buckets:
+            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            pending.append(comm.all_gather(self.param_buffer[bucket.start:bucket.start + bucket.size],
+                                           self.param_buffer[lo:hi], self.group, "dp", async_op=True))
+            if len(pending) > self.max_in_flight:
+                pending.pop(0).wait()
+        for work in pending:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        (self.grad_buffer if self.stage == 1 else self.shard_grad_buffer).zero_()
+
+    def state_bytes(self, optimizer) -> dict[str, int]:
+        grads = _bytes(self.params) if self.stage == 1 else _bytes(self.local_grads())
+        return {**super().state_bytes(optimizer), "grads": grads}

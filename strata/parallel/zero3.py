@@ -1,0 +1,249 @@
+"""ZeRO-3 (Rajbhandari et al. 2020; what FSDP calls full sharding): the parameters themselves are
+partitioned. Each rank keeps 1/N of every unit's parameters, gradients and optimizer states
+(16Ψ/N bytes with fp32 Adam) and assembles a unit's full parameters only while it computes:
+
+  forward:  all-gather unit i (prefetched while unit i-1 ran), compute, free; prefetch unit i+1
+  backward: all-gather unit i again (prefetched), compute, reduce-scatter its gradients into this
+            rank's shard, free the full gradients and parameters; prefetch unit i-1
+
+A unit is the token embedding (with learned positions and their norm), each transformer block,
+and the final norm with the head. Per step and rank: Ψ(N-1)/N gathered forward, Ψ(N-1)/N gathered
+backward, Ψ(N-1)/N reduce-scattered, 3Ψ(N-1)/N in all. With tied embeddings the embedding stays
+gathered from its forward until the head's backward has used it (the head reads it last).
+
+A unit's full parameters are views into one flat tensor whose storage is resized to zero when the
+unit is freed and back when it is gathered, so autograd's saved references stay valid."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from strata.distributed import comm
+from strata.parallel.buckets import Bucket, plan_buckets, shard_pieces
+from strata.parallel.data import DataParallel, _bytes, optimizer_state_bytes
+from strata.parallel.zero import ShardedStates
+
+
+class Unit:
+    """Modules whose parameters are gathered and freed together; one shard of them per rank."""
+
+    def __init__(self, index: int, modules: list[nn.Module], keep_after_forward: bool):
+        self.index, self.modules, self.keep_after_forward = index, modules, keep_after_forward
+        self.slots: list[tuple[nn.Module, str, str]] = []  # (owning module, attribute, full name)
+        self.full: torch.Tensor | None = None  # flat, all parameters of the unit (when gathered)
+        self.shard: torch.Tensor | None = None  # this rank's slice, always held
+        self.shard_grad: torch.Tensor | None = None
+        self.bucket: Bucket | None = None  # the unit's flat layout (offsets, padded size)
+        self.offset_of: dict[int, int] = {}  # id(parameter) -> its offset in `full`
+        self.gathered, self.pending_gather = False, None
+        self.staging: torch.Tensor | None = None  # the full gradient, during backward
+        self.ready = 0
+
+
+def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
+    """strata's Transformer cut into units: embedding, each block, final norm + head."""
+    first = [m for m in (model.embed, model.pos_embed, model.embed_norm) if m is not None]
+    last = [m for m in (model.final_norm, model.head) if m is not None]
+    return [first, *[[block] for block in model.blocks], last]
+
+
+class FullyShardedDataParallel(ShardedStates, DataParallel):
+    stage = 3
+
+    def __init__(self, model: nn.Module, group, init_fn: Callable[[str, tuple], torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        """model may be on the meta device: then init_fn(name, shape) gives each parameter's
+        initial value, and only one unit is ever materialised in full at a time."""
+        self.model, self.group = model, group
+        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self._pending: list = []
+        names = {id(p): n for n, p in model.named_parameters()}
+        tied = getattr(model, "head", 1) is None and getattr(model.cfg, "tie_embeddings", False)
+        self.units = [Unit(i, mods, keep_after_forward=(i == 0 and tied))
+                      for i, mods in enumerate(transformer_units(model))]
+        self.pieces, self.shard_params = [], []
+        for unit in self.units:
+            for module in unit.modules:
+                for attr, p in module.named_parameters(recurse=True):
+                    owner_name, _, leaf = attr.rpartition(".")
+                    owner = module.get_submodule(owner_name) if owner_name else module
+                    unit.slots.append((owner, leaf, names[id(p)]))
+            self._materialise(unit, init_fn, device, dtype)
+        self.params = [getattr(o, a) for u in self.units for o, a, _ in u.slots]
+        for unit in self.units:
+            self._register_hooks(unit)
+        model.register_forward_hook(self._after_model_forward)
+
+    # --- layout and initialisation ------------------------------------------------------------
+    def _materialise(self, unit: Unit, init_fn, device, dtype) -> None:
+        originals = [getattr(owner, attr) for owner, attr, _ in unit.slots]
+        (bucket,), size = plan_buckets(originals, bucket_elems=2**62, dp_size=self.dp_size)
+        unit.bucket = bucket
+        unit.full = torch.zeros(size, dtype=dtype, device=device)
+        new_params = []
+        for (owner, attr, name), p, offset in zip(unit.slots, originals, bucket.offsets):
+            with torch.no_grad():
+                unit.full[offset:offset + p.numel()].copy_(
+                    init_fn(name, tuple(p.shape)).reshape(-1) if p.is_meta else p.detach().reshape(-1))
+            # A tensor on the unit's storage with a version counter of its own (not a view of
+            # `full`): the all-gathers that refill the storage must not look to autograd like
+            # in-place changes of the weights it saved for backward.
+            alias = torch.empty(0, dtype=dtype, device=device).set_(unit.full.untyped_storage(), offset, p.shape)
+            param = nn.Parameter(alias, requires_grad=p.requires_grad)
+            setattr(owner, attr, param)
+            new_params.append(param)
+        bucket.params = new_params
+        unit.offset_of = {id(p): offset for p, offset in zip(new_params, bucket.offsets)}
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        unit.shard = unit.full[lo:hi].clone()
+        unit.shard_grad = torch.zeros_like(unit.shard)
+        for piece in shard_pieces([bucket], self.dp_rank, self.dp_size):
+            n = piece.end - piece.start
+            shard = unit.shard[piece.shard_index:piece.shard_index + n]
+            shard.grad = unit.shard_grad[piece.shard_index:piece.shard_index + n]
+            self.pieces.append(piece)
+            self.shard_params.append(shard)
+        self._free(unit)
+
+    # --- gather and free ----------------------------------------------------------------------
+    def _gather(self, unit: Unit) -> None:
+        """Start the all-gather of a unit's parameters (no wait)."""
+        if unit.gathered or unit.pending_gather is not None:
+            return
+        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        unit.pending_gather = comm.all_gather(unit.full, unit.shard, self.group, "dp", async_op=True)
+
+    def _ensure_gathered(self, unit: Unit) -> None:
+        self._gather(unit)
+        if unit.pending_gather is not None:
+            unit.pending_gather.wait()
+            unit.pending_gather = None
+            unit.gathered = True
+
+    def _free(self, unit: Unit) -> None:
+        unit.full.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _prefetch(self, index: int) -> None:
+        if 0 <= index < len(self.units):
+            self._gather(self.units[index])
+
+    # --- hooks --------------------------------------------------------------------------------
+    def _register_hooks(self, unit: Unit) -> None:
+        for module in unit.modules:
+            module.register_forward_pre_hook(partial(self._before_forward, unit))
+            module.register_full_backward_pre_hook(partial(self._before_backward, unit))
+        unit.modules[-1].register_forward_hook(partial(self._after_forward, unit))
+        for param in unit.bucket.params:
+            param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+
+    def _before_forward(self, unit: Unit, module, args) -> None:
+        self._ensure_gathered(unit)
+        self._prefetch(unit.index + 1)
+
+    def _after_forward(self, unit: Unit, module, args, output) -> None:
+        if not unit.keep_after_forward:
+            self._free(unit)
+
+    def _after_model_forward(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():  # no backward will come to free the kept units
+            for unit in self.units:
+                if unit.gathered:
+                    self._free(unit)
+
+    def _before_backward(self, unit: Unit, module, grad_output) -> None:
+        self._ensure_gathered(unit)
+        self._prefetch(unit.index - 1)
+
+    def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
+        if unit.staging is None:
+            unit.staging = unit.shard.new_zeros(unit.bucket.size)
+        offset = unit.offset_of[id(param)]
+        unit.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+        unit.ready += 1
+        if unit.ready == len(unit.bucket.params):
+            self._reduce(unit)
+            self._free(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        if unit.staging is None:  # no gradient reached this unit: reduce zeros
+            unit.staging = unit.shard.new_zeros(unit.bucket.size)
+        lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
+        self._pending.append((unit, comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group, "dp",
+                                                        async_op=True)))
+        unit.ready = -1  # reduced for this backward
+        while len(self._pending) > self.max_in_flight:  # bound the full gradients alive at once
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        unit, work = self._pending.pop(0)
+        work.wait()
+        lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
+        unit.shard_grad.add_(unit.staging[lo:hi], alpha=1 / self.dp_size)
+        unit.staging = None
+
+    # --- what the trainer calls ---------------------------------------------------------------
+    @contextmanager
+    def backward(self, is_last_micro_batch: bool):
+        """Gradients are reduce-scattered on every micro-batch: no full gradient is kept."""
+        with warnings.catch_warnings():
+            # The embedding's inputs are token ids: its backward pre-hook fires on the output
+            # gradient alone, which is what we want.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            yield
+        for unit in self.units:
+            if unit.ready != -1:
+                self._reduce(unit)
+        while self._pending:
+            self._complete_oldest()
+        for unit in self.units:
+            unit.ready = 0
+            if unit.gathered:
+                self._free(unit)
+
+    def after_step(self) -> None:
+        """Nothing: the updated shards are what the next forward gathers."""
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.shard_grad.zero_()
+
+    def state_bytes(self, optimizer) -> dict[str, int]:
+        return {"params": _bytes(self.shard_params), "grads": _bytes(self.local_grads()),
+                "optimizer": optimizer_state_bytes(optimizer)}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]):
+        """Keep this rank's slice of each full parameter; returns (missing, unexpected) names."""
+        names = {name for unit in self.units for _, _, name in unit.slots}
+        missing = sorted(names - set(state))
+        if missing:
+            return missing, []
+        for unit in self.units:
+            full = torch.cat([state[name].reshape(-1).to(unit.shard) for _, _, name in unit.slots])
+            lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
+            padded = torch.cat([full, full.new_zeros(unit.bucket.size - full.numel())])
+            unit.shard.copy_(padded[lo:hi])
+        return [], sorted(set(state) - names - set(self.model.state_dict()))
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters (gathered a unit at a time) and persistent buffers."""
+        state = {}
+        for unit in self.units:
+            self._ensure_gathered(unit)
+            for owner, attr, name in unit.slots:
+                state[name] = getattr(owner, attr).detach().clone()
+            self._free(unit)
+        for name, buf in self.model.named_buffers():
+            if name in self.model.state_dict():
+                state[name] = buf.detach().clone()
+        return state

@@ -1,0 +1,127 @@
+"""Data parallelism and ZeRO-1/2/3 against the single-process run, the ZeRO memory formulas and
+the ring communication volumes (Rajbhandari et al. 2020)."""
+
+import ctypes
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distributed import run_on_ranks
+from strata.config import TrainConfig
+from strata.model.presets import get_preset
+from strata.parallel.buckets import plan_buckets, shard_pieces
+from strata.train.trainer import train
+
+PSI = get_preset("tiny").num_params()  # 106,816
+BASE = dict(model="tiny", seq_len=32, steps=10, progress=False, peak_flops=1e10, eval_batches=1,
+            lr=3e-3, seed=5)
+# (a) gradient accumulation with clipping active; (b) one micro-batch per rank, no clipping.
+ACCUMULATE = dict(global_batch=8, micro_batch=1, grad_clip=0.5)
+def SINGLE_MICRO(world): return dict(global_batch=world, micro_batch=1, grad_clip=0.0)  # noqa: E302
+
+
+def _summary(settings, keep_state=True):
+    s = train(TrainConfig(**{**BASE, **settings}), keep_state=keep_state)
+    return {"losses": s["losses"], "state": s.get("state"), "record": s["records"][-1]}
+
+
+@functools.lru_cache(maxsize=None)
+def single_process(dtype, settings_key):
+    return _summary({**dict(settings_key), "dtype": dtype})
+
+
+def _both_settings_on_rank(world, zero, dtype):
+    return [_summary({**settings, "dtype": dtype, "zero": zero})
+            for settings in (ACCUMULATE, SINGLE_MICRO(world))]
+
+
+@functools.lru_cache(maxsize=None)
+def data_parallel(world, zero, dtype):
+    return run_on_ranks(_both_settings_on_rank, world, world, zero, dtype, timeout=300)
+
+
+@pytest.mark.parametrize("dtype,rtol", [("fp64", 1e-10), ("fp32", 1e-5)])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_zero_stage_reproduces_the_single_process_run(world, zero, dtype, rtol):
+    ranks = data_parallel(world, zero, dtype)
+    for which, settings in enumerate((ACCUMULATE, SINGLE_MICRO(world))):
+        reference = single_process(dtype, tuple(sorted(settings.items())))
+        for rank in ranks:
+            torch.testing.assert_close(rank[which]["losses"], reference["losses"], rtol=rtol, atol=0)
+        for name, value in ranks[0][which]["state"].items():
+            for rank in ranks[1:]:  # every rank ends with the same parameters
+                assert torch.equal(rank[which]["state"][name], value), name
+            torch.testing.assert_close(value, reference["state"][name], rtol=rtol * 100, atol=rtol)
+
+
+# fp32 Adam: 4 bytes of weights, 4 of gradients, 8 of moments per parameter.
+def zero_formula(zero, n):
+    return {0: (4 * PSI, 4 * PSI, 8 * PSI), 1: (4 * PSI, 4 * PSI, 8 * PSI / n),
+            2: (4 * PSI, 4 * PSI / n, 8 * PSI / n), 3: (4 * PSI / n, 4 * PSI / n, 8 * PSI / n)}[zero]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_state_bytes_follow_the_zero_formulas(world, zero):
+    ranks = data_parallel(world, zero, "fp32")
+    padding_bytes = 4 * (world - 1) * (get_preset("tiny").n_layers + 2)  # per bucket or unit
+    per_rank = [r[1]["record"]["model_state_breakdown"] for r in ranks]
+    for kind, expected in zip(("params", "grads", "optimizer"), zero_formula(zero, world)):
+        for states in per_rank:
+            assert abs(states[kind] - expected) <= padding_bytes * (2 if kind == "optimizer" else 1), kind
+        if expected < 4 * PSI * (2 if kind == "optimizer" else 1):  # sharded: the shards add up exactly
+            assert sum(s[kind] for s in per_rank) == expected * world, kind
+    total = sum(per_rank[0].values())
+    formula = {0: 16 * PSI, 1: 8 * PSI + 8 * PSI / world, 2: 4 * PSI + 12 * PSI / world, 3: 16 * PSI / world}
+    assert abs(total - formula[zero]) <= 4 * padding_bytes
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_communication_per_step_is_the_ring_minimum(world, zero):
+    ranks = data_parallel(world, zero, "fp32")
+    volume = (3 if zero == 3 else 2) * PSI * (world - 1) / world * 4  # bytes, fp32
+    padding = 3 * (world - 1) * (get_preset("tiny").n_layers + 2) * 4
+    scalars = 64  # the loss and the squared gradient norm, reduced for logging and clipping
+    for rank in ranks:
+        by_op = rank[1]["record"]["comm_bytes_by_op"]
+        assert volume <= sum(by_op.values()) <= volume + padding + scalars, by_op
+        expected_ops = {0: {"all_reduce/dp"}, 1: {"reduce_scatter/dp", "all_gather/dp", "all_reduce/dp"},
+                        2: {"reduce_scatter/dp", "all_gather/dp", "all_reduce/dp"},
+                        3: {"reduce_scatter/dp", "all_gather/dp", "all_reduce/dp"}}[zero]
+        assert set(by_op) == expected_ops
+
+
+def test_data_parallel_sends_nothing_on_accumulation_micro_steps():
+    ranks = data_parallel(2, 0, "fp32")
+    # 4 micro-batches per rank, yet one all-reduce of the gradients per step
+    by_op = ranks[0][0]["record"]["comm_bytes_by_op"]
+    assert by_op["all_reduce/dp"] <= 2 * PSI * 1 / 2 * 4 + 64
+
+
+def test_buckets_never_split_a_parameter_and_shards_partition_the_parameters():
+    params = [nn.Parameter(torch.zeros(n)) for n in (5, 7, 3, 11, 2)]
+    buckets, total = plan_buckets(params, bucket_elems=10, dp_size=4)
+    assert [len(b.params) for b in buckets] == [1, 2, 1, 1]  # 5 | 7+3 | 11 | 2, in the given order
+    for b in buckets:
+        assert b.size % 4 == 0
+        assert b.offsets[-1] + b.params[-1].numel() <= b.start + b.size
+    owned = sorted((pc.start, pc.end) for r in range(4) for pc in shard_pieces(buckets, r, 4))
+    covered = sum(e - s for s, e in owned)
+    assert covered == sum(p.numel() for p in params) and total >= covered
+
+
+def _rss_after_two_steps(zero):
+    # Return freed memory to the system at once, so the peak RSS tracks live tensors.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    s = train(TrainConfig(model="small", steps=2, global_batch=4, micro_batch=1, seq_len=32, zero=zero,
+                          bucket_mb=4, progress=False, peak_flops=1e10, eval_batches=1))
+    return s["records"][-1]["peak_mem_bytes"]
+
+
+def test_peak_rss_falls_as_the_zero_stage_rises():
+    peaks = [max(run_on_ranks(_rss_after_two_steps, 4, zero, timeout=300)) for zero in range(4)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, [p >> 20 for p in peaks]
