@@ -23,7 +23,9 @@ demo: $(STAMP)
 	$(PY) -m strata.demo
 
 bench: $(STAMP)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q '.[bench]'
 	$(PY) bench/single_process.py
+	$(PY) bench/data_parallel.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -27,6 +27,9 @@ def strata(*args, cwd=None, timeout=300):
     (["train", "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--nproc", "4", "--tp", "2", "--global-batch", "16"], "--tp 2: tensor parallelism is not built yet"),
+    (["train", "--zero", "2"], "--zero 2: ZeRO shards states across data-parallel ranks, and dp is 1"),
+    (["train", "--zero", "4"], "--zero 4: valid: 0, 1, 2, 3"),
+    (["train", "--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),
     (["generate", "--checkpoint", "/nonexistent", "--prompt-ids", "1"], "no such directory"),
     (["plot", "/nonexistent.jsonl", "--out", "x.png"], "no such file"),
 ])
@@ -52,12 +55,13 @@ def test_prepare_train_generate_plot_end_to_end(tmp_path):
     config.write_text('model = "tiny"\nseq-len = 32\nsteps = 4\nmicro_batch = 2\nglobal_batch = 4\n'
                       'peak_flops = 1e10\nprogress = false\n')
     result = strata("train", "--config", config, "--data", tmp_path / "d", "--metrics", tmp_path / "m.jsonl",
-                    "--save", tmp_path / "ck", "--nproc", 2)
+                    "--save", tmp_path / "ck", "--nproc", 2, "--zero", 3)
     assert result.returncode == 0, result.stderr
     assert "validation loss:" in result.stdout
     records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
     assert all(r["comm_bytes"] > 0 for r in records if r["kind"] == "train")  # 2 ranks talked
+    assert "all_gather/dp" in records[-2]["comm_bytes_by_op"]  # ZeRO-3 gathers parameters
     assert (tmp_path / "ck" / "step_000004" / "tokenizer.json").is_file()
 
     result = strata("generate", "--checkpoint", tmp_path / "ck", "--prompt", "It was", "--max-new-tokens", 5,

@@ -125,3 +125,30 @@ def _rss_after_two_steps(zero):
 def test_peak_rss_falls_as_the_zero_stage_rises():
     peaks = [max(run_on_ranks(_rss_after_two_steps, 4, zero, timeout=300)) for zero in range(4)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, [p >> 20 for p in peaks]
+
+
+def _resume_under_zero(tmp, zero):
+    common = dict(model="tiny", seq_len=32, steps=6, global_batch=4, micro_batch=1, zero=zero, seed=3,
+                  progress=False, peak_flops=1e10, eval_batches=1)
+    straight = train(TrainConfig(**common))["losses"]
+    train(TrainConfig(**common, save=f"{tmp}/ck", save_every=3))
+    resumed = train(TrainConfig(**common, resume=f"{tmp}/ck/step_000003"))["losses"]
+    return straight, resumed
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_resume_under_zero_is_exact(tmp_path, zero):
+    for straight, resumed in run_on_ranks(_resume_under_zero, 2, str(tmp_path), zero, timeout=300):
+        assert resumed == straight[3:]
+
+
+def _resume_with_another_layout(tmp):
+    common = dict(model="tiny", seq_len=32, steps=2, global_batch=4, micro_batch=1, progress=False,
+                  peak_flops=1e10, eval_batches=1)
+    train(TrainConfig(**common, zero=1, save=f"{tmp}/ck"))
+    train(TrainConfig(**common, zero=2, resume=f"{tmp}/ck"))
+
+
+def test_resume_of_sharded_states_under_another_layout_is_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="ZeRO-sharded optimizer states load only under the layout"):
+        run_on_ranks(_resume_with_another_layout, 2, str(tmp_path), timeout=120)

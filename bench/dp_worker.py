@@ -1,0 +1,109 @@
+"""One rank of one data-parallel benchmark job (started by bench/data_parallel.py via torchrun).
+
+Every implementation trains strata's model (the same weights, batches and AdamW settings) so that
+only the data-parallel machinery differs. Writes {"step_times": [...], "peak_rss": bytes} for
+rank 0 to --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+from strata.config import TrainConfig
+from strata.data.loader import BatchLoader, synthetic_split
+from strata.model.presets import get_preset
+from strata.model.transformer import build_model
+
+LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
+
+
+def peer_loop(model, optimizer_step, backward, steps, cfg, rank, world):
+    """The loop a user of a peer writes: forward, backward, clip, step (no accumulation)."""
+    loader = BatchLoader(synthetic_split(get_preset(cfg.model).vocab_size, 0, "train"), cfg.seq_len,
+                         cfg.global_batch, 0, dp_rank=rank, dp_size=world)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        inputs, targets = loader.batch(step)
+        loss = model(inputs, targets)
+        backward(loss)
+        optimizer_step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_torch(impl, cfg, rank, world):
+    model = build_model(get_preset(cfg.model), seed=0)
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, bucket_cap_mb=25)
+    else:  # fsdp2: shard each block, then the root
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return peer_loop(model, step, lambda loss: loss.backward(), cfg.steps, cfg, rank, world)
+
+
+def run_deepspeed(zero, cfg, rank, world):
+    import deepspeed
+    model = build_model(get_preset(cfg.model), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+    ds_config = {"train_batch_size": cfg.global_batch, "train_micro_batch_size_per_gpu": cfg.micro_batch,
+                 "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
+                 "zero_optimization": {"stage": zero, "reduce_bucket_size": 25 * 2**20 // 4,
+                                       "allgather_bucket_size": 25 * 2**20 // 4, "overlap_comm": True},
+                 "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    return peer_loop(engine, engine.step, engine.backward, cfg.steps, cfg, rank, world)
+
+
+def run_strata(zero, cfg):
+    from strata.train.trainer import train
+    cfg.zero = zero
+    return train(cfg)["step_times"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", required=True)  # strata-z0..3, ddp, fsdp2, deepspeed-z0..3
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = TrainConfig(model=args.model, steps=args.steps, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                      global_batch=args.micro_batch * world, progress=False, peak_flops=1e12, eval_batches=1,
+                      lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, grad_clip=CLIP)
+    impl = args.impl
+    if impl.startswith("strata-z"):
+        times = run_strata(int(impl[-1]), cfg)
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+    else:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        times = (run_deepspeed(int(impl[-1]), cfg, rank, world) if impl.startswith("deepspeed")
+                 else run_torch(impl, cfg, rank, world))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"step_times": times, "peak_rss": peak}, f)
+
+
+if __name__ == "__main__":
+    main()
