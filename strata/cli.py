@@ -21,6 +21,8 @@ TRAIN_HELP = {
     "nproc": "start N local processes (through torch.distributed.run)",
     "dp": "data-parallel degree (default: world / (tp x pp))",
     "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree", "zero": "ZeRO stage 0-3",
+    "sequence_parallel": "with --tp: split norms and residuals along the sequence too",
+    "vocab_size": "synthetic data: vocabulary size (default: the preset's)",
     "timeout": "seconds a collective may take before it fails",
     "eval_every": "validate every N steps (0: only at the start and the end)",
     "metrics": "write one JSON object per step to this file (rank 0)",
@@ -39,9 +41,11 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with the same keys as the flags")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            parser.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_const",
-                                const=False, default=None, help=f"turn off {f.name}")
+        if f.type == "bool":  # a flag that flips the default
+            on = f.default is False
+            parser.add_argument(flag if on else f"--no-{f.name.replace('_', '-')}", dest=f.name,
+                                action="store_const", const=on, default=None,
+                                help=TRAIN_HELP.get(f.name, f"turn off {f.name}"))
             continue
         kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
         parser.add_argument(flag, type=kind, default=None,

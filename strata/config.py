@@ -21,6 +21,7 @@ class TrainConfig:
     # what to train on what
     model: str = "tiny"
     data: str = "synthetic"  # a directory written by `strata data prepare`, or "synthetic"
+    vocab_size: int | None = None  # synthetic data only: override the preset's vocabulary
     seq_len: int | None = None  # default: the model's max_seq_len
     seed: int = 0
     dtype: str = "fp32"
@@ -40,6 +41,7 @@ class TrainConfig:
     nproc: int = 1
     dp: int | None = None  # default: what is left of the world after tp and pp
     tp: int = 1
+    sequence_parallel: bool = False  # with tp: norms and residuals hold 1/tp of the sequence
     pp: int = 1
     zero: int = 0
     bucket_mb: float = 25.0  # gradient bucket size for data parallelism and ZeRO-1/2
@@ -131,6 +133,17 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
          f"but the world size is {world_size}; the product must equal it")
     need(model.n_heads % cfg.tp == 0,
          f"--tp {cfg.tp}: must divide the model's {model.n_heads} attention heads")
+    need(model.kv_heads % cfg.tp == 0 or cfg.tp % model.kv_heads == 0,
+         f"--tp {cfg.tp}: must divide the model's {model.kv_heads} KV heads or be a multiple of them")
+    need(model.d_ff % cfg.tp == 0, f"--tp {cfg.tp}: must divide the model's d_ff {model.d_ff}")
+    need(cfg.tp == 1 or model.position != "alibi",
+         f"--tp {cfg.tp}: ALiBi models ({cfg.model}) run with --tp 1 for now")
+    need(not cfg.sequence_parallel or cfg.tp > 1, "--sequence-parallel: needs --tp 2 or more")
+    need(not cfg.sequence_parallel or seq_len % cfg.tp == 0,
+         f"--sequence-parallel: --seq-len {seq_len} must be a multiple of --tp {cfg.tp}")
+    need(cfg.vocab_size is None or cfg.vocab_size >= 2, f"--vocab-size {cfg.vocab_size}: must be >= 2")
+    need(cfg.vocab_size is None or cfg.data == "synthetic",
+         f"--vocab-size {cfg.vocab_size}: only for --data synthetic; a data set brings its tokenizer's")
     need(model.n_layers >= cfg.pp, f"--pp {cfg.pp}: more stages than the model's {model.n_layers} layers")
 
     # batch: global = micro x accumulation x dp
@@ -139,7 +152,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
          f"x dp {dp} = {cfg.micro_batch * dp}")
 
     # what this version can run (the degrees above are already checked)
-    need(cfg.tp == 1, f"--tp {cfg.tp}: tensor parallelism is not built yet; valid: 1")
     need(cfg.pp == 1, f"--pp {cfg.pp}: pipeline parallelism is not built yet; valid: 1")
     need(cfg.zero == 0 or dp > 1,
          f"--zero {cfg.zero}: ZeRO shards states across data-parallel ranks, and dp is 1; "

@@ -3,8 +3,9 @@
 A checkpoint is a directory `step_NNNNNN` under the save directory:
   model.safetensors   the model's full parameters (gathered, written by rank 0)
   optimizer.pt        the optimizer's state_dict (replicated layouts: rank 0's), or
-  optimizer_<rank>.pt one per rank when ZeRO shards the optimizer states; these load only under
-                      the same layout (resharding comes with layout-free checkpoints)
+  optimizer_<rank>.pt one per rank when ZeRO or tensor parallelism splits the optimizer states;
+                      these load only under the same layout (resharding comes with layout-free
+                      checkpoints)
   rng_<rank>.pt       every random stream of every rank (torch, numpy, python)
   state.json          step, train config, model config
 It is written to `step_NNNNNN.tmp` and renamed into place only when complete (all ranks finished),
@@ -29,7 +30,11 @@ def step_dir(save_dir: str, step: int) -> str:
     return os.path.join(save_dir, f"step_{step:06d}")
 
 
-def save(save_dir: str, step: int, parallel, optimizer, state: dict, rank: int, world_size: int,
+def optimizer_is_split(layout: dict) -> bool:
+    return layout["zero"] > 0 or layout["tp"] > 1
+
+
+def save(save_dir: str, step: int, model_state: dict, optimizer, state: dict, rank: int, world_size: int,
          layout: dict, extra_files: tuple[str, ...] = ()) -> str:
     """Write checkpoint `step` under save_dir (every rank calls this); extra_files (such as the
     tokenizer) are copied in, so the checkpoint alone is enough to generate from."""
@@ -40,12 +45,11 @@ def save(save_dir: str, step: int, parallel, optimizer, state: dict, rank: int, 
         os.makedirs(tmp)
     _barrier(world_size)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
-    tensors = parallel.full_state_dict()  # every rank takes part: ZeRO-3 gathers
-    if layout["zero"] > 0:
+    if optimizer_is_split(layout):
         torch.save(optimizer.state_dict(), os.path.join(tmp, f"optimizer_{rank}.pt"))
     if rank == 0:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
-        if layout["zero"] == 0:
+        save_file({k: v.contiguous().cpu() for k, v in model_state.items()}, os.path.join(tmp, "model.safetensors"))
+        if not optimizer_is_split(layout):
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         for path in extra_files:
             shutil.copy(path, tmp)
@@ -93,21 +97,21 @@ def check_model_keys(path: str, result) -> None:
                           f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
 
 
-def load(path: str, parallel, optimizer, device, rank: int, layout: dict) -> dict:
-    """Restore model, optimizer and this rank's random streams; returns state.json."""
+def load(path: str, optimizer, device, rank: int, layout: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Restore the optimizer and this rank's random streams; returns (state.json, the full model
+    tensors) for the caller to place into its layout."""
     path = resolve(path)
     state = read_state(path)
     saved = state.get("layout", {"dp": 1, "tp": 1, "pp": 1, "zero": 0})
-    if (saved["zero"] > 0 or layout["zero"] > 0) and saved != layout:
-        raise ConfigError(f"--resume {path}: saved with layout {saved}, now {layout}; ZeRO-sharded "
-                          f"optimizer states load only under the layout that saved them")
-    check_model_keys(path, parallel.load_full_state_dict(read_model(path, device)))
-    name = f"optimizer_{rank}.pt" if layout["zero"] > 0 else "optimizer.pt"
+    if (optimizer_is_split(saved) or optimizer_is_split(layout)) and saved != layout:
+        raise ConfigError(f"--resume {path}: saved with layout {saved}, now {layout}; split "
+                          f"optimizer states (ZeRO, tensor parallel) load only under the layout that saved them")
+    name = f"optimizer_{rank}.pt" if optimizer_is_split(layout) else "optimizer.pt"
     optimizer.load_state_dict(torch.load(os.path.join(path, name), map_location=device, weights_only=True))
     rng_file = os.path.join(path, f"rng_{rank}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    return state
+    return state, read_model(path, device)
 
 
 def _rng_state() -> dict:

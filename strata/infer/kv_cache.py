@@ -30,7 +30,8 @@ def make_caches(model, batch: int, max_len: int) -> list[LayerKVCache]:
     caches = []
     for block in model.blocks:
         attn = block.attn
-        kv_heads = attn.wk.weight.shape[0] // attn.head_dim
-        caches.append(LayerKVCache(batch, kv_heads, max_len, attn.head_dim,
-                                   attn.wk.weight.dtype, attn.wk.weight.device))
+        weight = attn.wk.weight
+        with torch.no_grad():  # the projection's own output width, whatever layer implements it
+            kv_heads = attn.wk(weight.new_zeros(1, 1, weight.shape[1])).shape[-1] // attn.head_dim
+        caches.append(LayerKVCache(batch, kv_heads, max_len, attn.head_dim, weight.dtype, weight.device))
     return caches

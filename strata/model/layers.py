@@ -120,6 +120,13 @@ class GeluMLP(nn.Module):
         return self.w_out(F.gelu(self.w_in(x), approximate="tanh"))
 
 
+class CrossEntropy(nn.Module):
+    """The loss, as a layer so that a parallel version (vocabulary-split logits) can replace it."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.model.config import ModelConfig
-from strata.model.layers import Block, alibi_slopes, make_norm, rope_tables
+from strata.model.layers import Block, CrossEntropy, alibi_slopes, make_norm, rope_tables
 
 INIT_STD = 0.02  # GPT-2's initialisation; residual output projections are scaled by 1/sqrt(2L)
 _RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.w_out.weight")
@@ -32,6 +32,10 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
+        # Layers without weights that a parallel version replaces: the loss, and what turns the
+        # head's output into the logits a sampler reads (identity on one device).
+        self.criterion = CrossEntropy()
+        self.gather_logits = nn.Identity()
         # Position tables are derived, not learned: not saved in checkpoints, rebuilt by init_weights.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -77,8 +81,8 @@ class Transformer(nn.Module):
             h = block(h, rope, alibi, caches[i] if caches is not None else None)
         logits = self.output(h)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            return self.gather_logits(logits)
+        return self.criterion(logits, targets)
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
         h = self.final_norm(h)

@@ -1,32 +1,51 @@
 """parallelize(): build the model for this rank's place in the layout and wrap it.
 
-The order is fixed (torchtitan's, and the only one that composes): tensor parallelism swaps layers,
-pipeline parallelism keeps this rank's stage, data parallelism / ZeRO wraps what is left. Only the
-last exists so far."""
+The order is fixed (torchtitan's, and the only one that composes): tensor parallelism swaps layers
+on the meta-device model, pipeline parallelism would keep this rank's stage, then the parameters
+are materialised, each initialised from the logical parameter's seeded value and cut to this
+rank's slice, and data parallelism / ZeRO wraps what is left."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from strata.config import TrainConfig
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
 from strata.parallel.data import DataParallel
+from strata.parallel.tensor import apply_tensor_parallel, shard_specs
 from strata.parallel.zero import ZeroDataParallel
 from strata.parallel.zero3 import FullyShardedDataParallel
 
 
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
-                dp_group) -> tuple[Transformer, DataParallel]:
+                dp_group=None, tp_group=None) -> tuple[Transformer, DataParallel]:
+    model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
+    if tp_group is not None:
+        apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
+    init = local_initial_values(model, cfg.seed, tp_group)
     if cfg.zero == 3:
-        # Built on the meta device and materialised one unit at a time, shard by shard: the full
-        # model never exists on one rank.
-        model = build_model(model_cfg, seed=None)
-        init = lambda name, shape: initial_value(name, shape, cfg.seed, model_cfg.n_layers).to(device, dtype)  # noqa: E731
-        wrapper = FullyShardedDataParallel(model, dp_group, init, device, dtype)
-        model.reset_buffers()
-        return model, wrapper
-    model = build_model(model_cfg, device, dtype, cfg.seed)
-    if cfg.zero == 0:
-        return model, DataParallel(model, dp_group, cfg.bucket_mb)
-    return model, ZeroDataParallel(model, dp_group, cfg.zero, cfg.bucket_mb)
+        # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
+        wrapper = FullyShardedDataParallel(model, dp_group, lambda name: init(name).to(device, dtype),
+                                           device, dtype, tp_group)
+    else:
+        model = model.to_empty(device=device).to(dtype)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(init(name))
+        wrapper = (DataParallel(model, dp_group, cfg.bucket_mb, tp_group) if cfg.zero == 0 else
+                   ZeroDataParallel(model, dp_group, cfg.zero, cfg.bucket_mb, tp_group))
+    model.reset_buffers()
+    return model, wrapper
+
+
+def local_initial_values(model: Transformer, seed: int, tp_group):
+    """name -> this rank's slice of the logical parameter's initial value (layout-independent)."""
+    specs = shard_specs(model)
+    rank, world = (dist.get_rank(tp_group), dist.get_world_size(tp_group)) if tp_group is not None else (0, 1)
+
+    def init(name: str) -> torch.Tensor:
+        spec = specs[name]
+        return spec.local(initial_value(name, spec.full_shape, seed, model.cfg.n_layers), rank, world)
+    return init

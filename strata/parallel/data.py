@@ -22,6 +22,7 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket, bucket_elements, plan_buckets
+from strata.parallel.tensor import ShardSpec, shard_specs
 
 
 @torch.no_grad()
@@ -41,12 +42,15 @@ class DataParallel:
     # while backward computes; more would only add the backend's temporary buffers (gloo copies
     # each message) and, under ZeRO-2/3, staging buffers of full gradients.
     max_in_flight = 2
+    reduce_every_micro_batch = False  # ZeRO-2/3: no full gradient survives between micro-batches
+    grads_sharded = False  # each dp rank holds a disjoint part of the gradient
 
-    def __init__(self, model: nn.Module, group=None, bucket_mb: float = 25.0):
-        self.model, self.group = model, group
+    def __init__(self, model: nn.Module, group=None, bucket_mb: float = 25.0, tp_group=None):
+        self.model, self.group, self.tp_group = model, group, tp_group
         self.dp_size = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._index_specs()
         sample = self.params[0]
         self.buckets, self.total = plan_buckets(list(reversed(self.params)),
                                                 bucket_elements(bucket_mb, sample.dtype), self.dp_size)
@@ -61,6 +65,14 @@ class DataParallel:
             for bucket in self.buckets:
                 for p in bucket.params:
                     p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket))
+
+    def _index_specs(self) -> None:
+        """How each parameter is split by tensor parallelism (replicated when not)."""
+        specs = shard_specs(self.model)
+        self._spec_of = {id(p): specs[name] for name, p in self.model.named_parameters()}
+
+    def spec_of(self, param: nn.Parameter) -> ShardSpec:
+        return self._spec_of[id(param)]
 
     # --- the gradient buffer ------------------------------------------------------------------
     def _setup_grads(self, dtype, device) -> None:
@@ -105,11 +117,26 @@ class DataParallel:
     # --- what the trainer calls ---------------------------------------------------------------
     @contextmanager
     def backward(self, is_last_micro_batch: bool):
-        """Wrap each micro-batch's backward; gradients are reduced after the last one."""
-        self.sync_enabled = is_last_micro_batch or self.group is None
+        """Wrap each micro-batch's backward; gradients are reduced after the last one (after
+        every one under ZeRO-2/3)."""
+        self.sync_enabled = self.group is None or is_last_micro_batch or self.reduce_every_micro_batch
         yield
         if self.group is not None and self.sync_enabled:
             self._finish()
+        if is_last_micro_batch:
+            self._sum_partial_grads_over_tp()
+
+    def _sum_partial_grads_over_tp(self) -> None:
+        """Replicated parameters that each tensor-parallel rank saw only part of (norms under
+        sequence parallelism, K/V projections shared by ranks): sum their gradients."""
+        if self.tp_group is None:
+            return
+        grads = [g for g, p in self.grad_pairs() if self.spec_of(p).partial_grad]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, self.tp_group, "tp")
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
 
     def _finish(self) -> None:
         for bucket in self.buckets:  # parameters that got no gradient: send their zeros anyway
@@ -124,12 +151,27 @@ class DataParallel:
         """(tensors with weight decay, tensors without) for the optimizer."""
         return [p for p in self.params if p.dim() >= 2], [p for p in self.params if p.dim() < 2]
 
+    def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(gradient this rank holds, the parameter it belongs to)."""
+        return [(p.grad, p) for p in self.params if p.grad is not None]
+
     def local_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
+        return [g for g, _ in self.grad_pairs()]
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the averaged gradient (every rank holds all of it here)."""
-        return torch.nn.utils.get_total_norm(self.local_grads())
+        """The global L2 norm of the averaged gradient. Squares are summed in fp64 over what this
+        rank holds, over the dp ranks when they hold disjoint parts (ZeRO), and over the tp ranks
+        for tensor-parallel slices; replicated parameters count once."""
+        squares = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # (tp-split, replicated)
+        for grad, param in self.grad_pairs():
+            squares[int(self.spec_of(param).dim is None)] += grad.double().square().sum()
+        if self.grads_sharded and self.group is not None:
+            comm.all_reduce(squares, self.group, "dp")
+        if self.tp_group is not None:
+            split = squares[:1].clone()
+            comm.all_reduce(split, self.tp_group, "tp")
+            squares[0] = split[0]
+        return squares.sum().sqrt().to(self.params[0].dtype)
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_(self.local_grads(), max_norm, total_norm)

@@ -35,22 +35,19 @@ class ShardedStates:
         no_decay = [s for pc, s in zip(self.pieces, self.shard_params) if not pc.decays]
         return decay, no_decay
 
-    def local_grads(self) -> list[torch.Tensor]:
-        return [s.grad for s in self.shard_params]
+    grads_sharded = True
 
-    def grad_norm(self) -> torch.Tensor:
-        """Each rank holds a disjoint part of the averaged gradient: sum the squares over ranks."""
-        squared = sum((g.double() ** 2).sum() for g in self.local_grads()).reshape(1)
-        comm.all_reduce(squared, self.group, "dp")
-        return squared.sqrt()[0].to(self.shard_params[0].dtype)
+    def grad_pairs(self):
+        return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]
 
 
 class ZeroDataParallel(ShardedStates, DataParallel):
-    def __init__(self, model: nn.Module, group, stage: int, bucket_mb: float = 25.0):
+    def __init__(self, model: nn.Module, group, stage: int, bucket_mb: float = 25.0, tp_group=None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
         self.stage = stage
-        super().__init__(model, group, bucket_mb)
+        self.reduce_every_micro_batch = stage == 2
+        super().__init__(model, group, bucket_mb, tp_group)
         sample = self.params[0]
         # Parameters move into one flat buffer, one at a time (each original is freed as its
         # .data is replaced, so the model is never held twice).
@@ -112,10 +109,6 @@ class ZeroDataParallel(ShardedStates, DataParallel):
         first = bucket.start // self.dp_size  # this bucket's place in the gradient shard
         staged = self._staging.pop(bucket.index)[lo - bucket.start:hi - bucket.start]
         self.shard_grad_buffer[first:first + hi - lo].add_(staged, alpha=1 / self.dp_size)
-
-    def backward(self, is_last_micro_batch: bool):
-        # ZeRO-2 reduces every micro-batch: no full gradient survives between them.
-        return super().backward(is_last_micro_batch or self.stage == 2)
 
     def after_step(self) -> None:
         """All-gather every bucket's updated shards into the parameters."""

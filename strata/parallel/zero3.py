@@ -57,11 +57,14 @@ def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
 class FullyShardedDataParallel(ShardedStates, DataParallel):
     stage = 3
 
-    def __init__(self, model: nn.Module, group, init_fn: Callable[[str, tuple], torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        """model may be on the meta device: then init_fn(name, shape) gives each parameter's
-        initial value, and only one unit is ever materialised in full at a time."""
-        self.model, self.group = model, group
+    reduce_every_micro_batch = True
+
+    def __init__(self, model: nn.Module, group, init_fn: Callable[[str], torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, tp_group=None):
+        """model may be on the meta device: then init_fn(name) gives each parameter's initial
+        value (this rank's tensor-parallel slice), and only one unit is ever materialised in full
+        at a time."""
+        self.model, self.group, self.tp_group = model, group, tp_group
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self._pending: list = []
         names = {id(p): n for n, p in model.named_parameters()}
@@ -77,6 +80,7 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
                     unit.slots.append((owner, leaf, names[id(p)]))
             self._materialise(unit, init_fn, device, dtype)
         self.params = [getattr(o, a) for u in self.units for o, a, _ in u.slots]
+        self._index_specs()
         for unit in self.units:
             self._register_hooks(unit)
         model.register_forward_hook(self._after_model_forward)
@@ -91,7 +95,7 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
         for (owner, attr, name), p, offset in zip(unit.slots, originals, bucket.offsets):
             with torch.no_grad():
                 unit.full[offset:offset + p.numel()].copy_(
-                    init_fn(name, tuple(p.shape)).reshape(-1) if p.is_meta else p.detach().reshape(-1))
+                    init_fn(name).reshape(-1) if p.is_meta else p.detach().reshape(-1))
             # A tensor on the unit's storage with a version counter of its own (not a view of
             # `full`): the all-gathers that refill the storage must not look to autograd like
             # in-place changes of the weights it saved for backward.
@@ -208,6 +212,8 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
             unit.ready = 0
             if unit.gathered:
                 self._free(unit)
+        if is_last_micro_batch:
+            self._sum_partial_grads_over_tp()
 
     def after_step(self) -> None:
         """Nothing: the updated shards are what the next forward gathers."""

@@ -22,6 +22,7 @@ from strata.model.presets import get_preset
 from strata.model.transformer import Transformer
 from strata.parallel.apply import parallelize
 from strata.parallel.data import DataParallel
+from strata.parallel.tensor import gather_tensor_parallel, shard_specs, slice_tensor_parallel
 from strata.train import metrics as m
 from strata.train.optim import build_optimizer, lr_at
 
@@ -39,6 +40,7 @@ class Run:
     dims: ParallelDims
     dp_rank: int
     dp_group: object
+    tp_group: object
     model: Transformer
     parallel: DataParallel  # data parallelism / ZeRO: gradient sync, sharded states
     optimizer: torch.optim.Optimizer
@@ -61,25 +63,38 @@ def setup(cfg: TrainConfig) -> Run:
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     mesh = dims.build_mesh(device.type)
     dp_group = mesh["dp"].get_group() if mesh is not None and dims.dp > 1 else None
+    tp_group = mesh["tp"].get_group() if mesh is not None and dims.tp > 1 else None
     dp_rank = dims.coordinates(rank)["dp"]
 
     preset = get_preset(cfg.model)
-    train_source = load_data(cfg, "train", preset.vocab_size)
-    val_source = load_data(cfg, "val", preset.vocab_size)
+    train_source = load_data(cfg, "train", cfg.vocab_size or preset.vocab_size)
+    val_source = load_data(cfg, "val", cfg.vocab_size or preset.vocab_size)
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
     model_cfg = preset.with_overrides(vocab_size=train_source.vocab_size)
     seq_len = cfg.seq_len or model_cfg.max_seq_len
 
     torch.manual_seed(cfg.seed)
-    model, parallel = parallelize(model_cfg, cfg, device, PARAM_DTYPE[cfg.dtype], dp_group)
+    model, parallel = parallelize(model_cfg, cfg, device, PARAM_DTYPE[cfg.dtype], dp_group, tp_group)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg)
-    run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, model, parallel, optimizer,
+    run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, tp_group, model, parallel, optimizer,
               BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.micro_batch * dims.dp, cfg.seed, "val", dp_rank, dims.dp))
     run.owns_process_group = owns_process_group
     if cfg.resume:
-        run.start_step = store.load(cfg.resume, parallel, optimizer, device, rank, layout(run))["step"]
+        state, tensors = store.load(cfg.resume, optimizer, device, rank, layout(run))
+        if tp_group is not None:
+            tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
+        store.check_model_keys(cfg.resume, parallel.load_full_state_dict(tensors))
+        run.start_step = state["step"]
     return run
+
+
+def full_model_state(run: Run) -> dict[str, torch.Tensor]:
+    """The logical model's tensors (every rank takes part: ZeRO-3 and tensor parallelism gather)."""
+    state = run.parallel.full_state_dict()
+    if run.tp_group is not None:
+        state = gather_tensor_parallel(state, shard_specs(run.model), run.tp_group)
+    return state
 
 
 def layout(run: Run) -> dict:
@@ -186,14 +201,14 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
         if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
             state = {"config": cfg.to_dict(), "model_config": run.model_cfg.to_dict()}
             tokenizer = os.path.join(cfg.data, "tokenizer.json")
-            summary["checkpoint"] = store.save(cfg.save, step + 1, run.parallel, run.optimizer, state,
+            summary["checkpoint"] = store.save(cfg.save, step + 1, full_model_state(run), run.optimizer, state,
                                                run.rank, run.world_size, layout(run),
                                                (tokenizer,) if os.path.isfile(tokenizer) else ())
     progress.close()
     writer.close()
     summary["model"] = run.model
     if keep_state:
-        summary["state"] = run.parallel.full_state_dict()
+        summary["state"] = full_model_state(run)
     if run.owns_process_group:
         dist.destroy_process_group()
     return summary

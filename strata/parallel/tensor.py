@@ -1,0 +1,271 @@
+"""Tensor parallelism, Megatron-style 1-D (Shoeybi et al. 2019), with sequence parallelism
+(Korthikanti et al. 2022), applied to strata's plain model by swapping its layers.
+
+In each block the attention projections q, k, v and the MLP's first matrices are column-parallel
+(each rank computes a slice of the heads / of d_ff), the output projections are row-parallel (each
+rank holds a slice of the input features and the partial results are summed). The input of every
+column-parallel group passes through one `copy_to_tp` (identity forward, all-reduce backward),
+placed on the norm before it, so q, k and v share one collective; each row-parallel output through
+one all-reduce. So a block communicates 2 all-reduces of b·s·h forward and 2 backward.
+
+With sequence parallelism the regions between blocks (norms, residuals) hold 1/t of the sequence:
+the norm's copy becomes an all-gather of the sequence, the row-parallel all-reduce a reduce-scatter
+(same volume), and the norm weights, which now see 1/t of the tokens, have their gradients summed
+over the group.
+
+The vocabulary is split across ranks (embedding and head), padded to a multiple of t with rows
+that can never win: the cross-entropy masks the padded logits to -inf, so the loss is that of the
+unpadded model. The loss is computed without gathering the logits (Megatron's vocab-parallel
+cross-entropy: max, sum of exponentials and target logit are all-reduced, N numbers each).
+
+Grouped-query attention with fewer KV heads than ranks keeps the K and V projections whole on every
+rank; each rank uses the rows of the KV head its query heads read, and the gradients are summed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from strata.distributed import comm
+from strata.parallel import tensor_comm as tpc
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter relates to the logical (single-device) one."""
+    full_shape: tuple[int, ...]
+    dim: int | None = None  # split along this dim over the TP ranks; None: replicated
+    padded: int | None = None  # the full size along `dim` after padding (vocabulary)
+    partial_grad: bool = False  # replicated, but each rank's gradient is a part: sum over TP
+
+    def local(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        if self.dim is None:
+            return full
+        if self.padded and self.padded > full.shape[self.dim]:
+            pad_shape = list(full.shape)
+            pad_shape[self.dim] = self.padded - full.shape[self.dim]
+            full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.dim)
+        return full.chunk(world, dim=self.dim)[rank].clone()
+
+
+def _tp(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A's rows (output features) split; the input conversion is done by the caller."""
+
+    def __init__(self, full_in: int, full_out: int, bias: bool, group, padded_out: int | None = None):
+        super().__init__()
+        rank, world = _tp(group)
+        out = (padded_out or full_out) // world
+        self.weight = nn.Parameter(torch.empty(out, full_in))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        self.tp_specs = {"weight": ShardSpec((full_out, full_in), 0, padded_out)}
+        if bias:
+            self.tp_specs["bias"] = ShardSpec((full_out,), 0, padded_out)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r A_r^T, A's columns (input features) split; bias added once, after."""
+
+    def __init__(self, full_in: int, full_out: int, bias: bool, group, sequence_parallel: bool):
+        super().__init__()
+        rank, world = _tp(group)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(full_out, full_in // world))
+        self.bias = nn.Parameter(torch.empty(full_out)) if bias else None
+        self.tp_specs = {"weight": ShardSpec((full_out, full_in), 1)}
+        if bias:  # with sequence parallelism each rank adds it to its own tokens only
+            self.tp_specs["bias"] = ShardSpec((full_out,), None, partial_grad=sequence_parallel)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        y = tpc.scatter_seq(y, self.group) if self.sequence_parallel else tpc.reduce_from_tp(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedKVLinear(nn.Module):
+    """K or V projection when there are fewer KV heads than ranks: the whole weight on every rank,
+    of which this rank uses the rows of the KV heads its query heads attend with."""
+
+    def __init__(self, full_in: int, n_kv_heads: int, head_dim: int, bias: bool, kv_heads_used: range):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_kv_heads * head_dim, full_in))
+        self.bias = nn.Parameter(torch.empty(n_kv_heads * head_dim)) if bias else None
+        self.rows = slice(kv_heads_used.start * head_dim, kv_heads_used.stop * head_dim)
+        self.tp_specs = {"weight": ShardSpec(tuple(self.weight.shape), None, partial_grad=True)}
+        if bias:
+            self.tp_specs["bias"] = ShardSpec(tuple(self.bias.shape), None, partial_grad=True)
+
+    def forward(self, x):
+        bias = self.bias[self.rows] if self.bias is not None else None
+        return F.linear(x, self.weight[self.rows], bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r·V'/t, (r+1)·V'/t) of the (padded) table on rank r; a token outside them looks up
+    zeros here and is supplied by its owner through the all-reduce."""
+
+    def __init__(self, vocab: int, dim: int, group, padded_vocab: int):
+        super().__init__()
+        rank, world = _tp(group)
+        self.group = group
+        rows = padded_vocab // world
+        self.start, self.end = rank * rows, (rank + 1) * rows
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.tp_specs = {"weight": ShardSpec((vocab, dim), 0, padded_vocab)}
+
+    def forward(self, tokens):
+        outside = (tokens < self.start) | (tokens >= self.end)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return tpc.reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, start, vocab, group):
+        """logits: (N, V'/t) this rank's columns; targets: (N,) global ids. Returns (N,) losses."""
+        columns = torch.arange(start, start + logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(columns >= vocab, float("-inf"))  # padding never counts
+        maximum = logits.max(dim=-1).values
+        comm.all_reduce(maximum, group, tpc.GROUP, op=dist.ReduceOp.MAX)
+        shifted = logits - maximum[:, None]
+        mine = (targets >= start) & (targets < start + logits.shape[-1])
+        local_target = (targets - start).masked_fill(~mine, 0)
+        target_logit = shifted.gather(1, local_target[:, None])[:, 0].masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([target_logit, sum_exp])  # one all-reduce for the two sums
+        comm.all_reduce(both, group, tpc.GROUP)
+        target_logit, sum_exp = both[0], both[1]
+        softmax = exp / sum_exp[:, None]
+        ctx.save_for_backward(softmax, local_target, mine)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= mine.to(grad.dtype)
+        return grad * grad_loss[:, None], None, None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Mean cross-entropy over tokens from vocabulary-split logits, never gathering them."""
+
+    def __init__(self, vocab: int, padded_vocab: int, group):
+        super().__init__()
+        rank, world = _tp(group)
+        self.vocab, self.start, self.group = vocab, rank * padded_vocab // world, group
+
+    def forward(self, logits, targets):
+        if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax sums want fp32
+            logits = logits.float()
+        losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                  self.start, self.vocab, self.group)
+        return losses.mean()
+
+
+class GatherLogits(nn.Module):
+    """For generation: the full logits on every rank (all-gather over the vocabulary), unpadded."""
+
+    def __init__(self, vocab: int, group):
+        super().__init__()
+        self.vocab, self.group = vocab, group
+
+    def forward(self, logits):
+        world = dist.get_world_size(self.group)
+        local = logits.movedim(-1, 0).contiguous()
+        full = local.new_empty((local.shape[0] * world, *local.shape[1:]))
+        comm.all_gather(full, local, self.group, tpc.GROUP)
+        return full.movedim(0, -1)[..., :self.vocab]
+
+
+# --- applying it to the model ------------------------------------------------------------------
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
+    """Swap the layers of strata's Transformer (built on the meta device) for tensor-parallel ones;
+    their `tp_specs` say how each parameter is cut from the logical one."""
+    cfg = model.cfg
+    rank, world = _tp(group)
+    d, hd, bias = cfg.d_model, cfg.head_dim, cfg.bias
+    padded_vocab = math.ceil(cfg.vocab_size / world) * world
+    convert = (lambda module, args, out: tpc.gather_seq(out, group)) if sequence_parallel else \
+        (lambda module, args, out: tpc.copy_to_tp(out, group))
+    with torch.device("meta"):
+        model.embed = VocabParallelEmbedding(cfg.vocab_size, d, group, padded_vocab)
+        if model.head is not None:
+            model.head = ColumnParallelLinear(d, cfg.vocab_size, bias, group, padded_vocab)
+        model.criterion = VocabParallelCrossEntropy(cfg.vocab_size, padded_vocab, group)
+        model.gather_logits = GatherLogits(cfg.vocab_size, group)
+        for block in model.blocks:
+            attn, mlp = block.attn, block.mlp
+            attn.wq = ColumnParallelLinear(d, cfg.n_heads * hd, bias, group)
+            if cfg.kv_heads % world == 0:
+                attn.wk = ColumnParallelLinear(d, cfg.kv_heads * hd, bias, group)
+                attn.wv = ColumnParallelLinear(d, cfg.kv_heads * hd, bias, group)
+            else:  # fewer KV heads than ranks: keep K and V whole, use this rank's KV head
+                q_per_rank, q_per_kv = cfg.n_heads // world, cfg.n_heads // cfg.kv_heads
+                first = rank * q_per_rank // q_per_kv
+                used = range(first, (rank * q_per_rank + q_per_rank - 1) // q_per_kv + 1)
+                attn.wk = ReplicatedKVLinear(d, cfg.kv_heads, hd, bias, used)
+                attn.wv = ReplicatedKVLinear(d, cfg.kv_heads, hd, bias, used)
+            attn.wo = RowParallelLinear(cfg.n_heads * hd, d, bias, group, sequence_parallel)
+            if cfg.mlp == "swiglu":
+                mlp.w_gate = ColumnParallelLinear(d, cfg.d_ff, bias, group)
+                mlp.w_up = ColumnParallelLinear(d, cfg.d_ff, bias, group)
+                mlp.w_down = RowParallelLinear(cfg.d_ff, d, bias, group, sequence_parallel)
+            else:
+                mlp.w_in = ColumnParallelLinear(d, cfg.d_ff, bias, group)
+                mlp.w_out = RowParallelLinear(cfg.d_ff, d, bias, group, sequence_parallel)
+    norms = [m for b in model.blocks for m in (b.attn_norm, b.mlp_norm)] + [model.final_norm]
+    for norm in norms:  # one input conversion per column-parallel group, on the norm before it
+        norm.register_forward_hook(convert)
+        if sequence_parallel:  # the norm sees 1/t of the tokens: its gradient is a part
+            norm.tp_specs = {name: ShardSpec(tuple(p.shape), None, partial_grad=True)
+                             for name, p in norm.named_parameters()}
+    if sequence_parallel:  # blocks run on this rank's slice of the sequence
+        model.blocks[0].register_forward_pre_hook(
+            lambda module, args: (tpc.split_seq(args[0], group), *args[1:]))
+
+
+def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
+    """Each parameter's ShardSpec by its full name; parameters of unswapped layers are replicated."""
+    specs = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            specs[full] = getattr(module, "tp_specs", {}).get(name, ShardSpec(tuple(param.shape)))
+    return specs
+
+
+def gather_tensor_parallel(state: dict[str, torch.Tensor], specs: dict[str, ShardSpec], group) -> dict:
+    """This rank's slices -> the logical tensors (every rank of the group calls it)."""
+    world = dist.get_world_size(group)
+    full = {}
+    for name, tensor in state.items():
+        spec = specs.get(name)
+        if spec is None or spec.dim is None:
+            full[name] = tensor
+            continue
+        flat = tensor.new_empty(world * tensor.numel())
+        comm.all_gather(flat, tensor.contiguous().reshape(-1), group, tpc.GROUP)
+        parts = flat.view(world, *tensor.shape).unbind(0)
+        full[name] = torch.cat(parts, dim=spec.dim).narrow(spec.dim, 0, spec.full_shape[spec.dim]).clone()
+    return full
+
+
+def slice_tensor_parallel(state: dict[str, torch.Tensor], specs: dict[str, ShardSpec], group) -> dict:
+    """Logical tensors -> this rank's slices."""
+    rank, world = _tp(group)
+    return {name: specs[name].local(t, rank, world) if name in specs else t for name, t in state.items()}
