@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tp", type=int, default=1, help="split the model over N processes (tensor parallel)")
 
     plot = sub.add_parser("plot", help="draw the loss curve of a metrics file")
     plot.add_argument("metrics")
@@ -108,7 +109,7 @@ def _dispatch(args, argv) -> int:
         return 0
     if args.command == "generate":
         from strata.infer.cli import run_generate
-        return run_generate(args)
+        return run_generate(args, argv)
     if args.command == "plot":
         from strata.train.plot import plot_losses
         plot_losses(args.metrics, args.out)

@@ -6,24 +6,37 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from strata.checkpoint import store
 from strata.config import ConfigError
 from strata.infer.generate import generate
 from strata.model.config import ModelConfig
 from strata.model.transformer import build_model
+from strata.parallel.tensor import apply_tensor_parallel, shard_specs, slice_tensor_parallel
 
 
-def load_for_inference(checkpoint: str, device="cpu"):
-    """(model, tokenizer or None) from a checkpoint directory or a save directory."""
+def load_for_inference(checkpoint: str, device="cpu", tp_group=None):
+    """(model, tokenizer or None) from a checkpoint directory or a save directory; with a tp
+    group, the model split across its ranks (tensor-parallel inference)."""
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
     path = store.resolve(checkpoint)
     state = store.read_state(path)
     model_cfg = ModelConfig.from_dict(state["model_config"])
     dtype = torch.float64 if state["config"]["dtype"] == "fp64" else torch.float32
-    model = build_model(model_cfg, device, dtype, seed=0)
-    store.load_model(path, model, device)
+    model = build_model(model_cfg, seed=None)
+    if tp_group is not None:
+        if model_cfg.n_heads % dist.get_world_size(tp_group) or model_cfg.position == "alibi":
+            raise ConfigError(f"--tp {dist.get_world_size(tp_group)}: must divide the model's "
+                              f"{model_cfg.n_heads} heads (and the model must not use ALiBi)")
+        apply_tensor_parallel(model, tp_group)
+    model = model.to_empty(device=device).to(dtype)
+    tensors = store.read_model(path, device)
+    if tp_group is not None:
+        tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
+    store.check_model_keys(path, model.load_state_dict(tensors, strict=False))
+    model.reset_buffers()
     tokenizer = None
     tokenizer_file = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tokenizer_file):
@@ -32,7 +45,30 @@ def load_for_inference(checkpoint: str, device="cpu"):
     return model, tokenizer
 
 
-def run_generate(args) -> int:
+def run_generate(args, argv: list[str]) -> int:
+    """Generate on one process, or on --tp N processes (launched here unless torchrun did)."""
+    if args.tp < 1:
+        raise ConfigError(f"--tp {args.tp}: must be >= 1")
+    launched = "LOCAL_RANK" in os.environ
+    if args.tp > 1 and not launched:
+        from strata.distributed.launch import launch_local
+        return launch_local(args.tp, argv)
+    tp_group, rank = None, 0
+    if launched and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+        _, world, _ = init_distributed(pick_device("cpu"), timeout_s=300)
+        if world != args.tp:
+            raise ConfigError(f"--tp {args.tp}: launched with {world} processes; they must be equal")
+        tp_group = ParallelDims(tp=world).build_mesh("cpu")["tp"].get_group()
+        rank = dist.get_rank()
+    try:
+        return _generate(args, tp_group, rank)
+    finally:
+        if tp_group is not None:
+            dist.destroy_process_group()
+
+
+def _generate(args, tp_group, rank: int) -> int:
     for name in ("max_new_tokens", "top_k"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -41,7 +77,7 @@ def run_generate(args) -> int:
         raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1]")
-    model, tokenizer = load_for_inference(args.checkpoint)
+    model, tokenizer = load_for_inference(args.checkpoint, tp_group=tp_group)
     if args.prompt is not None:
         if tokenizer is None:
             raise ConfigError(f"--prompt: checkpoint {args.checkpoint} has no tokenizer.json "
@@ -56,7 +92,7 @@ def run_generate(args) -> int:
     if not ids or any(not 0 <= i < vocab for i in ids):
         raise ConfigError(f"prompt ids {ids[:8]}: want at least one id, each in [0, {vocab})")
 
-    out = sys.stdout
+    out = sys.stdout if rank == 0 else open(os.devnull, "w")  # every rank computes, rank 0 prints
     out.write(args.prompt if args.prompt is not None else " ".join(map(str, ids)))
     generated: list[int] = []
     printed = ""

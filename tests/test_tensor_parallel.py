@@ -1,0 +1,107 @@
+"""Tensor parallelism (and sequence parallelism) against the single-process run, and its traffic
+against the Megatron count."""
+
+import functools
+
+import pytest
+import torch
+
+from distributed import run_on_ranks
+from strata.config import TrainConfig
+from strata.model.presets import get_preset
+from strata.train.trainer import train
+
+# vocab 250 is not divisible by 4, so tp 4 pads it to 252 (the padding must not change the loss); tiny has
+# 4 query heads and 2 KV heads, so tp 4 replicates the KV heads.
+BASE = dict(seq_len=32, steps=10, progress=False, peak_flops=1e10, eval_batches=1, lr=3e-3, seed=7,
+            vocab_size=250, global_batch=4, micro_batch=2, grad_clip=0.5)
+
+
+def _run(settings):
+    s = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    return {"losses": s["losses"], "state": s["state"], "record": s["records"][-1]}
+
+
+@functools.lru_cache(maxsize=None)
+def single_process(model, dtype):
+    return _run(dict(model=model, dtype=dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def parallel_run(world, settings_key):
+    return run_on_ranks(_run, world, dict(settings_key), timeout=300)
+
+
+LAYOUTS = [
+    ("tiny", 2, dict(tp=2)),
+    ("tiny", 2, dict(tp=2, sequence_parallel=True)),
+    ("tiny", 4, dict(tp=4)),  # replicated KV heads, padded vocabulary
+    ("tiny", 4, dict(tp=4, sequence_parallel=True)),
+    ("tiny-gpt2", 2, dict(tp=2, sequence_parallel=True)),  # biases, tied embeddings, learned positions
+    ("tiny", 4, dict(dp=2, tp=2, zero=0)),
+    ("tiny", 4, dict(dp=2, tp=2, zero=1)),
+    ("tiny", 4, dict(dp=2, tp=2, zero=2, sequence_parallel=True)),
+    ("tiny", 4, dict(dp=2, tp=2, zero=3)),
+]
+
+
+@pytest.mark.parametrize("dtype,rtol", [("fp64", 1e-10), ("fp32", 1e-5)])
+@pytest.mark.parametrize("model,world,layout", LAYOUTS, ids=lambda v: str(v))
+def test_tensor_parallel_reproduces_the_single_process_run(model, world, layout, dtype, rtol):
+    reference = single_process(model, dtype)
+    ranks = parallel_run(world, tuple(sorted({**layout, "model": model, "dtype": dtype}.items())))
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=rtol, atol=0)
+    # The gathered parameters are the logical ones. Adam divides by the root of the squared
+    # gradient, which turns fp32 rounding in near-zero gradient entries into visible differences
+    # of the update: parameters get a looser absolute tolerance than losses in fp32.
+    atol = 1e-10 if dtype == "fp64" else 1e-4
+    for name, value in reference["state"].items():
+        torch.testing.assert_close(ranks[0]["state"][name], value, rtol=rtol * 100, atol=atol)
+
+
+def tp_bytes_per_micro_batch(cfg, b, s, t, sequence_parallel, element=4):
+    """Bytes each rank sends in the tp group for one micro-batch (forward and backward), from the
+    Megatron analysis: per block 2 all-reduces of b·s·h forward and 2 backward, each 2(t-1)/t of
+    its size; with sequence parallelism, all-gathers and reduce-scatters of the same volume."""
+    bsh, ring = b * s * cfg.d_model * element, (t - 1) / t
+    per_block = 4 * 2 * ring * bsh  # identical with and without sequence parallelism
+    embedding = 2 * ring * bsh + (ring * bsh if sequence_parallel else 0)  # all-reduce (+ split's gather)
+    head_input = 2 * ring * bsh  # copy's all-reduce backward, or gather forward + scatter backward
+    cross_entropy = 2 * ring * 3 * b * s * element  # max, then (target logit, sum of exp)
+    return cfg.n_layers * per_block, embedding + head_input + cross_entropy
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_traffic_matches_the_megatron_count(sequence_parallel):
+    ranks = parallel_run(2, tuple(sorted({"tp": 2, "sequence_parallel": sequence_parallel, "model": "tiny",
+                                          "dtype": "fp32"}.items())))
+    cfg, t, micro_batches = get_preset("tiny"), 2, 2
+    blocks, rest = tp_bytes_per_micro_batch(cfg, BASE["micro_batch"], BASE["seq_len"], t, sequence_parallel)
+    norm_grads = (2 * cfg.n_layers + 1) * cfg.d_model * 4 * 2 * (t - 1) / t if sequence_parallel else 0
+    grad_norm = 2 * (t - 1) / t * 8  # one fp64 sum of squares
+    expected = micro_batches * (blocks + rest) + norm_grads + grad_norm
+    for rank in ranks:
+        by_op = rank["record"]["comm_bytes_by_op"]
+        measured = sum(v for k, v in by_op.items() if k.endswith("/tp"))
+        assert measured == pytest.approx(expected, rel=1e-12), by_op
+        ops = {k.split("/")[0] for k in by_op if k.endswith("/tp")}
+        assert ops == ({"all_reduce", "all_gather", "reduce_scatter"} if sequence_parallel else {"all_reduce"})
+
+
+def test_generation_with_tp_equals_single_process(tmp_path):
+    import subprocess
+    import sys
+    run = lambda *a: subprocess.run([sys.executable, "-m", "strata", *map(str, a)], capture_output=True,  # noqa: E731
+                                    text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    trained = run("train", "--model", "tiny", "--steps", 3, "--global-batch", 2, "--micro-batch", 2, "--seq-len", 32,
+                  "--vocab-size", 250, "--save", tmp_path / "ck", "--no-progress", "--peak-flops", 1e10)
+    assert trained.returncode == 0, trained.stderr
+    outputs = {}
+    for tp in (1, 2, 4):
+        result = run("generate", "--checkpoint", tmp_path / "ck", "--prompt-ids", "1,2,3", "--max-new-tokens", 16,
+                     "--temperature", 0, "--tp", tp)
+        assert result.returncode == 0, result.stderr
+        outputs[tp] = result.stdout.split()
+    assert len(outputs[1]) == 3 + 16
+    assert outputs[2] == outputs[1] and outputs[4] == outputs[1]
