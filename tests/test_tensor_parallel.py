@@ -63,11 +63,15 @@ def test_tensor_parallel_reproduces_the_single_process_run(model, world, layout,
 def tp_bytes_per_micro_batch(cfg, b, s, t, sequence_parallel, element=4):
     """Bytes each rank sends in the tp group for one micro-batch (forward and backward), from the
     Megatron analysis: per block 2 all-reduces of b·s·h forward and 2 backward, each 2(t-1)/t of
-    its size; with sequence parallelism, all-gathers and reduce-scatters of the same volume."""
+    its size; with sequence parallelism, all-gathers and reduce-scatters of the same volume, plus
+    the all-gather in backward that re-creates each column group's input from the shard kept."""
     bsh, ring = b * s * cfg.d_model * element, (t - 1) / t
     per_block = 4 * 2 * ring * bsh  # identical with and without sequence parallelism
     embedding = 2 * ring * bsh + (ring * bsh if sequence_parallel else 0)  # all-reduce (+ split's gather)
     head_input = 2 * ring * bsh  # copy's all-reduce backward, or gather forward + scatter backward
+    if sequence_parallel:  # Korthikanti's re-gather of each column group's input in backward
+        per_block += 2 * ring * bsh
+        head_input += ring * bsh
     cross_entropy = 2 * ring * 3 * b * s * element  # max, then (target logit, sum of exp)
     return cfg.n_layers * per_block, embedding + head_input + cross_entropy
 
@@ -105,3 +109,44 @@ def test_generation_with_tp_equals_single_process(tmp_path):
         outputs[tp] = result.stdout.split()
     assert len(outputs[1]) == 3 + 16
     assert outputs[2] == outputs[1] and outputs[4] == outputs[1]
+
+
+def _saved_bytes_of_first_block(tp, sequence_parallel):
+    """Bytes autograd keeps for backward inside blocks[0] of tiny (b=2, s=64, fp32) on this rank."""
+    from strata.memory.activations import count_saved_activations
+    from strata.train import trainer
+    run = trainer.setup(TrainConfig(model="tiny", tp=tp, sequence_parallel=sequence_parallel, seq_len=64,
+                                    micro_batch=2, global_batch=2, progress=False, peak_flops=1e10))
+    inputs, targets = run.train_data.batch(0)
+    with count_saved_activations(run.model) as saved:
+        saved.active = False
+        block = run.model.blocks[0]
+        block.register_forward_pre_hook(lambda *a: setattr(saved, "active", True))
+        block.register_forward_hook(lambda *a: setattr(saved, "active", False))
+        run.model(inputs, targets)
+    return saved.bytes
+
+
+def test_activation_memory_per_layer_falls_with_tp_as_korthikanti_predicts():
+    """Korthikanti et al. 2022 (Table 2) split a block's saved activations into a part every TP
+    rank keeps whole (the norm regions) and a part split t ways, and with sequence parallelism
+    split the first part too. For strata's LLaMA block (RMSNorm, SwiGLU, fused attention that
+    keeps no s x s scores), per token in fp32 elements:
+      kept whole: 2 norms x (input h, normalised h, output h, 1/rms) = 6h + 2
+      split:      q h, k and v h·kv/a each, attention output h, log-sum-exp a, SwiGLU 4 d_ff
+    """
+    cfg, b, s = get_preset("tiny"), 2, 64
+    h, a, ff = cfg.d_model, cfg.n_heads, cfg.d_ff
+    replicated = 6 * h + 2
+    split = h + 2 * h * cfg.kv_heads / a + h + a + 4 * ff
+    tokens_bytes = b * s * 4
+    t1 = _saved_bytes_of_first_block(1, False)
+    assert t1 == pytest.approx(tokens_bytes * (replicated + split), rel=0.10)
+    tp2 = run_on_ranks(_saved_bytes_of_first_block, 2, 2, False)
+    sp2 = run_on_ranks(_saved_bytes_of_first_block, 2, 2, True)
+    predicted_tp = (replicated + split / 2) / (replicated + split)  # sbh(10 + 24/t + ...) in kind
+    predicted_sp = 1 / 2  # sbh(34/t + 5as/(ht)): everything divided by t
+    for measured in tp2:
+        assert measured / t1 == pytest.approx(predicted_tp, rel=0.10), (measured, t1)
+    for measured in sp2:
+        assert measured / t1 == pytest.approx(predicted_sp, rel=0.10), (measured, t1)

@@ -200,7 +200,8 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     rank, world = _tp(group)
     d, hd, bias = cfg.d_model, cfg.head_dim, cfg.bias
     padded_vocab = math.ceil(cfg.vocab_size / world) * world
-    convert = (lambda module, args, out: tpc.gather_seq(out, group)) if sequence_parallel else \
+    saver = tpc.SequenceParallelSaver(group) if sequence_parallel else None
+    convert = (lambda module, args, out: tpc.gather_seq(out, group, saver)) if sequence_parallel else \
         (lambda module, args, out: tpc.copy_to_tp(out, group))
     with torch.device("meta"):
         model.embed = VocabParallelEmbedding(cfg.vocab_size, d, group, padded_vocab)
@@ -237,6 +238,24 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     if sequence_parallel:  # blocks run on this rank's slice of the sequence
         model.blocks[0].register_forward_pre_hook(
             lambda module, args: (tpc.split_seq(args[0], group), *args[1:]))
+        _keep_shards_for_backward(model, saver)
+
+
+def _keep_shards_for_backward(model: nn.Module, saver: "tpc.SequenceParallelSaver") -> None:
+    """Install the saver's saved-tensor hooks for the length of each forward of the model."""
+    active = []
+
+    def enter(module, args):
+        hooks = torch.autograd.graph.saved_tensors_hooks(saver.pack, saver.unpack)
+        hooks.__enter__()
+        active.append(hooks)
+
+    def leave(module, args, output):
+        active.pop().__exit__(None, None, None)
+        saver.end_forward()
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave)
 
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:

@@ -14,10 +14,14 @@ counts the bytes under the group name "tp"."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from strata.distributed import comm
+from strata.memory.activations import observe
 
 GROUP = "tp"
 
@@ -33,7 +37,9 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     local = x.transpose(0, 1).contiguous()
     out = local.new_empty((local.shape[0] * world, *local.shape[1:]))
     comm.all_gather(out, local, group, GROUP)
-    return out.transpose(0, 1)
+    # contiguous (batch, seq, hidden): the linear layers reading it save views of this storage,
+    # which is what lets SequenceParallelSaver recognise them
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -72,13 +78,16 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, saver):
         ctx.group = group
-        return _gather_seq(x, group)
+        full = _gather_seq(x, group)
+        if saver is not None:
+            saver.note(full, x)
+        return full
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        return _reduce_scatter_seq(grad, ctx.group), None, None
 
 
 class _ScatterSeq(torch.autograd.Function):
@@ -111,8 +120,8 @@ def reduce_from_tp(x, group):
     return _ReduceFromTP.apply(x, group)
 
 
-def gather_seq(x, group):
-    return _GatherSeq.apply(x, group)
+def gather_seq(x, group, saver: "SequenceParallelSaver | None" = None):
+    return _GatherSeq.apply(x, group, saver)
 
 
 def scatter_seq(x, group):
@@ -121,3 +130,50 @@ def scatter_seq(x, group):
 
 def split_seq(x, group):
     return _SplitSeq.apply(x, group)
+
+
+class SequenceParallelSaver:
+    """Saved-tensor hooks for sequence parallelism (Korthikanti et al. 2022, section 4.2.2): the
+    all-gathered input of a column-parallel group is not kept for backward; its local 1/t shard
+    is, and backward gathers it again (one more all-gather per group, in backward), so that every
+    activation between the blocks takes 1/t of the memory.
+
+    Active during the model's forward (its pack hook) and backward (its unpack hook)."""
+
+    def __init__(self, group):
+        self.group = group
+        # id(gathered tensor) -> (weak reference to it, its number, the local shard). Matched by
+        # object identity, not by storage address: a freed tensor's address is soon reused.
+        self._shards: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._uses: dict[int, int] = {}  # id -> unpacks still to come
+        self._regathered: dict[int, torch.Tensor] = {}
+        self._ids = itertools.count()
+
+    def note(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        self._shards[id(full)] = (weakref.ref(full), next(self._ids), local.detach())
+
+    def end_forward(self) -> None:
+        self._shards.clear()
+
+    def pack(self, tensor: torch.Tensor):
+        base = tensor._base if tensor._base is not None else tensor  # a view's root tensor
+        found = self._shards.get(id(base))
+        if found is None or found[0]() is not base:
+            observe(tensor)
+            return tensor
+        _, uid, local = found
+        observe(local)
+        self._uses[uid] = self._uses.get(uid, 0) + 1
+        return (uid, local, tensor.shape, tensor.stride(), tensor.storage_offset())
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        uid, local, shape, stride, offset = packed
+        if uid not in self._regathered:
+            self._regathered[uid] = _gather_seq(local, self.group)
+        full = self._regathered[uid]
+        self._uses[uid] -= 1
+        if self._uses[uid] == 0:  # q, k and v have all had it: let it go
+            del self._uses[uid], self._regathered[uid]
+        return full.as_strided(shape, stride, offset)

@@ -1,4 +1,5 @@
-"""One rank of one data-parallel benchmark job (started by bench/data_parallel.py via torchrun).
+"""One rank of one benchmark job (started via torchrun by bench/data_parallel.py and
+bench/tensor_parallel.py).
 
 Every implementation trains strata's model (the same weights, batches and AdamW settings) so that
 only the data-parallel machinery differs. Writes {"step_times": [...], "peak_rss": bytes} for
@@ -38,6 +39,40 @@ def peer_loop(model, optimizer_step, backward, steps, cfg, rank, world):
     return times
 
 
+def run_dtensor_tp(cfg, rank, world):
+    """torch's own tensor parallelism on the same model: DTensor ColwiseParallel / RowwiseParallel
+    with the Megatron placement (q, k, v and the MLP's first matrices column-wise, the output
+    projections row-wise; the embedding split by vocabulary, the head column-wise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    model = build_model(get_preset(cfg.model), seed=0)
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.blocks)):
+        plan.update({f"blocks.{i}.attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
+        plan[f"blocks.{i}.attn.wo"] = RowwiseParallel()
+        plan.update({f"blocks.{i}.mlp.{w}": ColwiseParallel() for w in ("w_gate", "w_up")})
+        plan[f"blocks.{i}.mlp.w_down"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+
+    def step():
+        # clip_grad_norm_ refuses a mix of DTensor and plain gradients (the norms stay plain)
+        from torch.distributed.tensor import DTensor
+        norms = [torch.linalg.vector_norm(p.grad) for p in model.parameters()]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        scale = min(1.0, CLIP / (torch.linalg.vector_norm(torch.stack(norms)).item() + 1e-6))
+        for p in model.parameters():
+            p.grad.mul_(scale)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    # every rank of the TP group reads the same batch, of micro_batch sequences (as strata's)
+    cfg.global_batch = cfg.micro_batch
+    return peer_loop(model, step, lambda loss: loss.backward(), cfg.steps, cfg, 0, 1)
+
+
 def run_torch(impl, cfg, rank, world):
     model = build_model(get_preset(cfg.model), seed=0)
     if impl == "ddp":
@@ -70,15 +105,20 @@ def run_deepspeed(zero, cfg, rank, world):
     return peer_loop(engine, engine.step, engine.backward, cfg.steps, cfg, rank, world)
 
 
-def run_strata(zero, cfg):
+def run_strata(impl, cfg, world):
     from strata.train.trainer import train
-    cfg.zero = zero
+    if impl.startswith("strata-z"):
+        cfg.zero = int(impl[-1])
+    else:  # strata-tp[-sp]: all ranks in one tensor-parallel group
+        cfg.tp, cfg.dp, cfg.sequence_parallel = world, 1, impl.endswith("-sp")
+        cfg.global_batch = cfg.micro_batch
     return train(cfg)["step_times"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", required=True)  # strata-z0..3, ddp, fsdp2, deepspeed-z0..3
+    # strata-z0..3, ddp, fsdp2, deepspeed-z0..3 (data parallel); strata-tp, strata-tp-sp, dtensor-tp
+    parser.add_argument("--impl", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -91,14 +131,17 @@ def main() -> None:
                       global_batch=args.micro_batch * world, progress=False, peak_flops=1e12, eval_batches=1,
                       lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, grad_clip=CLIP)
     impl = args.impl
-    if impl.startswith("strata-z"):
-        times = run_strata(int(impl[-1]), cfg)
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+    rank = int(os.environ["RANK"])
+    if impl.startswith("strata"):
+        times = run_strata(impl, cfg, world)
     else:
         dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        times = (run_deepspeed(int(impl[-1]), cfg, rank, world) if impl.startswith("deepspeed")
-                 else run_torch(impl, cfg, rank, world))
+        if impl.startswith("deepspeed"):
+            times = run_deepspeed(int(impl[-1]), cfg, rank, world)
+        elif impl == "dtensor-tp":
+            times = run_dtensor_tp(cfg, rank, world)
+        else:
+            times = run_torch(impl, cfg, rank, world)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if rank == 0:
         with open(args.out, "w") as f:
