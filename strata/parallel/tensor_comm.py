@@ -55,25 +55,27 @@ def _split_seq(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(world, dim=1)[rank].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _conjugate(name: str, forward, backward):
+    """An autograd function that runs `forward(x, group)` and, on the gradient, `backward`."""
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    op = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    return op.apply
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+def _identity(x, group):
+    return x
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+
+copy_to_tp = _conjugate("CopyToTP", _identity, _all_reduce)
+reduce_from_tp = _conjugate("ReduceFromTP", _all_reduce, _identity)
+scatter_seq = _conjugate("ScatterSeq", _reduce_scatter_seq, _gather_seq)
+split_seq = _conjugate("SplitSeq", _split_seq, _gather_seq)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -90,46 +92,8 @@ class _GatherSeq(torch.autograd.Function):
         return _reduce_scatter_seq(grad, ctx.group), None, None
 
 
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
-
-
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
-
-
-def copy_to_tp(x, group):
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(x, group):
-    return _ReduceFromTP.apply(x, group)
-
-
 def gather_seq(x, group, saver: "SequenceParallelSaver | None" = None):
     return _GatherSeq.apply(x, group, saver)
-
-
-def scatter_seq(x, group):
-    return _ScatterSeq.apply(x, group)
-
-
-def split_seq(x, group):
-    return _SplitSeq.apply(x, group)
 
 
 class SequenceParallelSaver:
