@@ -86,10 +86,6 @@ def read_model(path: str, device) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(resolve(path), "model.safetensors"), device=str(device))
 
 
-def load_model(path: str, model, device) -> None:
-    check_model_keys(path, model.load_state_dict(read_model(path, device), strict=False))
-
-
 def check_model_keys(path: str, result) -> None:
     missing, unexpected = result
     if missing or unexpected:
