@@ -39,22 +39,34 @@ def peer_loop(model, optimizer_step, backward, steps, cfg, rank, world):
     return times
 
 
-def run_dtensor_tp(cfg, rank, world):
+def run_dtensor_tp(cfg, rank, world, sequence_parallel):
     """torch's own tensor parallelism on the same model: DTensor ColwiseParallel / RowwiseParallel
     with the Megatron placement (q, k, v and the MLP's first matrices column-wise, the output
-    projections row-wise; the embedding split by vocabulary, the head column-wise)."""
+    projections row-wise; the embedding split by vocabulary, the head column-wise), and with
+    sequence parallelism torchtitan's plan (SequenceParallel norms, PrepareModuleInput gathers)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
     model = build_model(get_preset(cfg.model), seed=0)
     mesh = init_device_mesh("cpu", (world,))
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Replicate())}
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sequence_parallel:
+        plan["final_norm"] = SequenceParallel()
     for i in range(len(model.blocks)):
-        plan.update({f"blocks.{i}.attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
-        plan[f"blocks.{i}.attn.wo"] = RowwiseParallel()
-        plan.update({f"blocks.{i}.mlp.{w}": ColwiseParallel() for w in ("w_gate", "w_up")})
-        plan[f"blocks.{i}.mlp.w_down"] = RowwiseParallel()
+        block = f"blocks.{i}"
+        plan.update({f"{block}.attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
+        plan[f"{block}.attn.wo"] = RowwiseParallel(output_layouts=seq)
+        plan.update({f"{block}.mlp.{w}": ColwiseParallel() for w in ("w_gate", "w_up")})
+        plan[f"{block}.mlp.w_down"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:
+            plan[f"{block}.attn_norm"] = SequenceParallel()
+            plan[f"{block}.mlp_norm"] = SequenceParallel()
+            plan[f"{block}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                       desired_input_layouts=(Replicate(), None, None, None))
+            plan[f"{block}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     parallelize_module(model, mesh, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
 
@@ -117,7 +129,7 @@ def run_strata(impl, cfg, world):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    # strata-z0..3, ddp, fsdp2, deepspeed-z0..3 (data parallel); strata-tp, strata-tp-sp, dtensor-tp
+    # strata-z0..3, ddp, fsdp2, deepspeed-z0..3 (data parallel); strata-tp[-sp], dtensor-tp[-sp]
     parser.add_argument("--impl", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -138,8 +150,8 @@ def main() -> None:
         dist.init_process_group("gloo")
         if impl.startswith("deepspeed"):
             times = run_deepspeed(int(impl[-1]), cfg, rank, world)
-        elif impl == "dtensor-tp":
-            times = run_dtensor_tp(cfg, rank, world)
+        elif impl.startswith("dtensor-tp"):
+            times = run_dtensor_tp(cfg, rank, world, sequence_parallel=impl.endswith("-sp"))
         else:
             times = run_torch(impl, cfg, rank, world)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
