@@ -162,9 +162,13 @@ class DataParallel:
         """The global L2 norm of the averaged gradient. Squares are summed in fp64 over what this
         rank holds, over the dp ranks when they hold disjoint parts (ZeRO), and over the tp ranks
         for tensor-parallel slices; replicated parameters count once."""
+        pairs = self.grad_pairs()
         squares = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # (tp-split, replicated)
-        for grad, param in self.grad_pairs():
-            squares[int(self.spec_of(param).dim is None)] += grad.double().square().sum()
+        if pairs:
+            norms = torch.stack(torch._foreach_norm([g for g, _ in pairs])).double()  # one kernel per dtype
+            replicated = torch.tensor([self.spec_of(p).dim is None for _, p in pairs], device=norms.device)
+            squares[0] = norms[~replicated].square().sum()
+            squares[1] = norms[replicated].square().sum()
         if self.grads_sharded and self.group is not None:
             comm.all_reduce(squares, self.group, "dp")
         if self.tp_group is not None:
