@@ -48,8 +48,8 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                                 help=TRAIN_HELP.get(f.name, f"turn off {f.name}"))
             continue
         kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-        parser.add_argument(flag, type=kind, default=None,
-                            help=f"{TRAIN_HELP.get(f.name, '')} (default: {f.default})".strip())
+        default = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument(flag, type=kind, default=None, help=f"{TRAIN_HELP.get(f.name, '')}{default}".strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
