@@ -56,7 +56,6 @@ def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
 
 class FullyShardedDataParallel(ShardedStates, DataParallel):
     stage = 3
-
     reduce_every_micro_batch = True
 
     def __init__(self, model: nn.Module, group, init_fn: Callable[[str], torch.Tensor] | None = None,
@@ -68,7 +67,7 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self._pending: list = []
         names = {id(p): n for n, p in model.named_parameters()}
-        tied = getattr(model, "head", 1) is None and getattr(model.cfg, "tie_embeddings", False)
+        tied = model.cfg.tie_embeddings  # the head reads the embedding last: keep it gathered
         self.units = [Unit(i, mods, keep_after_forward=(i == 0 and tied))
                       for i, mods in enumerate(transformer_units(model))]
         self.pieces, self.shard_params = [], []
