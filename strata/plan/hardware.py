@@ -1,0 +1,48 @@
+"""The devices and links the planner knows, from their datasheets.
+
+Peak rates are dense matrix FLOP/s (no sparsity); bandwidths are bytes per second in one
+direction. `cpu-local` has no datasheet: `strata calibrate` measures it (planner issue)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: int
+    peak_flops: dict[str, float]  # by compute dtype: "bf16", "fp16", "fp32"
+    memory_bandwidth: float  # bytes/s, HBM (or GDDR)
+    nvlink_bandwidth: float | None  # bytes/s per direction per device; None: no NVLink
+
+
+# NVIDIA datasheets (V100 SXM2, A100 SXM4, A800 SXM4, H100 SXM5, H200 SXM, GeForce RTX 4090).
+# fp32 is the plain (non-TF32) rate; RTX 4090's 16-bit rate is with fp32 accumulation.
+DEVICES: dict[str, Device] = {d.name: d for d in (
+    Device("V100-32G", 32 * GB, {"fp16": 125e12, "fp32": 15.7e12}, 900 * GB, 150 * GB),
+    Device("A100-40G", 40 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 1555 * GB, 300 * GB),
+    Device("A100-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 300 * GB),
+    Device("A800-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 200 * GB),
+    Device("H100-80G", 80 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 3350 * GB, 450 * GB),
+    Device("H200", 141 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 4800 * GB, 450 * GB),
+    Device("RTX-4090", 24 * GB, {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}, 1008 * GB, None),
+)}
+
+# Links between devices, bytes/s per direction: PCIe 4.0 x16 inside a node; Ethernet and
+# InfiniBand (HDR 200 Gb/s, NDR 400 Gb/s) per node between nodes.
+LINKS: dict[str, float] = {
+    "pcie": 32 * GB,
+    "10gbe": 1.25 * GB,
+    "100gbe": 12.5 * GB,
+    "ib-200": 25 * GB,
+    "ib-400": 50 * GB,
+}
+
+
+def get_device(name: str) -> Device:
+    if name not in DEVICES:
+        raise KeyError(f"unknown device {name!r}; valid: {', '.join(DEVICES)}")
+    return DEVICES[name]

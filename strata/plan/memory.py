@@ -1,0 +1,65 @@
+"""Memory per device: model states (Rajbhandari et al., ZeRO, 2020) and activations (Korthikanti
+et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, Table 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Bytes per parameter of (weights, gradients, optimizer states) for Adam.
+# Mixed precision: 16-bit weights and gradients, fp32 master weights, momentum and variance.
+STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed") -> ModelStates:
+    """Bytes per device of Adam's model states under ZeRO stage `zero` over `dp` ranks:
+    ZeRO-1 shards the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage {zero}: valid 0, 1, 2, 3")
+    w, g, o = (b * params for b in STATE_BYTES[precision])
+    return ModelStates(w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, o / dp if zero >= 1 else o)
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, checkpointing: str = "none") -> float:
+    """16-bit activation bytes one transformer layer keeps for backward, per device (Korthikanti
+    et al. 2022, Table 2):
+      none, no TP:          sbh(34 + 5as/h)
+      tensor parallel:      sbh(10 + 24/t + 5as/(ht))
+      + sequence parallel:  sbh(34/t + 5as/(ht))
+      selective recompute:  34·sbh/t with sequence parallelism (the attention core is recomputed),
+                            sbh(10 + 24/t) without
+      full recompute:       2·sbh (the layer input only; /t with sequence parallelism)"""
+    sbh = seq * batch * hidden
+    attention = 5 * heads * seq / (hidden * tp)
+    if checkpointing == "full":
+        return 2 * sbh / (tp if sequence_parallel else 1)
+    if checkpointing not in ("none", "selective"):
+        raise ValueError(f"checkpointing {checkpointing!r}: valid none, selective, full")
+    if checkpointing == "selective":
+        attention = 0.0
+    if sequence_parallel:
+        return sbh * (34 / tp + attention)
+    if tp == 1:
+        return sbh * (34 + attention)
+    return sbh * (10 + 24 / tp + attention)
+
+
+def inference_weight_bytes(params: float, bytes_per_param: int = 2) -> float:
+    """Weights alone, for 16-bit inference (KV cache and workspace come on top)."""
+    return params * bytes_per_param
+
+
+def largest_model(device_bytes: float, bytes_per_param: float) -> float:
+    """The most parameters whose per-parameter bytes fit in `device_bytes` (states alone)."""
+    return device_bytes / bytes_per_param
