@@ -29,13 +29,12 @@ class ShardedStates:
 
     pieces: list
     shard_params: list[torch.Tensor]
+    grads_sharded = True
 
     def optimizer_param_groups(self):
         decay = [s for pc, s in zip(self.pieces, self.shard_params) if pc.decays]
         no_decay = [s for pc, s in zip(self.pieces, self.shard_params) if not pc.decays]
         return decay, no_decay
-
-    grads_sharded = True
 
     def grad_pairs(self):
         return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]
