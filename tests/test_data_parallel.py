@@ -152,3 +152,29 @@ def _resume_with_another_layout(tmp):
 def test_resume_of_sharded_states_under_another_layout_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="split optimizer states .ZeRO, tensor parallel. load only under the layout"):
         run_on_ranks(_resume_with_another_layout, 2, str(tmp_path), timeout=120)
+
+
+def _launch_points(zero):
+    """For each bucket's collective: how many parameters still had no gradient when it started."""
+    from strata.train import trainer
+    run = trainer.setup(TrainConfig(model="tiny", seq_len=32, global_batch=2, micro_batch=1, zero=zero,
+                                    bucket_mb=0.05, progress=False, peak_flops=1e10, eval_batches=1))
+    parallel, points = run.parallel, []
+    arrived = set()
+    for p in parallel.params:
+        p.register_post_accumulate_grad_hook(lambda p: arrived.add(id(p)))
+    launch = parallel._launch
+
+    def recording_launch(bucket):  # runs inside the hook of the gradient that completed the bucket
+        points.append(len(parallel.params) - len(arrived) - 1)
+        launch(bucket)
+    parallel._launch = recording_launch
+    trainer.train_step(run, 0)
+    return len(parallel.buckets), points
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_buckets_are_reduced_while_backward_still_runs(zero):
+    for buckets, points in run_on_ranks(_launch_points, 2, zero, timeout=120):
+        assert buckets > 3 and len(points) == buckets
+        assert all(p > 0 for p in points[:-1]) and points[-1] == 0  # every bucket but the last overlaps
