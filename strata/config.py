@@ -84,8 +84,22 @@ def load_toml(path: str) -> dict:
     return out
 
 
-def make_config(file_values: dict, flag_values: dict) -> TrainConfig:
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_types(values: dict, source: str) -> None:
+    """TOML values must have the field's type (an int where a float is wanted is fine)."""
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    for key, value in values.items():
+        base = types[key].split(" | ")[0]
+        ok = isinstance(value, _TYPES[base]) and not (base in ("int", "float") and isinstance(value, bool))
+        if not ok and not (value is None and "None" in types[key]):
+            raise ConfigError(f"{source}: {key} = {value!r} is not of type {base}")
+
+
+def make_config(file_values: dict, flag_values: dict, source: str = "--config") -> TrainConfig:
     """Defaults < config file < flags (flags given as None were not set)."""
+    _check_types(file_values, source)
     values = dict(file_values)
     values.update({k: v for k, v in flag_values.items() if v is not None})
     cfg = TrainConfig(**values)
@@ -118,6 +132,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(0 <= cfg.min_lr <= cfg.lr, f"--min-lr {cfg.min_lr}: must be between 0 and --lr {cfg.lr}")
     need(cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 disables clipping)")
     need(cfg.timeout > 0, f"--timeout {cfg.timeout}: must be > 0 seconds")
+    need(cfg.resume is None or os.path.isdir(cfg.resume), f"--resume {cfg.resume}: no such directory")
     seq_len = cfg.seq_len or model.max_seq_len
     need(1 <= seq_len <= model.max_seq_len,
          f"--seq-len {seq_len}: must be between 1 and the model's max_seq_len {model.max_seq_len}")

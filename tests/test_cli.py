@@ -35,6 +35,8 @@ def strata(*args, cwd=None, timeout=300):
     (["train", "--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),
     (["generate", "--checkpoint", "/nonexistent", "--prompt-ids", "1"], "no such directory"),
     (["plot", "/nonexistent.jsonl", "--out", "x.png"], "no such file"),
+    (["train", "--nproc", "2", "--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
+    (["data", "prepare", "--source", "/nonexistent", "--out", "/tmp/x"], "not a file, a directory or 'shakespeare'"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle):
     result = strata(*args)
@@ -44,10 +46,17 @@ def test_bad_input_is_one_line_and_exit_code_2(args, needle):
     assert needle in lines[0]
 
 
-def test_toml_config_with_an_unknown_key_is_refused(tmp_path):
-    (tmp_path / "c.toml").write_text('model = "tiny"\nlearning_rat = 0.1\n')
+@pytest.mark.parametrize("text,needle", [
+    ('model = "tiny"\nlearning_rat = 0.1\n', "unknown key 'learning_rat'"),
+    ('steps = "ten"\n', "steps = 'ten' is not of type int"),
+    ('progress = 1\n', "progress = 1 is not of type bool"),
+    ('steps = [\n', "not valid TOML"),
+])
+def test_bad_toml_config_is_one_line_and_exit_code_2(tmp_path, text, needle):
+    (tmp_path / "c.toml").write_text(text)
     result = strata("train", "--config", tmp_path / "c.toml")
-    assert result.returncode == 2 and "unknown key 'learning_rat'" in result.stderr
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert needle in result.stderr
 
 
 def test_prepare_train_generate_plot_end_to_end(tmp_path):
