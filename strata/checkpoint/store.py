@@ -20,10 +20,10 @@ import shutil
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from strata.config import ConfigError
+from strata.distributed import comm
 
 
 def step_dir(save_dir: str, step: int) -> str:
@@ -127,4 +127,4 @@ def _set_rng_state(state: dict) -> None:
 
 def _barrier(world_size: int) -> None:
     if world_size > 1:
-        dist.barrier()
+        comm.barrier()

@@ -87,3 +87,7 @@ def all_gather(output, input, group, group_name: str, async_op: bool = False):
 def broadcast(tensor, src_group_rank: int, group, group_name: str) -> None:
     _issue("broadcast", group_name, _nbytes(tensor),
            lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank), False)
+
+
+def barrier(group=None, group_name: str = "world") -> None:
+    _run("barrier", group_name, lambda: dist.barrier(group=group))
