@@ -28,7 +28,7 @@ class TrainConfig:
     # batch: global_batch sequences per optimizer step, micro_batch per forward/backward
     steps: int = 100
     micro_batch: int = 8
-    global_batch: int = 8
+    global_batch: int | None = None  # default: micro_batch x dp (no accumulation)
     # optimizer (AdamW) and learning-rate schedule (linear warm-up, cosine decay to min_lr)
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -124,7 +124,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
          f"--data {cfg.data}: no meta.json there; run `strata data prepare --out {cfg.data}` "
          f"first, or use --data synthetic")
     need(cfg.device in ("auto", "cpu", "cuda"), f"--device {cfg.device}: valid: auto, cpu, cuda")
-    for name in ("steps", "micro_batch", "global_batch", "nproc", "tp", "pp", "eval_batches"):
+    for name in ("steps", "micro_batch", "nproc", "tp", "pp", "eval_batches"):
         need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 1")
     for name in ("warmup_steps", "save_every", "eval_every"):
         need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
@@ -162,7 +162,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(model.n_layers >= cfg.pp, f"--pp {cfg.pp}: more stages than the model's {model.n_layers} layers")
 
     # batch: global = micro x accumulation x dp
-    need(cfg.global_batch % (cfg.micro_batch * dp) == 0,
+    need(cfg.global_batch is None or cfg.global_batch >= 1, f"--global-batch {cfg.global_batch}: must be >= 1")
+    need(cfg.global_batch is None or cfg.global_batch % (cfg.micro_batch * dp) == 0,
          f"--global-batch {cfg.global_batch}: must be a multiple of --micro-batch {cfg.micro_batch} "
          f"x dp {dp} = {cfg.micro_batch * dp}")
 
@@ -178,3 +179,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
     return cfg.dp if cfg.dp is not None else world_size // (cfg.tp * cfg.pp)
+
+
+def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Sequences per optimizer step: as given, or one micro-batch per data-parallel rank."""
+    return cfg.global_batch or cfg.micro_batch * data_parallel_size(cfg, world_size)

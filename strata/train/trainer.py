@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from strata.checkpoint import store
-from strata.config import TrainConfig, data_parallel_size, validate
+from strata.config import TrainConfig, data_parallel_size, global_batch_size, validate
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
@@ -60,6 +60,7 @@ def setup(cfg: TrainConfig) -> Run:
     device = pick_device(cfg.device)
     rank, world_size, owns_process_group = init_distributed(device, cfg.timeout)
     validate(cfg, world_size)
+    cfg.global_batch = global_batch_size(cfg, world_size)
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     mesh = dims.build_mesh(device.type)
     dp_group = mesh["dp"].get_group() if mesh is not None and dims.dp > 1 else None
