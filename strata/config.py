@@ -146,13 +146,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(dp * cfg.tp * cfg.pp == world_size,
          f"--dp {dp} x --tp {cfg.tp} x --pp {cfg.pp} = {dp * cfg.tp * cfg.pp}, "
          f"but the world size is {world_size}; the product must equal it")
-    need(model.n_heads % cfg.tp == 0,
-         f"--tp {cfg.tp}: must divide the model's {model.n_heads} attention heads")
-    need(model.kv_heads % cfg.tp == 0 or cfg.tp % model.kv_heads == 0,
-         f"--tp {cfg.tp}: must divide the model's {model.kv_heads} KV heads or be a multiple of them")
-    need(model.d_ff % cfg.tp == 0, f"--tp {cfg.tp}: must divide the model's d_ff {model.d_ff}")
-    need(cfg.tp == 1 or model.position != "alibi",
-         f"--tp {cfg.tp}: ALiBi models ({cfg.model}) run with --tp 1 for now")
+    check_tensor_parallel(model, cfg.tp)
     need(not cfg.sequence_parallel or cfg.tp > 1, "--sequence-parallel: needs --tp 2 or more")
     need(not cfg.sequence_parallel or seq_len % cfg.tp == 0,
          f"--sequence-parallel: --seq-len {seq_len} must be a multiple of --tp {cfg.tp}")
@@ -175,6 +169,18 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.bucket_mb > 0, f"--bucket-mb {cfg.bucket_mb}: must be > 0")
     need(cfg.nproc == 1 or world_size == cfg.nproc,
          f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")
+
+
+def check_tensor_parallel(model, tp: int) -> None:
+    """Can a model of this shape (a ModelConfig) be split over tp ranks? (training and generation)"""
+    if model.n_heads % tp:
+        raise ConfigError(f"--tp {tp}: must divide the model's {model.n_heads} attention heads")
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ConfigError(f"--tp {tp}: must divide the model's {model.kv_heads} KV heads or be a multiple of them")
+    if model.d_ff % tp:
+        raise ConfigError(f"--tp {tp}: must divide the model's d_ff {model.d_ff}")
+    if tp > 1 and model.position == "alibi":
+        raise ConfigError(f"--tp {tp}: ALiBi models run with --tp 1 for now")
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:

@@ -94,3 +94,11 @@ def test_prompt_text_without_a_tokenizer_is_refused(tmp_path):
     result = strata("generate", "--checkpoint", tmp_path / "ck", "--prompt-ids", "1,2", "--max-new-tokens", 3,
                     "--temperature", 0)
     assert result.returncode == 0 and len(result.stdout.split()) == 5
+
+
+def test_generate_checks_the_tp_degree_before_starting_processes(tmp_path):
+    assert strata("train", "--steps", 1, "--global-batch", 2, "--micro-batch", 2, "--seq-len", 16,
+                  "--peak-flops", 1e10, "--no-progress", "--save", tmp_path / "ck").returncode == 0
+    result = strata("generate", "--checkpoint", tmp_path / "ck", "--prompt-ids", "1", "--tp", 3)
+    assert result.returncode == 2 and result.stderr.strip() == \
+        "strata: error: --tp 3: must divide the model's 4 attention heads"

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from strata.checkpoint import store
-from strata.config import ConfigError
+from strata.config import ConfigError, check_tensor_parallel
 from strata.infer.generate import generate
 from strata.model.config import ModelConfig
 from strata.model.transformer import build_model
@@ -27,9 +27,7 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None):
     dtype = torch.float64 if state["config"]["dtype"] == "fp64" else torch.float32
     model = build_model(model_cfg, seed=None)
     if tp_group is not None:
-        if model_cfg.n_heads % dist.get_world_size(tp_group) or model_cfg.position == "alibi":
-            raise ConfigError(f"--tp {dist.get_world_size(tp_group)}: must divide the model's "
-                              f"{model_cfg.n_heads} heads (and the model must not use ALiBi)")
+        check_tensor_parallel(model_cfg, dist.get_world_size(tp_group))
         apply_tensor_parallel(model, tp_group)
     model = model.to_empty(device=device).to(dtype)
     tensors = store.read_model(path, device)
@@ -51,6 +49,9 @@ def run_generate(args, argv: list[str]) -> int:
         raise ConfigError(f"--tp {args.tp}: must be >= 1")
     launched = "LOCAL_RANK" in os.environ
     if args.tp > 1 and not launched:
+        if not os.path.isdir(args.checkpoint):
+            raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory")
+        check_tensor_parallel(ModelConfig.from_dict(store.read_state(args.checkpoint)["model_config"]), args.tp)
         from strata.distributed.launch import launch_local
         return launch_local(args.tp, argv)
     tp_group, rank = None, 0

@@ -87,13 +87,17 @@ class DataParallel:
     def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
         if not self.sync_enabled:
             return  # an accumulation micro-step: gradients just add up in the buffer
+        self._collect(bucket, param)
+        self._ready[bucket.index] += 1
+        if self._ready[bucket.index] == len(bucket.params):
+            self._launch(bucket)
+
+    def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
+        """Make sure the bucket holds `param`'s gradient (here it accumulates in place)."""
         view = self._grad_views[param]
         if param.grad is not view:  # autograd replaced the view instead of adding into it
             view.copy_(param.grad)
             param.grad = view
-        self._ready[bucket.index] += 1
-        if self._ready[bucket.index] == len(bucket.params):
-            self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.index] = True

@@ -81,15 +81,12 @@ class ZeroDataParallel(ShardedStates, DataParallel):
             self._staging[bucket.index] = torch.zeros(bucket.size, dtype=sample.dtype, device=sample.device)
         return self._staging[bucket.index]
 
-    def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+    def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
         if self.stage == 1:
-            return super()._on_grad_ready(bucket, param)
+            return super()._collect(bucket, param)
         offset = self._offset_of[id(param)] - bucket.start
         self._staging_for(bucket)[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None  # the full gradient is not kept: that is ZeRO-2
-        self._ready[bucket.index] += 1
-        if self._ready[bucket.index] == len(bucket.params):
-            self._launch(bucket)
 
     def _start_reduction(self, bucket: Bucket):
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
