@@ -22,6 +22,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--model", default="small")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=1, help="pipelines: micro-batches per step")
     return p
 
 
@@ -30,7 +31,8 @@ def run_job(impl: str, args, out_dir: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            os.path.join(os.path.dirname(__file__), "worker.py"), "--impl", impl, "--steps", str(args.steps),
-           "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--model", args.model, "--out", out]
+           "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--model", args.model,
+           "--micro-batches", str(args.micro_batches), "--out", out]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise SystemExit(f"{impl} failed:\n{result.stderr[-3000:]}")
@@ -51,7 +53,8 @@ def compare(pairs: list[tuple[str, str, str]], args) -> None:
                 rss[impl].append(result["peak_rss"])
     median = {i: statistics.median(t) for i, t in times.items()}
     print(f"{args.model} preset, {args.nproc} ranks x 1 thread, gloo, fp32, micro-batch {args.micro_batch} x "
-          f"{args.seq_len} tokens, {args.rounds} alternating rounds of {args.steps} steps\n")
+          f"{args.seq_len} tokens, {args.micro_batches} micro-batch(es) per step, {args.rounds} alternating rounds of "
+          f"{args.steps} steps\n")
     print("| layout | strata step (s) | peer | peer step (s) | strata / peer | strata peak RSS (MiB) | peer peak RSS (MiB) |")
     print("|---|---|---|---|---|---|---|")
     for label, ours, peer in pairs:

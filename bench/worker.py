@@ -1,5 +1,5 @@
-"""One rank of one benchmark job (started via torchrun by bench/data_parallel.py and
-bench/tensor_parallel.py).
+"""One rank of one benchmark job (started via torchrun by bench/data_parallel.py,
+bench/tensor_parallel.py and bench/pipeline.py).
 
 Every implementation trains strata's model (the same weights, batches and AdamW settings) so that
 only the data-parallel machinery differs. Writes {"step_times": [...], "peak_rss": bytes} for
@@ -92,7 +92,7 @@ def run_torch(impl, cfg, rank, world):
         model = DistributedDataParallel(model, bucket_cap_mb=25)
     else:  # fsdp2: shard each block, then the root
         from torch.distributed.fsdp import fully_shard
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block)
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
@@ -117,8 +117,52 @@ def run_deepspeed(zero, cfg, rank, world):
     return peer_loop(engine, engine.step, engine.backward, cfg.steps, cfg, rank, world)
 
 
-def run_strata(impl, cfg, world):
+PIPELINE_V = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+
+def run_torch_pipeline(schedule, cfg, rank, world, micro_batches):
+    """torch.distributed.pipelining on strata's model cut exactly as strata cuts it (same layout,
+    same chunk modules): PipelineStage per chunk, ScheduleGPipe / Schedule1F1B /
+    ScheduleInterleaved1F1B, AdamW; no clipping on either side (it would need a norm all-reduce
+    the peer does not do for you)."""
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from strata.parallel.pipeline.stage import chunk_views, keep_stage, make_layout
+    model_cfg = get_preset(cfg.model)
+    layout = make_layout(model_cfg, world, PIPELINE_V[schedule], cfg.seq_len)
+    model = build_model(model_cfg, seed=0)
+    keep_stage(model, layout, rank)
+    chunks = chunk_views(model, layout, rank)
+    stages = [PipelineStage(chunks[c], c, layout.num_chunks, torch.device("cpu")) for c in sorted(chunks)]
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if schedule == "interleaved":
+        runner = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn)
+    else:
+        runner = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stages[0], micro_batches, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
+    loader = BatchLoader(synthetic_split(model_cfg.vocab_size, 0, "train"), cfg.seq_len, cfg.global_batch, 0)
+    times = []
+    for step in range(cfg.steps):
+        start = time.perf_counter()
+        inputs, targets = loader.batch(step)
+        has_first, has_last = 0 in chunks, layout.num_chunks - 1 in chunks
+        args = (inputs,) if has_first else ()
+        runner.step(*args, target=targets if has_last else None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_strata(impl, cfg, world, micro_batches=1):
     from strata.train.trainer import train
+    if impl.startswith("strata-pp-"):  # all ranks one pipeline
+        cfg.schedule = impl.removeprefix("strata-pp-")
+        cfg.pp, cfg.dp, cfg.virtual_stages, cfg.grad_clip = world, 1, PIPELINE_V[cfg.schedule], 0.0
+        cfg.global_batch = cfg.micro_batch * micro_batches
+        return train(cfg)["step_times"]
     if impl.startswith("strata-z"):
         cfg.zero = int(impl[-1])
     else:  # strata-tp[-sp]: all ranks in one tensor-parallel group
@@ -129,12 +173,14 @@ def run_strata(impl, cfg, world):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    # strata-z0..3, ddp, fsdp2, deepspeed-z0..3 (data parallel); strata-tp[-sp], dtensor-tp[-sp]
+    # strata-z0..3, ddp, fsdp2, deepspeed-z0..3 (data parallel); strata-tp[-sp], dtensor-tp[-sp];
+    # strata-pp-{gpipe,1f1b,interleaved}, torch-pp-{gpipe,1f1b,interleaved} (pipelines)
     parser.add_argument("--impl", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--model", default="small")
+    parser.add_argument("--micro-batches", type=int, default=1, help="pipelines: micro-batches per step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -145,10 +191,13 @@ def main() -> None:
     impl = args.impl
     rank = int(os.environ["RANK"])
     if impl.startswith("strata"):
-        times = run_strata(impl, cfg, world)
+        times = run_strata(impl, cfg, world, args.micro_batches)
     else:
         dist.init_process_group("gloo")
-        if impl.startswith("deepspeed"):
+        if impl.startswith("torch-pp-"):
+            cfg.global_batch = cfg.micro_batch * args.micro_batches
+            times = run_torch_pipeline(impl.removeprefix("torch-pp-"), cfg, rank, world, args.micro_batches)
+        elif impl.startswith("deepspeed"):
             times = run_deepspeed(int(impl[-1]), cfg, rank, world)
         elif impl.startswith("dtensor-tp"):
             times = run_dtensor_tp(cfg, rank, world, sequence_parallel=impl.endswith("-sp"))

@@ -20,7 +20,12 @@ TRAIN_HELP = {
     "global_batch": "sequences per optimizer step, all ranks together",
     "nproc": "start N local processes (through torch.distributed.run)",
     "dp": "data-parallel degree (default: world / (tp x pp))",
-    "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree", "zero": "ZeRO stage 0-3",
+    "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree (stages)", "zero": "ZeRO stage 0-3",
+    "n_layers": "override the preset's number of transformer blocks",
+    "schedule": "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1)",
+    "virtual_stages": "with --schedule interleaved: model chunks per pipeline rank",
+    "pp_split": "blocks per pipeline chunk, e.g. 3,5 (default: balanced by FLOPs)",
+    "trace": "write the last step's pipeline timeline as a Chrome/Perfetto trace (JSON)",
     "sequence_parallel": "with --tp: split norms and residuals along the sequence too",
     "vocab_size": "synthetic data: vocabulary size (default: the preset's)",
     "timeout": "seconds a collective may take before it fails",
@@ -79,9 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tp", type=int, default=1, help="split the model over N processes (tensor parallel)")
 
-    plot = sub.add_parser("plot", help="draw the loss curve of a metrics file")
-    plot.add_argument("metrics")
+    plot = sub.add_parser("plot", help="draw the loss curve of a metrics file, or a pipeline trace")
+    plot.add_argument("metrics", help="metrics JSONL (--metrics) or pipeline trace JSON (--trace)")
     plot.add_argument("--out", required=True, help="PNG file")
+
+    sched = sub.add_parser("schedule", help="simulate a pipeline schedule: bubble per rank, and a picture")
+    sched.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved | zb")
+    sched.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    sched.add_argument("--micro-batches", type=int, default=8)
+    sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (interleaved)")
+    sched.add_argument("--out", help="PNG file")
     return parser
 
 
@@ -111,11 +123,38 @@ def _dispatch(args, argv) -> int:
         from strata.infer.cli import run_generate
         return run_generate(args, argv)
     if args.command == "plot":
+        from strata.parallel.pipeline.timeline import is_trace, plot_schedule, read_trace
         from strata.train.plot import plot_losses
-        plot_losses(args.metrics, args.out)
+        if is_trace(args.metrics):
+            plot_schedule(read_trace(args.metrics), args.out, os.path.basename(args.metrics))
+        else:
+            plot_losses(args.metrics, args.out)
         print(f"wrote {args.out}")
         return 0
+    if args.command == "schedule":
+        return _schedule(args)
     raise AssertionError(args.command)
+
+
+def _schedule(args) -> int:
+    from strata.parallel.pipeline.schedules import SCHEDULES, build
+    from strata.parallel.pipeline.timeline import idle_fractions, plot_schedule, simulated
+    if args.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {args.schedule}: valid: {', '.join(SCHEDULES)}")
+    for name in ("pp", "micro_batches", "virtual_stages"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    # unit costs per stage: F 1, B 2 (split 1 + 1 under zero-bubble); a chunk does 1/v of a stage
+    cost = {"F": 1 / v, "B": (1 if args.schedule == "zb" else 2) / v, "W": 1 / v}
+    ranks = simulated(build(args.schedule, args.pp, args.micro_batches, v), args.pp * v, cost)
+    idle = idle_fractions(ranks)
+    print(f"{args.schedule}, pp {args.pp}, {args.micro_batches} micro-batches, virtual stages {v}: idle per rank "
+          f"{', '.join(f'{x:.3f}' for x in idle)} (gpipe/1f1b theory {(args.pp - 1) / (args.micro_batches + args.pp - 1):.3f})")
+    if args.out:
+        plot_schedule(ranks, args.out, f"simulated {args.schedule}")
+        print(f"wrote {args.out}")
+    return 0
 
 
 def _train(args, argv) -> int:

@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # what to train on what
     model: str = "tiny"
+    n_layers: int | None = None  # override the preset's number of blocks
     data: str = "synthetic"  # a directory written by `strata data prepare`, or "synthetic"
     vocab_size: int | None = None  # synthetic data only: override the preset's vocabulary
     seq_len: int | None = None  # default: the model's max_seq_len
@@ -43,6 +44,9 @@ class TrainConfig:
     tp: int = 1
     sequence_parallel: bool = False  # with tp: norms and residuals hold 1/tp of the sequence
     pp: int = 1
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved schedule)
+    pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (default: balanced by FLOPs)
     zero: int = 0
     bucket_mb: float = 25.0  # gradient bucket size for data parallelism and ZeRO-1/2
     device: str = "auto"  # auto | cpu | cuda
@@ -55,6 +59,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end (when --save is given)
     resume: str | None = None
     progress: bool = True
+    trace: str | None = None  # pipeline: write the last step's timeline as a Chrome/Perfetto trace
     peak_flops: float | None = None  # FLOP/s per device for MFU; default: measured once and cached
 
     @classmethod
@@ -118,13 +123,14 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(message)
 
     need(cfg.model in PRESETS, f"--model {cfg.model}: unknown preset; valid: {', '.join(PRESETS)}")
-    model = PRESETS[cfg.model]
+    need(cfg.n_layers is None or cfg.n_layers >= 1, f"--n-layers {cfg.n_layers}: must be >= 1")
+    model = PRESETS[cfg.model].with_overrides(n_layers=cfg.n_layers or PRESETS[cfg.model].n_layers)
     need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: valid: {', '.join(DTYPES)}")
     need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")),
          f"--data {cfg.data}: no meta.json there; run `strata data prepare --out {cfg.data}` "
          f"first, or use --data synthetic")
     need(cfg.device in ("auto", "cpu", "cuda"), f"--device {cfg.device}: valid: auto, cpu, cuda")
-    for name in ("steps", "micro_batch", "nproc", "tp", "pp", "eval_batches"):
+    for name in ("steps", "micro_batch", "nproc", "tp", "pp", "virtual_stages", "eval_batches"):
         need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 1")
     for name in ("warmup_steps", "save_every", "eval_every"):
         need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
@@ -153,7 +159,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.vocab_size is None or cfg.vocab_size >= 2, f"--vocab-size {cfg.vocab_size}: must be >= 2")
     need(cfg.vocab_size is None or cfg.data == "synthetic",
          f"--vocab-size {cfg.vocab_size}: only for --data synthetic; a data set brings its tokenizer's")
-    need(model.n_layers >= cfg.pp, f"--pp {cfg.pp}: more stages than the model's {model.n_layers} layers")
+    check_pipeline(cfg, model, seq_len)
 
     # batch: global = micro x accumulation x dp
     need(cfg.global_batch is None or cfg.global_batch >= 1, f"--global-batch {cfg.global_batch}: must be >= 1")
@@ -162,13 +168,34 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
          f"x dp {dp} = {cfg.micro_batch * dp}")
 
     # what this version can run (the degrees above are already checked)
-    need(cfg.pp == 1, f"--pp {cfg.pp}: pipeline parallelism is not built yet; valid: 1")
     need(cfg.zero == 0 or dp > 1,
          f"--zero {cfg.zero}: ZeRO shards states across data-parallel ranks, and dp is 1; "
          f"use --zero 0, or --nproc N with dp > 1")
     need(cfg.bucket_mb > 0, f"--bucket-mb {cfg.bucket_mb}: must be > 0")
     need(cfg.nproc == 1 or world_size == cfg.nproc,
          f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")
+
+
+def check_pipeline(cfg: TrainConfig, model, seq_len: int) -> None:
+    """The pipeline settings, and whether the model can be cut into pp x virtual-stages chunks."""
+    from strata.parallel.pipeline.schedules import SCHEDULES
+    from strata.parallel.pipeline.stage import make_layout
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {cfg.schedule}: valid: {', '.join(SCHEDULES)}")
+    if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
+        raise ConfigError(f"--schedule interleaved: needs --virtual-stages 2 or more (got {cfg.virtual_stages})")
+    if cfg.schedule != "interleaved" and cfg.virtual_stages != 1:
+        raise ConfigError(f"--virtual-stages {cfg.virtual_stages}: only with --schedule interleaved")
+    if cfg.pp == 1:
+        for name, value in (("pp_split", cfg.pp_split), ("trace", cfg.trace)):
+            if value:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: only with --pp 2 or more")
+        return
+    if cfg.zero >= 2:
+        raise ConfigError(f"--zero {cfg.zero} with --pp {cfg.pp}: ZeRO-2/3 would reduce-scatter gradients "
+                          f"(ZeRO-3 also gather parameters) on every micro-batch, m times the traffic; "
+                          f"use --zero 1 (as DeepSpeed and Megatron-LM do with pipelines) or --zero 0")
+    make_layout(model, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split)
 
 
 def check_tensor_parallel(model, tp: int) -> None:

@@ -31,7 +31,7 @@ def main() -> None:
         step("data", "prepare", "--source", "shakespeare", "--tokenizer", "bpe:8192", "--out", data)
     step("train", "--model", "small", "--data", data, "--dtype", "bf16", "--seq-len", "256",
          "--micro-batch", "8", "--global-batch", "16", "--steps", str(STEPS), "--lr", "2e-3",
-         "--min-lr", "2e-4", "--warmup-steps", "10", "--eval-every", "25", "--eval-batches", "8",
+         "--min-lr", "2e-4", "--warmup-steps", "10", "--eval-every", "25", "--eval-batches", "4",
          "--metrics", metrics, "--save", f"{OUT}/ckpt")
     step("plot", metrics, "--out", f"{OUT}/loss.png")
     step("generate", "--checkpoint", f"{OUT}/ckpt", "--prompt", "ROMEO:\n", "--max-new-tokens", "120",

@@ -37,6 +37,10 @@ def strata(*args, cwd=None, timeout=300):
     (["plot", "/nonexistent.jsonl", "--out", "x.png"], "no such file"),
     (["train", "--nproc", "2", "--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
     (["data", "prepare", "--source", "/nonexistent", "--out", "/tmp/x"], "not a file, a directory or 'shakespeare'"),
+    (["train", "--nproc", "2", "--pp", "2", "--zero", "2"], "ZeRO-2/3 would reduce-scatter"),
+    (["train", "--nproc", "2", "--pp", "2", "--schedule", "zigzag"], "--schedule zigzag: valid: gpipe, 1f1b"),
+    (["train", "--nproc", "2", "--pp", "2", "--pp-split", "a,b"], "--pp-split a,b: give blocks per chunk"),
+    (["schedule", "--pp", "0"], "--pp 0: must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle):
     result = strata(*args)
@@ -102,3 +106,13 @@ def test_generate_checks_the_tp_degree_before_starting_processes(tmp_path):
     result = strata("generate", "--checkpoint", tmp_path / "ck", "--prompt-ids", "1", "--tp", 3)
     assert result.returncode == 2 and result.stderr.strip() == \
         "strata: error: --tp 3: must divide the model's 4 attention heads"
+
+
+def test_pipeline_trace_and_schedule_pictures(tmp_path):
+    result = strata("train", "--nproc", "2", "--pp", "2", "--schedule", "zb", "--steps", "2", "--global-batch", "16",
+                    "--micro-batch", "4", "--no-progress", "--trace", tmp_path / "trace.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    result = strata("plot", tmp_path / "trace.json", "--out", tmp_path / "trace.png")
+    assert result.returncode == 0 and (tmp_path / "trace.png").stat().st_size > 10_000, result.stderr
+    result = strata("schedule", "--schedule", "1f1b", "--pp", "4", "--micro-batches", "8", "--out", tmp_path / "s.png")
+    assert result.returncode == 0 and "idle per rank 0.273, 0.273, 0.273, 0.273" in result.stdout, result.stdout

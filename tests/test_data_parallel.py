@@ -150,7 +150,7 @@ def _resume_with_another_layout(tmp):
 
 
 def test_resume_of_sharded_states_under_another_layout_is_refused(tmp_path):
-    with pytest.raises(RuntimeError, match="split optimizer states .ZeRO, tensor parallel. load only under the layout"):
+    with pytest.raises(RuntimeError, match="split optimizer states .ZeRO, tensor or pipeline parallel. load only under the layout"):
         run_on_ranks(_resume_with_another_layout, 2, str(tmp_path), timeout=120)
 
 

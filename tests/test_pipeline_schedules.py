@@ -19,7 +19,7 @@ def _check_complete(schedule, p, m, v, kinds):
                                            ("interleaved", 3, "FB"), ("zb", 1, "FBW")])
 @pytest.mark.parametrize("p", [2, 4])
 def test_schedules_are_complete_and_deadlock_free(name, v, kinds, p):
-    for m in ([p, 2 * p, 4 * p] if name == "interleaved" else [1, p, 2 * p + 1]):
+    for m in [1, p, 2 * p + 1, 4 * p]:
         schedule = build(name, p, m, v)
         _check_complete(schedule, p, m, v, kinds)
         simulate(schedule, p * v, {"F": 1.0, "B": 1.0, "W": 1.0})  # raises on a deadlock

@@ -120,7 +120,7 @@ def _saved_bytes_of_first_block(tp, sequence_parallel):
     inputs, targets = run.train_data.batch(0)
     with count_saved_activations(run.model) as saved:
         saved.active = False
-        block = run.model.blocks[0]
+        block = run.model.blocks["0"]
         block.register_forward_pre_hook(lambda *a: setattr(saved, "active", True))
         block.register_forward_hook(lambda *a: setattr(saved, "active", False))
         run.model(inputs, targets)

@@ -3,7 +3,7 @@
 A checkpoint is a directory `step_NNNNNN` under the save directory:
   model.safetensors   the model's full parameters (gathered, written by rank 0)
   optimizer.pt        the optimizer's state_dict (replicated layouts: rank 0's), or
-  optimizer_<rank>.pt one per rank when ZeRO or tensor parallelism splits the optimizer states;
+  optimizer_<rank>.pt one per rank when ZeRO, tensor or pipeline parallelism splits the optimizer states;
                       these load only under the same layout (resharding comes with layout-free
                       checkpoints)
   rng_<rank>.pt       every random stream of every rank (torch, numpy, python)
@@ -31,7 +31,7 @@ def step_dir(save_dir: str, step: int) -> str:
 
 
 def optimizer_is_split(layout: dict) -> bool:
-    return layout["zero"] > 0 or layout["tp"] > 1
+    return layout["zero"] > 0 or layout["tp"] > 1 or layout.get("pp", 1) > 1
 
 
 def save(save_dir: str, step: int, model_state: dict, optimizer, state: dict, rank: int, world_size: int,
@@ -101,7 +101,7 @@ def load(path: str, optimizer, device, rank: int, layout: dict) -> tuple[dict, d
     saved = state.get("layout", {"dp": 1, "tp": 1, "pp": 1, "zero": 0})
     if (optimizer_is_split(saved) or optimizer_is_split(layout)) and saved != layout:
         raise ConfigError(f"--resume {path}: saved with layout {saved}, now {layout}; split "
-                          f"optimizer states (ZeRO, tensor parallel) load only under the layout that saved them")
+                          f"optimizer states (ZeRO, tensor or pipeline parallel) load only under the layout that saved them")
     name = f"optimizer_{rank}.pt" if optimizer_is_split(layout) else "optimizer.pt"
     optimizer.load_state_dict(torch.load(os.path.join(path, name), map_location=device, weights_only=True))
     rng_file = os.path.join(path, f"rng_{rank}.pt")

@@ -4,7 +4,7 @@ timeout, and a failure names the operation and the group.
 
 Volumes per rank for a tensor of n bytes on a group of N ranks (ring algorithms, as nccl-tests
 count them): all-reduce 2(N-1)/N·n; reduce-scatter (N-1)/N·n of its input; all-gather (N-1)/N·n of
-its output; broadcast n."""
+its output; broadcast n; a point-to-point send n (counted by the sender only)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,20 @@ def broadcast(tensor, src_group_rank: int, group, group_name: str) -> None:
 
 def barrier(group=None, group_name: str = "world") -> None:
     _run("barrier", group_name, lambda: dist.barrier(group=group))
+
+
+def send_recv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],
+              group, group_name: str) -> list[_Pending]:
+    """Post point-to-point sends and receives together, each (tensor, peer's global rank, tag), as
+    one `batch_isend_irecv`: NCCL needs a send and the receive its peer posts at the same time in
+    one group, or both ranks block; gloo takes them one by one. Returns one handle per operation,
+    sends first. Tags keep gloo from matching a message to the wrong receive; NCCL ignores them
+    and matches in order, which the schedules keep consistent."""
+    ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer, tag in recvs]
+    if not ops:
+        return []
+    for t, _, _ in sends:
+        counter.add("send", group_name, _nbytes(t))
+    works = _run("send_recv", group_name, lambda: dist.batch_isend_irecv(ops))
+    return [_Pending(w, "send" if i < len(sends) else "recv", group_name) for i, w in enumerate(works)]

@@ -30,6 +30,9 @@ class ParallelDims:
         """This rank's position on each dimension."""
         return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
 
+    def rank_at(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The named mesh ("pp", "dp", "tp"); None for a single process (no process group)."""
         if self.world_size == 1:

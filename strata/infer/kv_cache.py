@@ -28,7 +28,7 @@ def make_caches(model, batch: int, max_len: int) -> list[LayerKVCache]:
     """One cache per block, sized from the block's own projections (so a tensor-parallel block
     holding a slice of the KV heads gets a cache of that slice)."""
     caches = []
-    for block in model.blocks:
+    for block in model.blocks.values():
         attn = block.attn
         weight = attn.wk.weight
         with torch.no_grad():  # the projection's own output width, whatever layer implements it

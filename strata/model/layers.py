@@ -63,14 +63,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x, rope=None, alibi=None, cache=None):
-        """x: (batch, seq, d_model). rope: (cos, sin) for these positions. alibi: per-head slopes.
+        """x: (batch, seq, d_model). rope: (cos, sin) from this position on. alibi: per-head slopes.
         cache: a per-layer KV cache with `.pos` and `.update(k, v) -> (keys, values)`."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            cos, sin = rope[0][:seq], rope[1][:seq]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = 0
         if cache is not None:
             start = cache.pos

@@ -3,7 +3,12 @@
 Written once, for one device. Build it on the meta device (no memory), move it with `to_empty`,
 then `init_weights(seed)`: every parameter is drawn from a generator seeded by the run seed and the
 parameter's own name, so any later slicing of the model (tensor or pipeline parallel) starts from
-exactly the weights a single process would have."""
+exactly the weights a single process would have.
+
+A pipeline stage is this same model with layers removed (torchtitan's way): the blocks live in a
+ModuleDict keyed by their global index, so a stage's parameters keep their full names; the forward
+embeds only when given token ids (a later stage is given hidden states) and stops at the hidden
+states when the final norm is gone."""
 
 from __future__ import annotations
 
@@ -29,7 +34,10 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.embed_norm = make_norm(cfg) if cfg.embedding_norm else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # What hands the embeddings to the blocks: identity here; sequence parallelism splits the
+        # sequence in its place.
+        self.to_blocks = nn.Identity()
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.final_norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
         # Layers without weights that a parallel version replaces: the loss, and what turns the
@@ -55,7 +63,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        cfg, device, dtype = self.cfg, self.embed.weight.device, self.embed.weight.dtype
+        cfg, sample = self.cfg, next(self.parameters())  # any layer: a pipeline stage may lack the embedding
+        device, dtype = sample.device, sample.dtype
         if cfg.position == "rope":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
@@ -64,25 +73,32 @@ class Transformer(nn.Module):
 
     # --- forward ----------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, caches=None):
-        """tokens: (batch, seq) ids. With targets, returns the mean cross-entropy; without, the
-        logits. caches: one KV cache per block (generation), or None."""
+        """tokens: (batch, seq) ids, or hidden states (batch, seq, d_model) from an earlier
+        pipeline stage. With targets, returns the mean cross-entropy; without, the logits; a stage
+        without the final norm returns its hidden states. caches: one KV cache per block
+        (generation), or None."""
         start = caches[0].pos if caches is not None else 0
-        seq = tokens.shape[1]
-        h = self.embed(tokens)
-        if self.pos_embed is not None:
-            h = h + self.pos_embed(torch.arange(start, start + seq, device=tokens.device))
-        if self.embed_norm is not None:
-            h = self.embed_norm(h)
+        h = tokens if tokens.is_floating_point() else self.to_blocks(self.embed_tokens(tokens, start))
         rope = None
-        if self.cfg.position == "rope":
-            rope = (self.rope_cos[start:start + seq], self.rope_sin[start:start + seq])
+        if self.cfg.position == "rope":  # from this position on; attention takes what it needs
+            rope = (self.rope_cos[start:], self.rope_sin[start:])
         alibi = self.alibi if self.cfg.position == "alibi" else None
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks.values()):
             h = block(h, rope, alibi, caches[i] if caches is not None else None)
+        if self.final_norm is None:
+            return h
         logits = self.output(h)
         if targets is None:
             return self.gather_logits(logits)
         return self.criterion(logits, targets)
+
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        h = self.embed(tokens)
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(torch.arange(start, start + tokens.shape[1], device=tokens.device))
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        return h
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
         h = self.final_norm(h)

@@ -1,9 +1,9 @@
 """parallelize(): build the model for this rank's place in the layout and wrap it.
 
 The order is fixed (torchtitan's, and the only one that composes): tensor parallelism swaps layers
-on the meta-device model, pipeline parallelism would keep this rank's stage, then the parameters
-are materialised, each initialised from the logical parameter's seeded value and cut to this
-rank's slice, and data parallelism / ZeRO wraps what is left."""
+on the meta-device model, pipeline parallelism keeps this rank's stage, then the parameters are
+materialised, each initialised from the logical parameter's seeded value and cut to this rank's
+slice, and data parallelism / ZeRO wraps what is left."""
 
 from __future__ import annotations
 
@@ -14,16 +14,21 @@ from strata.config import TrainConfig
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
 from strata.parallel.data import DataParallel
+from strata.parallel.pipeline.stage import PipelineLayout, keep_stage, tied_copy
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs
 from strata.parallel.zero import ZeroDataParallel
 from strata.parallel.zero3 import FullyShardedDataParallel
 
 
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
-                dp_group=None, tp_group=None) -> tuple[Transformer, DataParallel]:
+                dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None
+                ) -> tuple[Transformer, DataParallel]:
+    """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None."""
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
     if tp_group is not None:
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
+    if stage is not None:
+        keep_stage(model, stage[0], stage[1])
     init = local_initial_values(model, cfg.seed, tp_group)
     if cfg.zero == 3:
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
@@ -37,6 +42,10 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         wrapper = (DataParallel(model, dp_group, cfg.bucket_mb, tp_group) if cfg.zero == 0 else
                    ZeroDataParallel(model, dp_group, cfg.zero, cfg.bucket_mb, tp_group))
     model.reset_buffers()
+    if stage is not None:
+        wrapper.pp_group = stage[2]
+        tied = tied_copy(model, stage[0], stage[1])
+        wrapper.counted_elsewhere = frozenset({id(tied)} if tied is not None else ())
     return model, wrapper
 
 

@@ -44,6 +44,10 @@ class DataParallel:
     max_in_flight = 2
     reduce_every_micro_batch = False  # ZeRO-2/3: no full gradient survives between micro-batches
     grads_sharded = False  # each dp rank holds a disjoint part of the gradient
+    # Pipeline parallelism: each stage holds different parameters, so the norm's squares are
+    # summed over the stages too; a tied embedding's second copy (last stage) counts once.
+    pp_group = None
+    counted_elsewhere: frozenset[int] = frozenset()  # id() of parameters left out of the norm
 
     def __init__(self, model: nn.Module, group=None, bucket_mb: float = 25.0, tp_group=None):
         self.model, self.group, self.tp_group = model, group, tp_group
@@ -142,6 +146,17 @@ class DataParallel:
             for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(piece.view_as(g))
 
+    def reduce_gradients(self) -> None:
+        """After a pipeline schedule, which ran every backward inside `backward(False)`: reduce
+        the accumulated gradients now, every bucket at once (the schedule's last backwards are
+        spread over chunks and ranks, so there is no one backward to overlap with)."""
+        if self.group is not None:
+            for bucket in self.buckets:
+                for param in bucket.params:
+                    self._collect(bucket, param)
+            self._finish()
+        self._sum_partial_grads_over_tp()
+
     def _finish(self) -> None:
         for bucket in self.buckets:  # parameters that got no gradient: send their zeros anyway
             if not self._launched[bucket.index]:
@@ -164,9 +179,10 @@ class DataParallel:
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the averaged gradient. Squares are summed in fp64 over what this
-        rank holds, over the dp ranks when they hold disjoint parts (ZeRO), and over the tp ranks
-        for tensor-parallel slices; replicated parameters count once."""
-        pairs = self.grad_pairs()
+        rank holds, over the dp ranks when they hold disjoint parts (ZeRO), over the tp ranks
+        for tensor-parallel slices (replicated parameters count once), and over the pipeline
+        stages."""
+        pairs = [(g, p) for g, p in self.grad_pairs() if id(p) not in self.counted_elsewhere]
         squares = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # (tp-split, replicated)
         if pairs:
             norms = torch.stack(torch._foreach_norm([g for g, _ in pairs])).double()  # one kernel per dtype
@@ -179,7 +195,10 @@ class DataParallel:
             split = squares[:1].clone()
             comm.all_reduce(split, self.tp_group, "tp")
             squares[0] = split[0]
-        return squares.sum().sqrt().to(self.params[0].dtype)
+        total = squares.sum()
+        if self.pp_group is not None:
+            comm.all_reduce(total, self.pp_group, "pp")
+        return total.sqrt().to(self.params[0].dtype)
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_(self.local_grads(), max_norm, total_norm)

@@ -177,6 +177,17 @@ class VocabParallelCrossEntropy(nn.Module):
         return losses.mean()
 
 
+class SplitSequence(nn.Module):
+    """Sequence parallelism's entry: this rank's 1/t of the sequence (all-gather in backward)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, h):
+        return tpc.split_seq(h, self.group)
+
+
 class GatherLogits(nn.Module):
     """For generation: the full logits on every rank (all-gather over the vocabulary), unpadded."""
 
@@ -209,7 +220,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
             model.head = ColumnParallelLinear(d, cfg.vocab_size, bias, group, padded_vocab)
         model.criterion = VocabParallelCrossEntropy(cfg.vocab_size, padded_vocab, group)
         model.gather_logits = GatherLogits(cfg.vocab_size, group)
-        for block in model.blocks:
+        for block in model.blocks.values():
             attn, mlp = block.attn, block.mlp
             attn.wq = ColumnParallelLinear(d, cfg.n_heads * hd, bias, group)
             if cfg.kv_heads % world == 0:
@@ -229,15 +240,14 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
             else:
                 mlp.w_in = ColumnParallelLinear(d, cfg.d_ff, bias, group)
                 mlp.w_out = RowParallelLinear(cfg.d_ff, d, bias, group, sequence_parallel)
-    norms = [m for b in model.blocks for m in (b.attn_norm, b.mlp_norm)] + [model.final_norm]
+    norms = [m for b in model.blocks.values() for m in (b.attn_norm, b.mlp_norm)] + [model.final_norm]
     for norm in norms:  # one input conversion per column-parallel group, on the norm before it
         norm.register_forward_hook(convert)
         if sequence_parallel:  # the norm sees 1/t of the tokens: its gradient is a part
             norm.tp_specs = {name: ShardSpec(tuple(p.shape), None, partial_grad=True)
                              for name, p in norm.named_parameters()}
     if sequence_parallel:  # blocks run on this rank's slice of the sequence
-        model.blocks[0].register_forward_pre_hook(
-            lambda module, args: (tpc.split_seq(args[0], group), *args[1:]))
+        model.to_blocks = SplitSequence(group)
         _keep_shards_for_backward(model, saver)
 
 

@@ -51,7 +51,7 @@ def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
     """strata's Transformer cut into units: embedding, each block, final norm + head."""
     first = [m for m in (model.embed, model.pos_embed, model.embed_norm) if m is not None]
     last = [m for m in (model.final_norm, model.head) if m is not None]
-    return [first, *[[block] for block in model.blocks], last]
+    return [first, *[[block] for block in model.blocks.values()], last]
 
 
 class FullyShardedDataParallel(ShardedStates, DataParallel):

@@ -22,6 +22,9 @@ from strata.model.presets import get_preset
 from strata.model.transformer import Transformer
 from strata.parallel.apply import parallelize
 from strata.parallel.data import DataParallel
+from strata.parallel.pipeline.executor import PipelineExecutor
+from strata.parallel.pipeline.stage import chunk_views, embedding_group, make_layout
+from strata.parallel.pipeline.timeline import gather_timeline, write_trace
 from strata.parallel.tensor import gather_tensor_parallel, shard_specs, slice_tensor_parallel
 from strata.train import metrics as m
 from strata.train.optim import build_optimizer, lr_at
@@ -48,6 +51,10 @@ class Run:
     val_data: BatchLoader
     start_step: int = 0
     owns_process_group: bool = False
+    pp_group: object = None
+    pipeline: PipelineExecutor | None = None  # with --pp > 1: runs the schedule
+    embedding_group: object = None  # first and last stage, when the embedding is tied
+    stage_layout: object = None  # the PipelineLayout
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -65,24 +72,38 @@ def setup(cfg: TrainConfig) -> Run:
     mesh = dims.build_mesh(device.type)
     dp_group = mesh["dp"].get_group() if mesh is not None and dims.dp > 1 else None
     tp_group = mesh["tp"].get_group() if mesh is not None and dims.tp > 1 else None
-    dp_rank = dims.coordinates(rank)["dp"]
+    pp_group = mesh["pp"].get_group() if mesh is not None and dims.pp > 1 else None
+    dp_rank, pp_rank = dims.coordinates(rank)["dp"], dims.coordinates(rank)["pp"]
 
     preset = get_preset(cfg.model)
     train_source = load_data(cfg, "train", cfg.vocab_size or preset.vocab_size)
     val_source = load_data(cfg, "val", cfg.vocab_size or preset.vocab_size)
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
-    model_cfg = preset.with_overrides(vocab_size=train_source.vocab_size)
+    model_cfg = preset.with_overrides(vocab_size=train_source.vocab_size, n_layers=cfg.n_layers or preset.n_layers)
     seq_len = cfg.seq_len or model_cfg.max_seq_len
+    stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
 
     torch.manual_seed(cfg.seed)
-    model, parallel = parallelize(model_cfg, cfg, device, PARAM_DTYPE[cfg.dtype], dp_group, tp_group)
+    model, parallel = parallelize(model_cfg, cfg, device, PARAM_DTYPE[cfg.dtype], dp_group, tp_group,
+                                  (stage_layout, pp_rank, pp_group) if stage_layout is not None else None)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, tp_group, model, parallel, optimizer,
               BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
-              BatchLoader(val_source, seq_len, cfg.micro_batch * dims.dp, cfg.seed, "val", dp_rank, dims.dp))
+              BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp))
     run.owns_process_group = owns_process_group
+    if stage_layout is not None:
+        run.pp_group, run.stage_layout = pp_group, stage_layout
+        if model_cfg.tie_embeddings:
+            run.embedding_group = embedding_group(dims, rank, cfg.timeout)
+        # what passes between stages: the hidden states, 1/tp of the sequence under sequence parallelism
+        shape = (cfg.micro_batch, seq_len // (cfg.tp if cfg.sequence_parallel else 1), model_cfg.d_model)
+        run.pipeline = PipelineExecutor(chunk_views(model, stage_layout, pp_rank), stage_layout, cfg.schedule,
+                                        pp_group, shape, PARAM_DTYPE[cfg.dtype], device, lambda: autocast(run), model)
     if cfg.resume:
         state, tensors = store.load(cfg.resume, optimizer, device, rank, layout(run))
+        if stage_layout is not None:  # this stage's layers only
+            names = set(model.state_dict())
+            tensors = {k: v for k, v in tensors.items() if k in names}
         if tp_group is not None:
             tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
         store.check_model_keys(cfg.resume, parallel.load_full_state_dict(tensors))
@@ -95,12 +116,18 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
     state = run.parallel.full_state_dict()
     if run.tp_group is not None:
         state = gather_tensor_parallel(state, shard_specs(run.model), run.tp_group)
+    if run.pp_group is not None:  # every stage's layers (a tied embedding's copies are equal)
+        stages = [None] * run.dims.pp
+        dist.all_gather_object(stages, {k: v.cpu() for k, v in state.items()}, group=run.pp_group)
+        state = {k: v.to(run.device) for stage in stages for k, v in stage.items()}
     return state
 
 
 def layout(run: Run) -> dict:
     """What a checkpoint's sharded optimizer states depend on."""
-    return {"dp": run.dims.dp, "tp": run.dims.tp, "pp": run.dims.pp, "zero": run.cfg.zero}
+    return {"dp": run.dims.dp, "tp": run.dims.tp, "pp": run.dims.pp, "zero": run.cfg.zero,
+            "virtual_stages": run.cfg.virtual_stages,
+            "blocks_per_chunk": list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None}
 
 
 def autocast(run: Run):
@@ -117,13 +144,16 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
     micro_batches = run.train_data.micro_batches(step, cfg.micro_batch)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    for i, (inputs, targets) in enumerate(micro_batches):
-        with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run):
-            loss = model(inputs.to(run.device), targets.to(run.device))
-            # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
-            (loss / len(micro_batches)).backward()
-        loss_sum += loss.detach().double()
+    if run.pipeline is not None:
+        loss_sum = pipeline_forward_backward(run, micro_batches)
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run):
+                loss = model(inputs.to(run.device), targets.to(run.device))
+                # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
+                (loss / len(micro_batches)).backward()
+            loss_sum += loss.detach().double()
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.dp
@@ -137,20 +167,40 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     return (loss_sum / len(micro_batches)).item(), grad_norm.item(), states
 
 
+def pipeline_forward_backward(run: Run, micro_batches) -> torch.Tensor:
+    """The schedule, with gradients accumulating untouched; then the tied embedding's two copies
+    get the sum of their gradients and data parallelism reduces. Returns the loss sum on every rank."""
+    with run.parallel.backward(is_last_micro_batch=False):
+        loss_sum = run.pipeline.step(micro_batches)
+    if run.embedding_group is not None:  # before the dp reduction, while every rank's gradient is whole
+        comm.all_reduce(run.model.embed.weight.grad, run.embedding_group, "embedding")
+    run.parallel.reduce_gradients()
+    comm.all_reduce(loss_sum, run.pp_group, "pp")  # only the last stage had it
+    return loss_sum
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean validation loss over eval_batches fixed batches (the same ones every time)."""
+    """Mean validation loss over eval_batches fixed batches (the same ones every time) of
+    global-batch sequences each, so the number does not depend on the layout."""
     run.model.eval()
     total = torch.zeros((), dtype=torch.float64, device=run.device)
+    count = 0
     for batch_index in range(run.cfg.eval_batches):
-        inputs, targets = run.val_data.batch(batch_index)
-        with autocast(run):
-            total += run.model(inputs.to(run.device), targets.to(run.device)).double()
+        for inputs, targets in run.val_data.micro_batches(batch_index, run.cfg.micro_batch):
+            count += 1
+            if run.pipeline is not None:
+                total += run.pipeline.forward_only(inputs, targets)
+                continue
+            with autocast(run):
+                total += run.model(inputs.to(run.device), targets.to(run.device)).double()
+    if run.pp_group is not None:  # only the last stage has the loss
+        comm.all_reduce(total, run.pp_group, "pp")
     if run.dp_group is not None:
         comm.all_reduce(total, run.dp_group, "dp")
         total /= run.dims.dp
     run.model.train()
-    return (total / run.cfg.eval_batches).item()
+    return (total / count).item()
 
 
 def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
@@ -190,6 +240,9 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
                   "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
                   "comm_bytes_by_op": comm.counter.by_op(),
                   "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+        if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
+            record["bubble"] = run.pipeline.idle_fraction
+            record["peak_activation_bytes"] = run.pipeline.peak_activation_bytes
         writer.write(record)
         summary["losses"].append(loss)
         summary["step_times"].append(elapsed)
@@ -207,6 +260,11 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
                                                (tokenizer,) if os.path.isfile(tokenizer) else ())
     progress.close()
     writer.close()
+    if cfg.trace and run.pipeline is not None:
+        timelines = gather_timeline(run.pipeline)
+        if timelines is not None:
+            write_trace(cfg.trace, timelines, {"schedule": cfg.schedule, "pp": cfg.pp,
+                                               "virtual_stages": cfg.virtual_stages, "step": cfg.steps})
     summary["model"] = run.model
     if keep_state:
         summary["state"] = full_model_state(run)

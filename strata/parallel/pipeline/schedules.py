@@ -53,31 +53,36 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
     """Megatron's interleaved 1F1B: rank r holds chunks r, r+p, ..., r+(v-1)p; micro-batches go
-    through a rank's chunks in groups of p, so the bubble shrinks to (p-1)/(v·m) of ideal.
-    Needs m divisible by p (as Megatron-LM does)."""
-    if m % p:
-        raise ValueError(f"interleaved schedule: micro-batches {m} must be a multiple of stages {p}")
+    through a rank's chunks in groups of p, so the bubble shrinks to (p-1)/(v·m) of ideal. When p
+    does not divide m the last group is smaller (and the bubble a little larger)."""
+    groups = [range(start, min(start + p, m)) for start in range(0, m, p)]
+
+    def order(backward: bool) -> list[tuple[int, int]]:
+        """The forwards (or backwards) of one rank in order: (micro-batch, which of its v chunks)."""
+        return [(i, (v - 1 - local) if backward else local)
+                for group in groups for local in range(v) for i in group]
+
+    forwards, backwards = order(False), order(True)
     total = m * v
 
-    def order(k: int, backward: bool) -> tuple[int, int]:
-        """The k-th forward (or backward) on a rank: (micro-batch, which of its v chunks)."""
-        group, within = divmod(k, p * v)
-        local = within // p
-        return group * p + within % p, (v - 1 - local) if backward else local
-
-    schedule = []
-    for r in range(p):
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-        forwards = [order(k, False) for k in range(total)]
-        backwards = [order(k, True) for k in range(total)]
-        f = lambda k: Action("F", forwards[k][0], forwards[k][1] * p + r)  # noqa: E731
-        b = lambda k: Action("B", backwards[k][0], backwards[k][1] * p + r)  # noqa: E731
-        actions = [f(k) for k in range(warmup)]
+    def rank_actions(r: int, warmup: int) -> list[Action]:
+        f = [Action("F", i, local * p + r) for i, local in forwards]
+        b = [Action("B", i, local * p + r) for i, local in backwards]
+        actions = f[:warmup]
         for k in range(total - warmup):
-            actions += [f(warmup + k), b(k)]
-        actions += [b(k) for k in range(total - warmup, total)]
-        schedule.append(actions)
-    return schedule
+            actions += [f[warmup + k], b[k]]
+        return actions + b[total - warmup:]
+
+    # Megatron's warm-up; with a short last group a rank can reach a backward whose input is not
+    # made yet, so the warm-up of a rank the dependency check finds stuck grows by one until none is.
+    warmups = [min((p - r - 1) * 2 + (v - 1) * min(p, m), total) for r in range(p)]
+    while True:
+        schedule = [rank_actions(r, warmups[r]) for r in range(p)]
+        stuck = _stuck_ranks(schedule, p * v)
+        if not stuck:
+            return schedule
+        for r in stuck:
+            warmups[r] = min(warmups[r] + 1, total)
 
 
 def zero_bubble_h1(p: int, m: int) -> Schedule:
@@ -133,7 +138,7 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Sim
     """Run the schedule with the given cost per action kind (per chunk) and zero-cost messages.
     Each rank runs its actions in order, an action starting when its inputs exist: F(c) after
     F(c-1) of the same micro-batch, B(c) after B(c+1) (the last chunk after its own F), W(c) after
-    B(c). Raises RuntimeError if no rank can proceed (a deadlock)."""
+    B(c). Raises Deadlock (a RuntimeError) if no rank can proceed."""
     finish: dict[Action, float] = {}
     clock = [0.0] * len(schedule)
     position = [0] * len(schedule)
@@ -154,9 +159,22 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Sim
                 position[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {r: schedule[r][position[r]] for r in range(len(schedule)) if position[r] < len(schedule[r])}
-            raise RuntimeError(f"deadlock: ranks waiting at {stuck}")
+            raise Deadlock({r: schedule[r][position[r]] for r in range(len(schedule)) if position[r] < len(schedule[r])})
     return Simulation(finish, busy, max(clock))
+
+
+def _stuck_ranks(schedule: Schedule, num_chunks: int) -> list[int]:
+    try:
+        simulate(schedule, num_chunks, {"F": 1.0, "B": 1.0, "W": 1.0})
+        return []
+    except Deadlock as e:
+        return sorted(e.stuck)
+
+
+class Deadlock(RuntimeError):
+    def __init__(self, stuck: dict[int, Action]):
+        super().__init__(f"deadlock: ranks waiting at {stuck}")
+        self.stuck = stuck
 
 
 def _dependencies(action: Action, num_chunks: int) -> list[Action]:

@@ -1,0 +1,230 @@
+"""The one executor that runs every pipeline schedule.
+
+A schedule (strata/parallel/pipeline/schedules.py) gives each rank its ordered list of actions.
+This runs them on the rank's chunks; communication follows from each action:
+  F(i, c)  chunk 0 reads micro-batch i's tokens; a later chunk receives its input from chunk c-1.
+           The output goes to chunk c+1; the last chunk computes the loss (scaled by 1/m, so the
+           accumulated gradient is the batch mean, as on one process).
+  B(i, c)  the last chunk starts from its loss; an earlier one receives the output gradient from
+           chunk c+1. The input gradient goes to chunk c-1.
+  W(i, c)  zero-bubble only: the weight gradients B left for later.
+Sends are posted without waiting, right after the action that made them, or together with the
+next action's receive in one batched call (Megatron's send_forward_recv_backward); a receive is
+waited for only when the action needs it. Shapes are known ahead (micro-batch, sequence or its
+1/tp slice, d_model), so no shapes are exchanged. An output whose send has completed keeps no
+storage (Megatron's trick: backward needs only its autograd node, not its values); its node and
+saved activations go once its backward has run.
+
+Each action's compute time is recorded (the timeline), from which the step's idle fraction per rank
+is measured, and the bytes each forward saves for backward are counted, so the peak activation
+memory of the schedule is measured, not estimated."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from strata.distributed import comm
+from strata.memory.activations import count_saved_activations
+from strata.parallel.pipeline.schedules import Action, build
+from strata.parallel.pipeline.stage import PipelineLayout
+from strata.parallel.pipeline.zero_bubble import DeferWeightGrads, WeightGradStore
+
+GROUP = "pp"
+
+
+@dataclass
+class Timed:
+    action: Action
+    start: float  # seconds since the step began (after a barrier of the pipeline group)
+    end: float
+
+
+def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from `output`, whose values may have been freed after sending: the engine call
+    that torch.autograd.backward makes, without its check that grad's shape matches the (now
+    empty) output's. Megatron-LM's custom_backward does the same."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs, unreachable, accumulate
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: dict[int, nn.Module], layout: PipelineLayout, schedule: str, group,
+                 activation_shape: tuple[int, ...], activation_dtype: torch.dtype, device: torch.device,
+                 autocast=contextlib.nullcontext, model_states: nn.Module | None = None):
+        self.chunks, self.layout, self.schedule, self.group = chunks, layout, schedule, group
+        self.shape, self.dtype, self.device, self.autocast = activation_shape, activation_dtype, device, autocast
+        self.model_states = model_states  # its parameters are not activations
+        self.rank = dist.get_rank(group)
+        self.peers = [dist.get_global_rank(group, r) for r in range(layout.stages)]
+        self.last_chunk = layout.num_chunks - 1
+        self.store = WeightGradStore() if schedule == "zb" else None
+        self.timeline: list[Timed] = []
+        self.idle_fraction = 0.0
+        self.peak_activation_bytes = 0
+
+    # --- one training step ----------------------------------------------------------------------
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of every micro-batch through the pipeline; gradients accumulate in
+        the parameters' .grad. Returns the sum of the micro-batches' losses on the rank holding the
+        last chunk, 0 elsewhere."""
+        m = len(micro_batches)
+        actions = build(self.schedule, self.layout.stages, m, self.layout.virtual_stages)[self.rank]
+        self._begin(m)
+        self.timeline = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        saved_bytes: dict[tuple[int, int], int] = {}
+        live, peak = 0, 0
+        releases = "W" if self.store is not None else "B"
+        comm.barrier(self.group, GROUP)  # a common start, so the ranks' timelines line up
+        t0 = time.perf_counter()
+        for n, action in enumerate(actions):
+            key = (action.microbatch, action.chunk)
+            if action.kind == "F":
+                x = self._input(action, micro_batches)
+                start = time.perf_counter()
+                loss, saved_bytes[key] = self._forward(action, x, micro_batches, m)
+                if loss is not None:
+                    loss_sum += loss.double()
+                live += saved_bytes[key]
+                peak = max(peak, live)
+            elif action.kind == "B":
+                grad = self._output_grad(action)
+                start = time.perf_counter()
+                self._backward(action, grad)
+            else:
+                start = time.perf_counter()
+                self.store.run(key)
+            if action.kind == releases:
+                live -= saved_bytes.pop(key)
+            self.timeline.append(Timed(action, start - t0, time.perf_counter() - t0))
+            if n + 1 == len(actions) or not self._receives(actions[n + 1]):
+                self._post_sends()  # else they go out with that receive, in one batch
+        self._wait_sends()
+        self.peak_activation_bytes = peak
+        self._measure_idle()
+        return loss_sum
+
+    def _begin(self, m: int) -> None:
+        self.m = m
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # sends not yet posted: (tensor, peer, tag, the output it was detached from, or None)
+        self.queued: list[tuple[torch.Tensor, int, int, torch.Tensor | None]] = []
+        self.sending: list[tuple[comm._Pending, torch.Tensor | None]] = []  # posted: (handle, output to free)
+
+    def _input(self, action: Action, micro_batches) -> torch.Tensor:
+        if action.chunk == 0:  # its own copy: a view would keep (and count) the whole batch
+            return micro_batches[action.microbatch][0].to(self.device, copy=True)
+        x = self._receive(self._tag(action.chunk, action.microbatch, grad=False), action.chunk - 1)
+        return x.requires_grad_(torch.is_grad_enabled())
+
+    def _forward(self, action: Action, x, micro_batches, m: int):
+        """Run chunk c on micro-batch i; returns (its unscaled loss or None, bytes saved for backward)."""
+        i, c = action.microbatch, action.chunk
+        last = c == self.last_chunk
+        targets = micro_batches[i][1].to(self.device) if last else None
+        defer = DeferWeightGrads(self.store) if self.store is not None and torch.is_grad_enabled() else \
+            contextlib.nullcontext()
+        exclude = (self.model_states,) if self.model_states is not None else ()
+        with count_saved_activations(*exclude) as saved, self.autocast(), defer:
+            out = self.chunks[c](x, targets)
+        if last:
+            loss = out.detach()
+            out = out / m
+        else:
+            loss = None
+            if out.dtype != self.dtype or tuple(out.shape) != self.shape:
+                raise RuntimeError(f"pipeline chunk {c} produced {tuple(out.shape)} {out.dtype}; the receiving "
+                                   f"stage expects {self.shape} {self.dtype}")
+            self.queued.append((out.detach(), self.peers[self.layout.rank_of(c + 1)],
+                                self._tag(c + 1, i, grad=False), out if torch.is_grad_enabled() else None))
+        if torch.is_grad_enabled():
+            self.inputs[(i, c)], self.outputs[(i, c)] = x, out
+        return loss, saved.bytes
+
+    def _output_grad(self, action: Action) -> torch.Tensor:
+        if action.chunk == self.last_chunk:
+            return torch.ones((), dtype=self.outputs[(action.microbatch, action.chunk)].dtype, device=self.device)
+        return self._receive(self._tag(action.chunk, action.microbatch, grad=True), action.chunk + 1)
+
+    def _backward(self, action: Action, grad: torch.Tensor) -> None:
+        key = (action.microbatch, action.chunk)
+        x, out = self.inputs.pop(key), self.outputs.pop(key)
+        if self.store is not None:
+            self.store.current = key
+        _backward(out, grad)
+        if action.chunk > 0:
+            self.queued.append((x.grad, self.peers[self.layout.rank_of(action.chunk - 1)],
+                                self._tag(action.chunk - 1, action.microbatch, grad=True), None))
+
+    # --- communication --------------------------------------------------------------------------
+    def _tag(self, receiving_chunk: int, microbatch: int, grad: bool) -> int:
+        return (2 * receiving_chunk + int(grad)) * self.m + microbatch
+
+    def _receive(self, tag: int, from_chunk: int) -> torch.Tensor:
+        """Post the queued sends with this receive (one batched call) and wait for the receive."""
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        handles = comm.send_recv([q[:3] for q in self.queued],
+                                 [(buffer, self.peers[self.layout.rank_of(from_chunk)], tag)], self.group, GROUP)
+        self._track_sends(handles[:-1])
+        handles[-1].wait()
+        self._free_sent()
+        return buffer
+
+    def _track_sends(self, handles) -> None:
+        self.sending += [(handle, queued[3]) for handle, queued in zip(handles, self.queued)]
+        self.queued = []
+
+    def _free_sent(self) -> None:
+        """Outputs whose send has completed give up their storage (their autograd node stays)."""
+        still = []
+        for handle, output in self.sending:
+            if handle.work.is_completed():
+                handle.wait()
+                if output is not None:
+                    output.data = torch.empty(0, dtype=output.dtype, device=output.device)
+            else:
+                still.append((handle, output))
+        self.sending = still
+
+    def _receives(self, action: Action) -> bool:
+        return (action.kind == "F" and action.chunk > 0) or (action.kind == "B" and action.chunk < self.last_chunk)
+
+    def _post_sends(self) -> None:
+        if self.queued:
+            self._track_sends(comm.send_recv([q[:3] for q in self.queued], [], self.group, GROUP))
+
+    def _wait_sends(self) -> None:
+        self._post_sends()
+        for handle, _ in self.sending:
+            handle.wait()
+        self.sending = []
+
+    # --- measurements ---------------------------------------------------------------------------
+    def _measure_idle(self) -> None:
+        """Idle fraction of this rank over the step: 1 - compute time / the slowest rank's span."""
+        busy = sum(t.end - t.start for t in self.timeline)
+        span = torch.tensor([self.timeline[-1].end if self.timeline else 0.0], dtype=torch.float64)
+        comm.all_reduce(span, self.group, GROUP, op=dist.ReduceOp.MAX)
+        self.idle_fraction = 1 - busy / span.item() if span.item() > 0 else 0.0
+
+    # --- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One batch through every chunk, in order; the loss on the last stage's rank, 0 elsewhere."""
+        self._begin(1)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        batch = [(inputs, targets)]
+        for c in self.layout.chunks_of(self.rank):
+            out, _ = self._forward(Action("F", 0, c), self._input(Action("F", 0, c), batch), batch, 1)
+            if out is not None:
+                loss += out.double()
+            self._post_sends()
+        self._wait_sends()
+        return loss
