@@ -16,8 +16,9 @@ storage (Megatron's trick: backward needs only its autograd node, not its values
 saved activations go once its backward has run.
 
 Each action's compute time is recorded (the timeline), from which the step's idle fraction per rank
-is measured, and the bytes each forward saves for backward are counted, so the peak activation
-memory of the schedule is measured, not estimated."""
+is measured, and the bytes a chunk's forward saves for backward are counted (on its first forward;
+the shapes never change), so the peak activation memory of the schedule is measured, not
+estimated."""
 
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class PipelineExecutor:
         self.last_chunk = layout.num_chunks - 1
         self.store = WeightGradStore() if schedule == "zb" else None
         self.timeline: list[Timed] = []
+        self.saved_bytes: dict[int, int] = {}  # chunk -> bytes one micro-batch's forward saves
         self.idle_fraction = 0.0
         self.peak_activation_bytes = 0
 
@@ -78,7 +80,7 @@ class PipelineExecutor:
         self._begin(m)
         self.timeline = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        saved_bytes: dict[tuple[int, int], int] = {}
+        held: dict[tuple[int, int], int] = {}  # activation bytes of micro-batches not yet released
         live, peak = 0, 0
         releases = "W" if self.store is not None else "B"
         comm.barrier(self.group, GROUP)  # a common start, so the ranks' timelines line up
@@ -88,10 +90,10 @@ class PipelineExecutor:
             if action.kind == "F":
                 x = self._input(action, micro_batches)
                 start = time.perf_counter()
-                loss, saved_bytes[key] = self._forward(action, x, micro_batches, m)
+                loss, held[key] = self._forward(action, x, micro_batches, m)
                 if loss is not None:
                     loss_sum += loss.double()
-                live += saved_bytes[key]
+                live += held[key]
                 peak = max(peak, live)
             elif action.kind == "B":
                 grad = self._output_grad(action)
@@ -101,7 +103,7 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 self.store.run(key)
             if action.kind == releases:
-                live -= saved_bytes.pop(key)
+                live -= held.pop(key)
             self.timeline.append(Timed(action, start - t0, time.perf_counter() - t0))
             if n + 1 == len(actions) or not self._receives(actions[n + 1]):
                 self._post_sends()  # else they go out with that receive, in one batch
@@ -131,9 +133,15 @@ class PipelineExecutor:
         targets = micro_batches[i][1].to(self.device) if last else None
         defer = DeferWeightGrads(self.store) if self.store is not None and torch.is_grad_enabled() else \
             contextlib.nullcontext()
+        # Every micro-batch has the same shapes, so a chunk saves the same bytes each time: count
+        # them on its first forward only (saved-tensor hooks cost a few percent of the step).
+        count = c not in self.saved_bytes and torch.is_grad_enabled()
         exclude = (self.model_states,) if self.model_states is not None else ()
-        with count_saved_activations(*exclude) as saved, self.autocast(), defer:
+        with count_saved_activations(*exclude) if count else contextlib.nullcontext() as saved, \
+                self.autocast(), defer:
             out = self.chunks[c](x, targets)
+        if count:
+            self.saved_bytes[c] = saved.bytes
         if last:
             loss = out.detach()
             out = out / m
@@ -146,7 +154,7 @@ class PipelineExecutor:
                                 self._tag(c + 1, i, grad=False), out if torch.is_grad_enabled() else None))
         if torch.is_grad_enabled():
             self.inputs[(i, c)], self.outputs[(i, c)] = x, out
-        return loss, saved.bytes
+        return loss, self.saved_bytes.get(c, 0)
 
     def _output_grad(self, action: Action) -> torch.Tensor:
         if action.chunk == self.last_chunk:
