@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 from strata.model.presets import PRESETS
 
-DTYPES = ("fp32", "fp64", "bf16")
+DTYPES = ("fp32", "fp64", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -38,6 +38,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
+    loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
+    loss_scale_window: int = 1000  # fp16: good steps in a row before the scale doubles
     # layout
     nproc: int = 1
     dp: int | None = None  # default: what is left of the world after tp and pp
@@ -48,6 +50,7 @@ class TrainConfig:
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved schedule)
     pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (default: balanced by FLOPs)
     zero: int = 0
+    checkpointing: str = "none"  # activation checkpointing: none | full | selective | every:K
     bucket_mb: float = 25.0  # gradient bucket size for data parallelism and ZeRO-1/2
     device: str = "auto"  # auto | cpu | cuda
     timeout: float = 300.0  # seconds any collective may take before it fails
@@ -136,6 +139,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
     need(cfg.lr > 0, f"--lr {cfg.lr}: must be > 0")
     need(0 <= cfg.min_lr <= cfg.lr, f"--min-lr {cfg.min_lr}: must be between 0 and --lr {cfg.lr}")
+    need(cfg.loss_scale > 0, f"--loss-scale {cfg.loss_scale}: must be > 0")
+    need(cfg.loss_scale_window >= 1, f"--loss-scale-window {cfg.loss_scale_window}: must be >= 1")
     need(cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 disables clipping)")
     need(cfg.timeout > 0, f"--timeout {cfg.timeout}: must be > 0 seconds")
     need(cfg.resume is None or os.path.isdir(cfg.resume), f"--resume {cfg.resume}: no such directory")
@@ -160,6 +165,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.vocab_size is None or cfg.data == "synthetic",
          f"--vocab-size {cfg.vocab_size}: only for --data synthetic; a data set brings its tokenizer's")
     check_pipeline(cfg, model, seq_len)
+    from strata.memory.checkpointing import parse
+    parse(cfg.checkpointing)
 
     # batch: global = micro x accumulation x dp
     need(cfg.global_batch is None or cfg.global_batch >= 1, f"--global-batch {cfg.global_batch}: must be >= 1")

@@ -48,8 +48,9 @@ def test_gradient_accumulation_equals_one_big_batch():
     torch.testing.assert_close(accumulated["losses"], whole["losses"], rtol=1e-10, atol=0)
 
 
-def test_bf16_tracks_fp32():
-    fp32 = run(steps=10, global_batch=8, micro_batch=8)
-    bf16 = run(steps=10, global_batch=8, micro_batch=8, dtype="bf16")
-    for a, b in zip(fp32["losses"], bf16["losses"]):
-        assert abs(a - b) / a < 0.01
+def test_bf16_and_fp16_track_fp32_over_50_steps():
+    fp32 = run(steps=50, global_batch=8, micro_batch=8)
+    for dtype in ("bf16", "fp16"):
+        low = run(steps=50, global_batch=8, micro_batch=8, dtype=dtype)
+        for a, b in zip(fp32["losses"], low["losses"]):
+            assert abs(a - b) / a < 0.01, dtype

@@ -79,9 +79,13 @@ class Attention(nn.Module):
         mask = None
         if alibi is not None or start > 0:
             mask = _attention_bias(seq, k.shape[2], start, alibi, q.dtype, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def core(self, q, k, v, mask):
+        """softmax(q kᵀ/√d + mask) v: the "core attention" that selective checkpointing recomputes."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _attention_bias(q_len, k_len, start, alibi, dtype, device):

@@ -1,7 +1,8 @@
 """parallelize(): build the model for this rank's place in the layout and wrap it.
 
 The order is fixed (torchtitan's, and the only one that composes): tensor parallelism swaps layers
-on the meta-device model, pipeline parallelism keeps this rank's stage, then the parameters are
+on the meta-device model, pipeline parallelism keeps this rank's stage, activation checkpointing
+wraps the blocks that remain, then the parameters are
 materialised, each initialised from the logical parameter's seeded value and cut to this rank's
 slice, and data parallelism / ZeRO wraps what is left."""
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from strata.config import TrainConfig
+from strata.memory.checkpointing import apply_checkpointing
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
 from strata.parallel.data import DataParallel
@@ -29,6 +31,8 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
     if stage is not None:
         keep_stage(model, stage[0], stage[1])
+    apply_checkpointing(model, cfg.checkpointing,
+                        [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None)
     init = local_initial_values(model, cfg.seed, tp_group)
     if cfg.zero == 3:
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.

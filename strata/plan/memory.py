@@ -31,7 +31,8 @@ def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str 
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, checkpointing: str = "none") -> float:
+                               sequence_parallel: bool = False, checkpointing: str = "none",
+                               fused_attention: bool = False) -> float:
     """16-bit activation bytes one transformer layer keeps for backward, per device (Korthikanti
     et al. 2022, Table 2):
       none, no TP:          sbh(34 + 5as/h)
@@ -39,14 +40,16 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
       + sequence parallel:  sbh(34/t + 5as/(ht))
       selective recompute:  34·sbh/t with sequence parallelism (the attention core is recomputed),
                             sbh(10 + 24/t) without
-      full recompute:       2·sbh (the layer input only; /t with sequence parallelism)"""
+      full recompute:       2·sbh (the layer input only; /t with sequence parallelism)
+    fused_attention: a fused kernel (flash attention, PyTorch's SDPA on CPU and GPU) never stores
+    the attention scores, so the 5as/h term is 0 whatever the checkpointing."""
     sbh = seq * batch * hidden
     attention = 5 * heads * seq / (hidden * tp)
     if checkpointing == "full":
         return 2 * sbh / (tp if sequence_parallel else 1)
     if checkpointing not in ("none", "selective"):
         raise ValueError(f"checkpointing {checkpointing!r}: valid none, selective, full")
-    if checkpointing == "selective":
+    if checkpointing == "selective" or fused_attention:
         attention = 0.0
     if sequence_parallel:
         return sbh * (34 / tp + attention)

@@ -27,9 +27,11 @@ from strata.parallel.pipeline.stage import chunk_views, embedding_group, make_la
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
 from strata.parallel.tensor import gather_tensor_parallel, shard_specs, slice_tensor_parallel
 from strata.train import metrics as m
+from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at
 
-PARAM_DTYPE = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32}
+PARAM_DTYPE = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32, "fp16": torch.float32}
+AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Run:
     pipeline: PipelineExecutor | None = None  # with --pp > 1: runs the schedule
     embedding_group: object = None  # first and last stage, when the embedding is tied
     stage_layout: object = None  # the PipelineLayout
+    scaler: LossScaler | None = None  # fp16 only
+    skipped: bool = False  # the last step's gradients overflowed (fp16) and it was skipped
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -91,6 +95,8 @@ def setup(cfg: TrainConfig) -> Run:
               BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp))
     run.owns_process_group = owns_process_group
+    if cfg.dtype == "fp16":
+        run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device)
     if stage_layout is not None:
         run.pp_group, run.stage_layout = pp_group, stage_layout
         if model_cfg.tie_embeddings:
@@ -108,6 +114,8 @@ def setup(cfg: TrainConfig) -> Run:
             tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
         store.check_model_keys(cfg.resume, parallel.load_full_state_dict(tensors))
         run.start_step = state["step"]
+        if run.scaler is not None and "loss_scaler" in state:
+            run.scaler.load_state_dict(state["loss_scaler"])
     return run
 
 
@@ -131,8 +139,8 @@ def layout(run: Run) -> dict:
 
 
 def autocast(run: Run):
-    if run.cfg.dtype == "bf16":
-        return torch.autocast(run.device.type, dtype=torch.bfloat16)
+    if run.cfg.dtype in AUTOCAST_DTYPE:
+        return torch.autocast(run.device.type, dtype=AUTOCAST_DTYPE[run.cfg.dtype])
     return contextlib.nullcontext()
 
 
@@ -144,7 +152,9 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
     micro_batches = run.train_data.micro_batches(step, cfg.micro_batch)
+    scale = run.scaler.scale if run.scaler is not None else 1.0
     if run.pipeline is not None:
+        run.pipeline.loss_scale = scale
         loss_sum = pipeline_forward_backward(run, micro_batches)
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
@@ -152,11 +162,20 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
             with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run):
                 loss = model(inputs.to(run.device), targets.to(run.device))
                 # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
-                (loss / len(micro_batches)).backward()
+                (loss * (scale / len(micro_batches))).backward()
             loss_sum += loss.detach().double()
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.dp
+    loss = (loss_sum / len(micro_batches)).item()
+    if run.scaler is not None:
+        finite = run.scaler.unscale_and_check(run.parallel.local_grads())
+        run.scaler.update(finite)
+        run.skipped = not finite
+        if not finite:  # on every rank alike: the weights and Adam's moments stay as they were
+            states = run.parallel.state_bytes(run.optimizer)
+            run.parallel.zero_grad()
+            return loss, float("inf"), states
     grad_norm = run.parallel.grad_norm()
     if cfg.grad_clip > 0:
         run.parallel.clip_(cfg.grad_clip, grad_norm)
@@ -164,7 +183,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     run.parallel.after_step()
     states = run.parallel.state_bytes(run.optimizer)
     run.parallel.zero_grad()
-    return (loss_sum / len(micro_batches)).item(), grad_norm.item(), states
+    return loss, grad_norm.item(), states
 
 
 def pipeline_forward_backward(run: Run, micro_batches) -> torch.Tensor:
@@ -209,7 +228,7 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
     run = setup(cfg)
     is_main = run.rank == 0
     writer = m.MetricsWriter(cfg.metrics, is_main, append=bool(cfg.resume))
-    peak = cfg.peak_flops or m.peak_flops(run.device, torch.bfloat16 if cfg.dtype == "bf16" else PARAM_DTYPE[cfg.dtype])
+    peak = cfg.peak_flops or m.peak_flops(run.device, AUTOCAST_DTYPE.get(cfg.dtype, PARAM_DTYPE[cfg.dtype]))
     seq_len = run.train_data.seq_len
     tokens_per_step = cfg.global_batch * seq_len
     flops_per_token = run.model_cfg.flops_per_token(seq_len)
@@ -240,6 +259,8 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
                   "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
                   "comm_bytes_by_op": comm.counter.by_op(),
                   "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+        if run.scaler is not None:
+            record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
         if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
             record["bubble"] = run.pipeline.idle_fraction
             record["peak_activation_bytes"] = run.pipeline.peak_activation_bytes
@@ -254,6 +275,8 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
             validate_and_log(step + 1)
         if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
             state = {"config": cfg.to_dict(), "model_config": run.model_cfg.to_dict()}
+            if run.scaler is not None:
+                state["loss_scaler"] = run.scaler.state_dict()
             tokenizer = os.path.join(cfg.data, "tokenizer.json")
             summary["checkpoint"] = store.save(cfg.save, step + 1, full_model_state(run), run.optimizer, state,
                                                run.rank, run.world_size, layout(run),

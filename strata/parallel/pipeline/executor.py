@@ -68,6 +68,7 @@ class PipelineExecutor:
         self.timeline: list[Timed] = []
         self.saved_bytes: dict[int, int] = {}  # chunk -> bytes one micro-batch's forward saves
         self.idle_fraction = 0.0
+        self.loss_scale = 1.0  # fp16: the trainer's dynamic loss scale
         self.peak_activation_bytes = 0
 
     # --- one training step ----------------------------------------------------------------------
@@ -144,7 +145,7 @@ class PipelineExecutor:
             self.saved_bytes[c] = saved.bytes
         if last:
             loss = out.detach()
-            out = out / m
+            out = out * (self.loss_scale / m)
         else:
             loss = None
             if out.dtype != self.dtype or tuple(out.shape) != self.shape:

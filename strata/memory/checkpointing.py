@@ -1,0 +1,86 @@
+"""Activation checkpointing (Chen et al. 2016; Korthikanti et al. 2022): keep less for backward and
+recompute the rest in backward, trading compute for memory.
+
+  none        every activation is kept
+  full        each block keeps only its input; the whole block is recomputed in backward
+              (Korthikanti's 2·sbh per layer, one extra forward of the blocks)
+  selective   each block's core attention (softmax(qkᵀ)v) is recomputed, the rest kept: the
+              5as/h term, the big one when the attention scores are stored. A fused attention
+              kernel (SDPA on CPU and GPU) never stores them, so here it saves little.
+  every:K     full checkpointing of the first K blocks of every chunk of layers (the whole model,
+              or each pipeline chunk), the others kept: Megatron-LM's --recompute-method block
+
+Applied by wrapping forward methods, so parameter names and the model's code are unchanged; it
+uses torch.utils.checkpoint (non-reentrant), which recomputes with the same kernels and so gives
+bit-identical gradients. The kept block inputs are reported to the saved-activation counter."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from strata.config import ConfigError
+from strata.memory.activations import observe
+
+MODES = ("none", "full", "selective", "every:K")
+
+
+def parse(mode: str) -> tuple[str, int]:
+    """'every:3' -> ('every', 3); 'full' -> ('full', 0). Raises ConfigError on anything else."""
+    if mode in ("none", "full", "selective"):
+        return mode, 0
+    if mode.startswith("every:"):
+        try:
+            k = int(mode.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k >= 1:
+            return "every", k
+    raise ConfigError(f"--checkpointing {mode}: valid: none, full, selective, every:K (K >= 1)")
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation, generation: nothing to save anyway
+            return forward(*args, **kwargs)
+        for a in args:  # what the region keeps: its inputs
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                observe(a)
+        # Function modes active now (zero-bubble's weight-gradient deferral) must be active when
+        # backward recomputes the region, or it would build a different graph (torch's private
+        # helper is the only way to read the mode stack).
+        modes = torch.overrides._get_current_function_mode_stack()
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: (
+            contextlib.nullcontext(), _entered(modes)), **kwargs)
+    return run
+
+
+@contextlib.contextmanager
+def _entered(modes):
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
+
+
+def apply_checkpointing(model, mode: str, chunks: list[range] | None = None) -> None:
+    """Wrap the blocks of strata's Transformer (any stage of it) for `mode`. chunks: the global
+    block indices of each pipeline chunk this model holds (every:K counts from each chunk's start);
+    None: the model's blocks are one chunk."""
+    kind, k = parse(mode)
+    if kind == "none":
+        return
+    if chunks is None:
+        chunks = [range(0, 0)] if not len(model.blocks) else \
+            [range(min(map(int, model.blocks)), max(map(int, model.blocks)) + 1)]
+    for key, block in model.blocks.items():
+        if kind == "selective":
+            block.attn.core = _checkpointed(block.attn.core)
+            continue
+        start = next(c.start for c in chunks if int(key) in c)
+        if kind == "full" or int(key) - start < k:
+            block.forward = _checkpointed(block.forward)

@@ -1,0 +1,42 @@
+"""fp16 with dynamic loss scaling: an overflow skips the step on every rank alike, halves the scale,
+leaves the weights untouched, and training goes on."""
+
+import torch
+
+from distributed import run_on_ranks
+from strata.config import TrainConfig
+from strata.model.presets import get_preset
+from strata.model.transformer import build_model
+from strata.train.trainer import train
+
+BASE = dict(model="tiny", seq_len=32, micro_batch=2, global_batch=4, progress=False, peak_flops=1e10,
+            eval_batches=1, dtype="fp16")
+
+
+def _scaled_run(settings):
+    s = train(TrainConfig(**{**BASE, **settings, "steps": 8, "loss_scale": 2.0**24, "loss_scale_window": 3}))
+    return [(r["skipped"], r["loss_scale"], r["skipped_steps"]) for r in s["records"]]
+
+
+def test_fp16_overflow_is_skipped_on_every_rank_the_scale_halves_and_training_continues():
+    # 2^24 overflows fp16 gradients of tiny: the first steps are skipped until the scale fits.
+    # dp 2 with ZeRO-1: each rank checks only its shard of the gradients, so agreeing needs the all-reduce.
+    ranks = run_on_ranks(_scaled_run, 2, dict(global_batch=8, zero=1), timeout=300)
+    assert ranks[0] == ranks[1]
+    records = ranks[0]
+    assert records[0] == (True, 2.0**23, 1)
+    previous = 2.0**24
+    for skipped, scale, _ in records:
+        if skipped:
+            assert scale == previous / 2
+        previous = scale
+    assert not all(skipped for skipped, _, _ in records)
+    assert records[-1][2] == sum(skipped for skipped, _, _ in records)
+
+
+def test_a_skipped_step_leaves_the_weights_as_they_were():
+    s = train(TrainConfig(**BASE, steps=1, loss_scale=2.0**40, seed=4), keep_state=True)
+    assert s["records"][0]["skipped"]
+    initial = build_model(get_preset("tiny"), seed=4).state_dict()
+    for name, value in s["state"].items():
+        assert torch.equal(value, initial[name]), name
