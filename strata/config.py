@@ -51,6 +51,9 @@ class TrainConfig:
     pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (default: balanced by FLOPs)
     zero: int = 0
     checkpointing: str = "none"  # activation checkpointing: none | full | selective | every:K
+    offload: str = "none"  # none | cpu | disk: where the optimizer's states live and its step runs
+    offload_dir: str | None = None  # --offload disk: directory of the moment files (default: the temp dir)
+    reduce_dtype: str = "fp32"  # data-parallel gradient reduction: fp32 (the master gradients') | bf16
     bucket_mb: float = 25.0  # gradient bucket size for data parallelism and ZeRO-1/2
     device: str = "auto"  # auto | cpu | cuda
     timeout: float = 300.0  # seconds any collective may take before it fails
@@ -167,6 +170,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     check_pipeline(cfg, model, seq_len)
     from strata.memory.checkpointing import parse
     parse(cfg.checkpointing)
+    need(cfg.offload in ("none", "disk", "cpu"), f"--offload {cfg.offload}: valid: none, disk, cpu")
+    need(cfg.offload_dir is None or cfg.offload == "disk", f"--offload-dir {cfg.offload_dir}: only with --offload disk")
 
     # batch: global = micro x accumulation x dp
     need(cfg.global_batch is None or cfg.global_batch >= 1, f"--global-batch {cfg.global_batch}: must be >= 1")
@@ -178,6 +183,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.zero == 0 or dp > 1,
          f"--zero {cfg.zero}: ZeRO shards states across data-parallel ranks, and dp is 1; "
          f"use --zero 0, or --nproc N with dp > 1")
+    need(cfg.reduce_dtype in ("fp32", "bf16"), f"--reduce-dtype {cfg.reduce_dtype}: valid: fp32, bf16")
+    need(cfg.reduce_dtype == "fp32" or dp > 1,
+         f"--reduce-dtype {cfg.reduce_dtype}: sets the dtype of data-parallel reductions, and dp is 1")
+    need(cfg.reduce_dtype == "fp32" or cfg.dtype != "fp64", "--reduce-dtype bf16: not with --dtype fp64")
     need(cfg.bucket_mb > 0, f"--bucket-mb {cfg.bucket_mb}: must be > 0")
     need(cfg.nproc == 1 or world_size == cfg.nproc,
          f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")

@@ -41,6 +41,10 @@ def strata(*args, cwd=None, timeout=300):
     (["train", "--nproc", "2", "--pp", "2", "--schedule", "zigzag"], "--schedule zigzag: valid: gpipe, 1f1b"),
     (["train", "--nproc", "2", "--pp", "2", "--pp-split", "a,b"], "--pp-split a,b: give blocks per chunk"),
     (["schedule", "--pp", "0"], "--pp 0: must be >= 1"),
+    (["train", "--checkpointing", "half"], "--checkpointing half: valid: none, full, selective, every:K"),
+    (["train", "--offload", "nvme"], "--offload nvme: valid: none, disk, cpu"),
+    (["train", "--reduce-dtype", "bf16"], "--reduce-dtype bf16: sets the dtype of data-parallel reductions, and dp is 1"),
+    (["train", "--dtype", "fp16", "--loss-scale", "0"], "--loss-scale 0.0: must be > 0"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle):
     result = strata(*args)

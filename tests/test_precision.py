@@ -1,6 +1,7 @@
 """fp16 with dynamic loss scaling: an overflow skips the step on every rank alike, halves the scale,
 leaves the weights untouched, and training goes on."""
 
+import pytest
 import torch
 
 from distributed import run_on_ranks
@@ -40,3 +41,18 @@ def test_a_skipped_step_leaves_the_weights_as_they_were():
     initial = build_model(get_preset("tiny"), seed=4).state_dict()
     for name, value in s["state"].items():
         assert torch.equal(value, initial[name]), name
+
+
+def _reduce_in(zero, reduce_dtype):
+    s = train(TrainConfig(**{**BASE, "dtype": "fp32"}, steps=4, zero=zero, reduce_dtype=reduce_dtype))
+    by_op = s["records"][-1]["comm_bytes_by_op"]
+    return s["losses"], by_op.get("all_reduce/dp", 0) if zero == 0 else by_op["reduce_scatter/dp"]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_bf16_gradient_reduction_halves_the_bytes_and_tracks_fp32(zero):
+    fp32_losses, fp32_bytes = run_on_ranks(_reduce_in, 2, zero, "fp32", timeout=300)[0]
+    bf16_losses, bf16_bytes = run_on_ranks(_reduce_in, 2, zero, "bf16", timeout=300)[0]
+    loss = 8 if zero == 0 else 0  # ZeRO-0's all-reduce count includes the loss (an fp64 scalar)
+    assert bf16_bytes - loss == (fp32_bytes - loss) / 2
+    torch.testing.assert_close(bf16_losses, fp32_losses, rtol=1e-3, atol=0)

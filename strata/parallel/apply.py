@@ -46,6 +46,8 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         wrapper = (DataParallel(model, dp_group, cfg.bucket_mb, tp_group) if cfg.zero == 0 else
                    ZeroDataParallel(model, dp_group, cfg.zero, cfg.bucket_mb, tp_group))
     model.reset_buffers()
+    if cfg.reduce_dtype == "bf16":
+        wrapper.reduce_dtype = torch.bfloat16
     if stage is not None:
         wrapper.pp_group = stage[2]
         tied = tied_copy(model, stage[0], stage[1])

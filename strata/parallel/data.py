@@ -48,6 +48,9 @@ class DataParallel:
     # summed over the stages too; a tied embedding's second copy (last stage) counts once.
     pp_group = None
     counted_elsewhere: frozenset[int] = frozenset()  # id() of parameters left out of the norm
+    # The dtype gradients travel in (--reduce-dtype); None: their own (fp32 master gradients).
+    # bf16 halves the bytes; the sum is rounded to bf16 once per reduction.
+    reduce_dtype: torch.dtype | None = None
 
     def __init__(self, model: nn.Module, group=None, bucket_mb: float = 25.0, tp_group=None):
         self.model, self.group, self.tp_group = model, group, tp_group
@@ -64,6 +67,7 @@ class DataParallel:
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
         self._pending: list = []
+        self._wires: dict[int, torch.Tensor] = {}  # bucket index -> what is being reduced
         self._setup_grads(sample.dtype, sample.device)
         if group is not None:
             for bucket in self.buckets:
@@ -109,9 +113,14 @@ class DataParallel:
         while len(self._pending) > self.max_in_flight:
             self._complete_oldest()
 
+    def _on_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """What a reduction sends: the gradient itself, or a copy in the reduce dtype."""
+        return flat if self.reduce_dtype in (None, flat.dtype) else flat.to(self.reduce_dtype)
+
     def _start_reduction(self, bucket: Bucket):
         flat = self.grad_buffer[bucket.start:bucket.start + bucket.size]
-        return comm.all_reduce(flat, self.group, "dp", async_op=True)
+        self._wires[bucket.index] = wire = self._on_wire(flat)
+        return comm.all_reduce(wire, self.group, "dp", async_op=True)
 
     def _complete_oldest(self) -> None:
         bucket, work = self._pending.pop(0)
@@ -120,7 +129,10 @@ class DataParallel:
 
     def _reduced(self, bucket: Bucket) -> None:
         """A bucket's sum has arrived: turn it into the average."""
-        self.grad_buffer[bucket.start:bucket.start + bucket.size].div_(self.dp_size)
+        flat, wire = self.grad_buffer[bucket.start:bucket.start + bucket.size], self._wires.pop(bucket.index)
+        if wire is not flat:
+            flat.copy_(wire)
+        flat.div_(self.dp_size)
 
     # --- what the trainer calls ---------------------------------------------------------------
     @contextmanager

@@ -77,8 +77,9 @@ class ZeroDataParallel(ShardedStates, DataParallel):
 
     def _staging_for(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index not in self._staging:
-            sample = self.shard_grad_buffer
-            self._staging[bucket.index] = torch.zeros(bucket.size, dtype=sample.dtype, device=sample.device)
+            sample = self.shard_grad_buffer  # staged directly in the dtype it travels in
+            self._staging[bucket.index] = torch.zeros(bucket.size, dtype=self.reduce_dtype or sample.dtype,
+                                                      device=sample.device)
         return self._staging[bucket.index]
 
     def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
@@ -90,16 +91,18 @@ class ZeroDataParallel(ShardedStates, DataParallel):
 
     def _start_reduction(self, bucket: Bucket):
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
-        if self.stage == 1:
-            flat, shard = self.grad_buffer[bucket.start:bucket.start + bucket.size], self.grad_buffer[lo:hi]
-        else:
-            flat = self._staging_for(bucket)
-            shard = flat[lo - bucket.start:hi - bucket.start]
-        return comm.reduce_scatter(shard, flat, self.group, "dp", async_op=True)
+        flat = self.grad_buffer[bucket.start:bucket.start + bucket.size] if self.stage == 1 else \
+            self._staging_for(bucket)
+        self._wires[bucket.index] = wire = self._on_wire(flat)
+        shard = wire[lo - bucket.start:hi - bucket.start]
+        return comm.reduce_scatter(shard, wire, self.group, "dp", async_op=True)
 
     def _reduced(self, bucket: Bucket) -> None:
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        wire = self._wires.pop(bucket.index)
         if self.stage == 1:
+            if wire.dtype != self.grad_buffer.dtype:
+                self.grad_buffer[lo:hi].copy_(wire[lo - bucket.start:hi - bucket.start])
             self.grad_buffer[lo:hi].div_(self.dp_size)
             return
         first = bucket.start // self.dp_size  # this bucket's place in the gradient shard

@@ -166,8 +166,8 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
         self._prefetch(unit.index - 1)
 
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
-        if unit.staging is None:
-            unit.staging = unit.shard.new_zeros(unit.bucket.size)
+        if unit.staging is None:  # staged directly in the dtype it travels in
+            unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.reduce_dtype or unit.shard.dtype)
         offset = unit.offset_of[id(param)]
         unit.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None
@@ -178,7 +178,7 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
 
     def _reduce(self, unit: Unit) -> None:
         if unit.staging is None:  # no gradient reached this unit: reduce zeros
-            unit.staging = unit.shard.new_zeros(unit.bucket.size)
+            unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.reduce_dtype or unit.shard.dtype)
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
         self._pending.append((unit, comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group, "dp",
                                                         async_op=True)))

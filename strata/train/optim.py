@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 
 import torch
 
 from strata.config import TrainConfig
+from strata.memory.offload import DiskOffloadAdamW, HostOffloadAdamW
 
 
-def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig, rank: int = 0):
     """AdamW over the tensors this rank updates (whole parameters, or its ZeRO shards of them).
     Weight decay applies to what comes from matrices and embeddings, not to norms or biases, as in
-    GPT-3 and LLaMA training."""
+    GPT-3 and LLaMA training. --offload cpu runs it in host memory, --offload disk keeps its moments
+    in a file (the same arithmetic either way)."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.offload == "cpu":
+        return HostOffloadAdamW(groups, cfg.lr, (cfg.beta1, cfg.beta2))
+    if cfg.offload == "disk":
+        directory = cfg.offload_dir or os.path.join(tempfile.gettempdir(), "strata-offload")
+        return DiskOffloadAdamW(groups, cfg.lr, (cfg.beta1, cfg.beta2), directory, rank)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 

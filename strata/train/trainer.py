@@ -17,6 +17,7 @@ from strata.config import TrainConfig, data_parallel_size, global_batch_size, va
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+from strata.memory.activations import count_saved_activations
 from strata.model.config import ModelConfig
 from strata.model.presets import get_preset
 from strata.model.transformer import Transformer
@@ -59,6 +60,7 @@ class Run:
     stage_layout: object = None  # the PipelineLayout
     scaler: LossScaler | None = None  # fp16 only
     skipped: bool = False  # the last step's gradients overflowed (fp16) and it was skipped
+    activation_bytes: int | None = None  # saved for backward by one micro-batch (counted once)
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -90,7 +92,7 @@ def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, PARAM_DTYPE[cfg.dtype], dp_group, tp_group,
                                   (stage_layout, pp_rank, pp_group) if stage_layout is not None else None)
-    optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg)
+    optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, tp_group, model, parallel, optimizer,
               BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp))
@@ -147,7 +149,8 @@ def autocast(run: Run):
 def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     """One optimizer step: forward/backward over this rank's micro-batches, gradients averaged over
     data-parallel ranks, clipping by the global norm, AdamW. Returns (loss, grad_norm, the model
-    state bytes at their peak: after the update, before the gradients are freed)."""
+    state bytes at their peak: after the update, before the gradients are freed); an fp16 step
+    whose gradients overflowed is skipped on every rank and reports an infinite norm."""
     cfg, model = run.cfg, run.model
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
@@ -159,8 +162,13 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
         for i, (inputs, targets) in enumerate(micro_batches):
-            with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run):
+            # Shapes never change: count what a micro-batch saves for backward once (hooks cost time).
+            count = run.activation_bytes is None
+            with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run), \
+                    count_saved_activations(model) if count else contextlib.nullcontext() as saved:
                 loss = model(inputs.to(run.device), targets.to(run.device))
+                if count:
+                    run.activation_bytes = saved.bytes
                 # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
                 (loss * (scale / len(micro_batches))).backward()
             loss_sum += loss.detach().double()
@@ -259,11 +267,17 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
                   "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
                   "comm_bytes_by_op": comm.counter.by_op(),
                   "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+        if cfg.offload == "disk":
+            record["model_state_breakdown"] = {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
+        if cfg.offload == "cpu":  # by location: what stays on the device, what the host holds
+            record["model_state_breakdown"] = {**states, "optimizer": 0, "optimizer_on_host": run.optimizer.host_bytes()}
         if run.scaler is not None:
             record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
         if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
             record["bubble"] = run.pipeline.idle_fraction
             record["peak_activation_bytes"] = run.pipeline.peak_activation_bytes
+        else:  # one micro-batch's activations at a time
+            record["peak_activation_bytes"] = run.activation_bytes
         writer.write(record)
         summary["losses"].append(loss)
         summary["step_times"].append(elapsed)
@@ -283,6 +297,8 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
                                                (tokenizer,) if os.path.isfile(tokenizer) else ())
     progress.close()
     writer.close()
+    if cfg.offload == "disk":
+        run.optimizer.close()
     if cfg.trace and run.pipeline is not None:
         timelines = gather_timeline(run.pipeline)
         if timelines is not None:

@@ -1,0 +1,163 @@
+"""Optimizer states off the device: `--offload cpu` (ZeRO-Offload, Ren et al. 2021) and
+`--offload disk` (ZeRO-Infinity's NVMe tier, Rajbhandari et al. 2021).
+
+`cpu`: fp32 master weights and Adam's moments in host memory, the optimizer step on the host: each
+step copies the gradients this rank holds to the host, runs fused AdamW there, and copies the
+updated weights back. On a CPU device host and device memory are the same, so the master weights
+are the parameters themselves and nothing moves (this machine measures nothing for it).
+
+`disk`:
+Adam's two moments (8 bytes per parameter in fp32, half of mixed-precision training's model
+states) live in one file per rank under `--offload-dir`, not in memory. The step streams them
+through a bounded buffer: for each chunk of `chunk_elements` elements it reads the moments, runs
+PyTorch's fused AdamW kernel on that chunk of the parameter and gradient, and writes the moments
+back; a reader thread fetches the next chunk while this one computes (read-ahead), so memory holds
+at most two chunks of moments at any time. The kernel is elementwise, so the result is bit for bit
+that of `torch.optim.AdamW(fused=True)` over the whole tensors. With ZeRO each rank streams only
+its own shards (the tensors it is given).
+
+Reads and writes use pread/pwrite on a plain file, not a memory map: mapped pages would count in
+the process's resident memory, which is what this is for."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ELEMENT = 4  # fp32 moments
+
+
+class HostOffloadAdamW:
+    """AdamW whose masters and moments are in host memory. copy_on_cpu forces separate host masters
+    on a CPU device too (tests exercise the copies that an accelerator needs)."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], copy_on_cpu: bool = False):
+        self.device_params = [p for g in groups for p in g["params"]]
+        on_host = lambda p: p.device.type == "cpu" and not copy_on_cpu  # noqa: E731
+        pin = torch.cuda.is_available()
+        self.masters = [p if on_host(p) else
+                        p.detach().to("cpu", torch.float32, copy=True).pin_memory() if pin else
+                        p.detach().to("cpu", torch.float32, copy=True) for p in self.device_params]
+        masters = iter(self.masters)
+        host_groups = [{**g, "params": [next(masters) for _ in g["params"]]} for g in groups]
+        self.inner = torch.optim.AdamW(host_groups, lr=lr, betas=betas, fused=True)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, master in zip(self.device_params, self.masters):
+            if master is not p:
+                master.grad = p.grad.to("cpu", torch.float32, non_blocking=True) if p.grad is not None else None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the gradients have landed in host memory
+        self.inner.step()
+        for p, master in zip(self.device_params, self.masters):
+            if master is not p:
+                p.copy_(master, non_blocking=True)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def host_bytes(self) -> int:
+        """Masters held apart from the device, and the moments."""
+        masters = sum(m.numel() * m.element_size() for m, p in zip(self.masters, self.device_params) if m is not p)
+        moments = sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return masters + moments
+
+
+class DiskOffloadAdamW:
+    """AdamW with decoupled weight decay whose moments are on disk. Has what the trainer uses of a
+    torch optimizer: param_groups (lr is set per step), step(), state_dict(), load_state_dict()."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], directory: str, rank: int,
+                 eps: float = 1e-8, chunk_elements: int = 1 << 18):
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, **g} for g in groups]
+        self.chunk = chunk_elements
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"adam_moments_rank{rank}.bin")
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        # file layout: for each tensor, exp_avg then exp_avg_sq, contiguous
+        self.offsets, offset = [], 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += 2 * p.numel() * ELEMENT
+        self.file_bytes = offset
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self.fd, self.file_bytes)  # zeros: Adam's initial moments
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-offload")
+        self.state: dict = {}  # what a torch optimizer holds in memory: nothing here
+
+    # --- the step -------------------------------------------------------------------------------
+    def _read(self, index: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = self.params[index].numel()
+        base = self.offsets[index]
+        avg = torch.empty(length, dtype=torch.float32)
+        avg_sq = torch.empty(length, dtype=torch.float32)
+        os.preadv(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
+        os.preadv(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
+        return avg, avg_sq
+
+    def _write(self, index: int, start: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
+        numel = self.params[index].numel()
+        base = self.offsets[index]
+        os.pwritev(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
+        os.pwritev(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        work = []  # (group, tensor index, start, length) in file order
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.steps[index] += 1
+                    work += [(group, index, s, min(self.chunk, p.numel() - s)) for s in range(0, p.numel(), self.chunk)]
+                index += 1
+        pending = self.reader.submit(self._read, *work[0][1:]) if work else None
+        for n, (group, i, start, length) in enumerate(work):
+            avg, avg_sq = pending.result()
+            if n + 1 < len(work):  # read-ahead: the next chunk loads while this one computes
+                pending = self.reader.submit(self._read, *work[n + 1][1:])
+            param, grad = self.params[i].view(-1), self.params[i].grad.view(-1)
+            beta1, beta2 = group["betas"]
+            torch._fused_adamw_([param[start:start + length]], [grad[start:start + length]], [avg], [avg_sq], [],
+                                [self.steps[i]], amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            self._write(i, start, avg, avg_sq)
+
+    # --- checkpoints and accounting -------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's format (the moments are read back into memory for saving)."""
+        state = {}
+        for i, p in enumerate(self.params):
+            avg, avg_sq = self._read(i, 0, p.numel())
+            state[i] = {"step": self.steps[i].clone(), "exp_avg": avg.view_as(p), "exp_avg_sq": avg_sq.view_as(p)}
+        groups, start = [], 0
+        for g in self.param_groups:
+            groups.append({k: v for k, v in g.items() if k != "params"} | {"params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, saved: dict) -> None:
+        for i, p in enumerate(self.params):
+            entry = saved["state"].get(i, saved["state"].get(str(i)))
+            if entry is None:
+                continue
+            self.steps[i] = entry["step"].to(torch.float32).reshape(()).clone()
+            self._write(i, 0, entry["exp_avg"].reshape(-1).float().contiguous(),
+                        entry["exp_avg_sq"].reshape(-1).float().contiguous())
+
+    def disk_bytes(self) -> int:
+        return self.file_bytes
+
+    def close(self) -> None:
+        self.reader.shutdown()
+        os.close(self.fd)
+        os.remove(self.path)
