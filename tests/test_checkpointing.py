@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from distributed import run_on_ranks
+from memory_probe import saved_bytes_of_first_block
 from strata.config import ConfigError, TrainConfig, validate
-from strata.memory.activations import count_saved_activations
 from strata.plan.memory import activation_bytes_per_layer
 from strata.train import trainer
 
@@ -43,16 +43,7 @@ def test_checkpointing_is_bit_identical_under_tp_and_pp(layout):
 
 
 def _kept_by_first_block(mode):
-    run = trainer.setup(TrainConfig(model="tiny", seq_len=64, micro_batch=2, global_batch=2, progress=False,
-                                    peak_flops=1e10, checkpointing=mode))
-    inputs, targets = run.train_data.batch(0)
-    with count_saved_activations(run.model) as saved:
-        saved.active = False
-        block = run.model.blocks["0"]
-        block.register_forward_pre_hook(lambda *a: setattr(saved, "active", True))
-        block.register_forward_hook(lambda *a: setattr(saved, "active", False))
-        run.model(inputs, targets)
-    return saved.bytes
+    return saved_bytes_of_first_block(checkpointing=mode)
 
 
 def test_bytes_kept_per_layer_match_korthikanti_for_this_layout():

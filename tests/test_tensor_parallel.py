@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from distributed import run_on_ranks
+from memory_probe import saved_bytes_of_first_block
 from strata.config import TrainConfig
 from strata.model.presets import get_preset
 from strata.train.trainer import train
@@ -112,19 +113,7 @@ def test_generation_with_tp_equals_single_process(tmp_path):
 
 
 def _saved_bytes_of_first_block(tp, sequence_parallel):
-    """Bytes autograd keeps for backward inside blocks[0] of tiny (b=2, s=64, fp32) on this rank."""
-    from strata.memory.activations import count_saved_activations
-    from strata.train import trainer
-    run = trainer.setup(TrainConfig(model="tiny", tp=tp, sequence_parallel=sequence_parallel, seq_len=64,
-                                    micro_batch=2, global_batch=2, progress=False, peak_flops=1e10))
-    inputs, targets = run.train_data.batch(0)
-    with count_saved_activations(run.model) as saved:
-        saved.active = False
-        block = run.model.blocks["0"]
-        block.register_forward_pre_hook(lambda *a: setattr(saved, "active", True))
-        block.register_forward_hook(lambda *a: setattr(saved, "active", False))
-        run.model(inputs, targets)
-    return saved.bytes
+    return saved_bytes_of_first_block(tp=tp, sequence_parallel=sequence_parallel)
 
 
 def test_activation_memory_per_layer_falls_with_tp_as_korthikanti_predicts():
