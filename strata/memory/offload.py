@@ -80,7 +80,8 @@ class DiskOffloadAdamW:
         self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, **g} for g in groups]
         self.chunk = chunk_elements
         os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, f"adam_moments_rank{rank}.bin")
+        # the pid keeps two jobs on one machine (or one directory) apart
+        self.path = os.path.join(directory, f"adam_moments_rank{rank}_pid{os.getpid()}.bin")
         self.params = [p for g in self.param_groups for p in g["params"]]
         # file layout: for each tensor, exp_avg then exp_avg_sq, contiguous
         self.offsets, offset = [], 0
