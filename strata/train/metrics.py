@@ -21,6 +21,16 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2
     """FLOP/s of a square matmul on this device with this process's threads: the peak that MFU is
     measured against where no datasheet number applies (a CPU). The best of several timed runs, as
     a peak should be; a single short timing is easily caught by a frequency ramp or a neighbour."""
+    # A dtype without fast kernels (fp16 on most CPUs runs ~30x slower) would take minutes at full
+    # size: time a small matmul first and shrink the size so one product takes ~0.2 s at most.
+    small = torch.randn(256, 256, device=device).to(dtype)
+    small @ small
+    _sync(device)
+    start = time.perf_counter()
+    small @ small
+    _sync(device)
+    rate = 2 * 256 ** 3 / max(time.perf_counter() - start, 1e-9)
+    size = max(256, min(size, int((rate * 0.2 / 2) ** (1 / 3)) // 64 * 64))
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     a @ b  # warm-up: kernels chosen, caches and clocks up
