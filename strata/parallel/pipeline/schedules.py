@@ -126,6 +126,7 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
 # --- checking a schedule without processes ---------------------------------------------------------
 @dataclass
 class Simulation:
+    start: dict[Action, float]  # when each action began
     finish: dict[Action, float]  # when each action ended
     busy: list[float]  # compute time per rank
     makespan: float
@@ -139,6 +140,7 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Sim
     Each rank runs its actions in order, an action starting when its inputs exist: F(c) after
     F(c-1) of the same micro-batch, B(c) after B(c+1) (the last chunk after its own F), W(c) after
     B(c). Raises Deadlock (a RuntimeError) if no rank can proceed."""
+    start_at: dict[Action, float] = {}
     finish: dict[Action, float] = {}
     clock = [0.0] * len(schedule)
     position = [0] * len(schedule)
@@ -154,13 +156,14 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Sim
                     break
                 start = max([clock[r], *(finish[d] for d in deps)])
                 duration = cost[action.kind] if split_backward or action.kind != "B" else cost["B"] + cost.get("W", 0)
+                start_at[action] = start
                 finish[action] = clock[r] = start + duration
                 busy[r] += duration
                 position[r] += 1
                 progressed = True
         if not progressed:
             raise Deadlock({r: schedule[r][position[r]] for r in range(len(schedule)) if position[r] < len(schedule[r])})
-    return Simulation(finish, busy, max(clock))
+    return Simulation(start_at, finish, busy, max(clock))
 
 
 def _stuck_ranks(schedule: Schedule, num_chunks: int) -> list[int]:

@@ -69,16 +69,10 @@ def read_trace(path: str) -> list[dict]:
 def simulated(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> list[dict]:
     """The timeline the schedule would have with these per-action costs (no communication time)."""
     sim = simulate(schedule, num_chunks, cost)
-    split = any(a.kind == "W" for actions in schedule for a in actions)
-    out = []
-    for r, actions in enumerate(schedule):
-        timed = []
-        for a in actions:
-            duration = cost[a.kind] if split or a.kind != "B" else cost["B"] + cost.get("W", 0)
-            timed.append({"kind": a.kind, "microbatch": a.microbatch, "chunk": a.chunk,
-                          "start": sim.finish[a] - duration, "end": sim.finish[a]})
-        out.append({"rank": r, "stage": r, "actions": timed})
-    return out
+    return [{"rank": r, "stage": r,
+             "actions": [{"kind": a.kind, "microbatch": a.microbatch, "chunk": a.chunk,
+                          "start": sim.start[a], "end": sim.finish[a]} for a in actions]}
+            for r, actions in enumerate(schedule)]
 
 
 def idle_fractions(ranks: list[dict]) -> list[float]:
