@@ -38,7 +38,11 @@ TRAIN_HELP = {
     "eval_every": "validate every N steps (0: only at the start and the end)",
     "metrics": "write one JSON object per step to this file (rank 0)",
     "save": "save checkpoints under this directory", "save_every": "save every N steps (0: at the end)",
-    "resume": "resume from a checkpoint (or a save directory: its latest)",
+    "resume": "resume from a checkpoint, a save directory (its latest), or 'auto' (--save's latest, if any)",
+    "keep": "keep only the newest N checkpoints (0: all)",
+    "async_save": "write checkpoints in the background while training continues",
+    "init_from": "start from a checkpoint's weights and model shape (any layout; step 0, fresh optimizer)",
+    "max_restarts": "with --nproc: when a rank fails, restart all and resume from the latest checkpoint, up to N times",
     "peak_flops": "peak FLOP/s per device for MFU (default: a matmul measured once, cached)",
 }
 
@@ -171,9 +175,13 @@ def _train(args, argv) -> int:
     validate(cfg, world_size)  # before any process exists
     if cfg.nproc > 1 and not launched_by_torchrun:
         from strata.distributed.launch import launch_local
-        return launch_local(cfg.nproc, ["train", *argv[1:]] if argv[:1] == ["train"] else argv)
+        return launch_local(cfg.nproc, ["train", *argv[1:]] if argv[:1] == ["train"] else argv, cfg.max_restarts)
     from strata.train.trainer import train
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except FloatingPointError as e:  # reported, not a traceback: the checkpoints written so far are intact
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 1
     if summary["val_losses"] and int(os.environ.get("RANK", 0)) == 0:
         first, last = summary["val_losses"][0], summary["val_losses"][-1]
         print(f"validation loss: {first[1]:.4f} at step {first[0]} -> {last[1]:.4f} at step {last[0]}")

@@ -63,7 +63,11 @@ class TrainConfig:
     metrics: str | None = None
     save: str | None = None
     save_every: int = 0  # 0: only at the end (when --save is given)
-    resume: str | None = None
+    keep: int = 0  # keep only the newest N checkpoints (0: all)
+    async_save: bool = False  # write checkpoints in the background while training goes on
+    resume: str | None = None  # a checkpoint, a save directory (its latest), or "auto": --save's latest if any
+    init_from: str | None = None  # start from a checkpoint's weights (step 0, fresh optimizer)
+    max_restarts: int = 0  # with --nproc: restart every rank this many times when one fails
     progress: bool = True
     trace: str | None = None  # pipeline: write the last step's timeline as a Chrome/Perfetto trace
     peak_flops: float | None = None  # FLOP/s per device for MFU; default: measured once and cached
@@ -130,7 +134,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
     need(cfg.model in PRESETS, f"--model {cfg.model}: unknown preset; valid: {', '.join(PRESETS)}")
     need(cfg.n_layers is None or cfg.n_layers >= 1, f"--n-layers {cfg.n_layers}: must be >= 1")
-    model = PRESETS[cfg.model].with_overrides(n_layers=cfg.n_layers or PRESETS[cfg.model].n_layers)
+    check_checkpoint_flags(cfg)
+    base = PRESETS[cfg.model]
+    if cfg.init_from:
+        from strata.checkpoint.store import read_state
+        from strata.model.config import ModelConfig
+        base = ModelConfig.from_dict(read_state(cfg.init_from)["model_config"])
+    model = base.with_overrides(n_layers=cfg.n_layers or base.n_layers)
     need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: valid: {', '.join(DTYPES)}")
     need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")),
          f"--data {cfg.data}: no meta.json there; run `strata data prepare --out {cfg.data}` "
@@ -146,7 +156,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.loss_scale_window >= 1, f"--loss-scale-window {cfg.loss_scale_window}: must be >= 1")
     need(cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 disables clipping)")
     need(cfg.timeout > 0, f"--timeout {cfg.timeout}: must be > 0 seconds")
-    need(cfg.resume is None or os.path.isdir(cfg.resume), f"--resume {cfg.resume}: no such directory")
     seq_len = cfg.seq_len or model.max_seq_len
     need(1 <= seq_len <= model.max_seq_len,
          f"--seq-len {seq_len}: must be between 1 and the model's max_seq_len {model.max_seq_len}")
@@ -190,6 +199,26 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.bucket_mb > 0, f"--bucket-mb {cfg.bucket_mb}: must be > 0")
     need(cfg.nproc == 1 or world_size == cfg.nproc,
          f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")
+
+
+def check_checkpoint_flags(cfg: TrainConfig) -> None:
+    """--save, --resume, --init-from and what goes with them."""
+    if cfg.resume == "auto" and not cfg.save:
+        raise ConfigError("--resume auto: resumes from --save's latest checkpoint; give --save DIR too")
+    if cfg.resume not in (None, "auto") and not os.path.isdir(cfg.resume):
+        raise ConfigError(f"--resume {cfg.resume}: no such directory (or 'auto': --save's latest, if any)")
+    if cfg.init_from is not None and not os.path.isdir(cfg.init_from):
+        raise ConfigError(f"--init-from {cfg.init_from}: no such directory")
+    if cfg.init_from is not None and cfg.resume is not None:
+        raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts "
+                          "a new one from a checkpoint's weights)")
+    if cfg.init_from is not None and cfg.n_layers is not None:
+        raise ConfigError("--n-layers: not with --init-from (the checkpoint fixes the model's shape)")
+    for name in ("keep", "max_restarts"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    if (cfg.keep or cfg.async_save) and not cfg.save:
+        raise ConfigError(f"--{'keep' if cfg.keep else 'async-save'}: only with --save DIR")
 
 
 def check_pipeline(cfg: TrainConfig, model, seq_len: int) -> None:

@@ -1,6 +1,12 @@
 """Every collective strata issues goes through here: it is counted (bytes each rank sends, by
 operation and process group, from the ring algorithm's volume) and bounded by the process group's
-timeout, and a failure names the operation and the group.
+timeout, and a failure names the operation, the group and the ranks that did not arrive.
+
+Arrivals: each rank numbers the collectives it enters on each group and posts the number to the
+rendezvous store (one small write, microseconds). When a collective fails, the error compares the
+group's posted numbers with this rank's: a rank behind it never reached the collective (it hangs
+elsewhere, skipped it, or died); a rank at the same number in another operation took a different
+path through the code.
 
 Volumes per rank for a tensor of n bytes on a group of N ranks (ring algorithms, as nccl-tests
 count them): all-reduce 2(N-1)/N·n; reduce-scatter (N-1)/N·n of its input; all-gather (N-1)/N·n of
@@ -8,10 +14,15 @@ its output; broadcast n; a point-to-point send n (counted by the sender only).""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+# Seconds a failed collective waits for the other ranks' arrival records to settle before naming
+# the missing ones (their posts are immediate; this covers ranks that time out a moment later).
+ARRIVAL_GRACE_S = 1.0
 
 
 class CommCounter:
@@ -37,27 +48,79 @@ class CommCounter:
 counter = CommCounter()
 
 
-class _Pending:
-    """An async collective: wait() re-raises a failure with the operation and group named."""
+class Arrivals:
+    """This process's count of collectives entered per group name, posted to the store."""
 
-    def __init__(self, work, op: str, group_name: str):
-        self.work, self.op, self.group_name = work, op, group_name
+    def __init__(self):
+        self.count: dict[str, int] = defaultdict(int)
+
+    def enter(self, op: str, group_name: str) -> int:
+        self.count[group_name] += 1
+        store = _store()
+        if store is not None:
+            store.set(f"strata/arrived/{group_name}/{dist.get_rank()}", f"{self.count[group_name]} {op}")
+        return self.count[group_name]
+
+    def missing(self, op: str, group_name: str, seq: int, group) -> str:
+        """Which ranks of `group` have not entered collective number `seq` (this rank's), in words."""
+        store = _store()
+        if store is None:
+            return "unknown (no rendezvous store)"
+        time.sleep(ARRIVAL_GRACE_S)
+        behind = []
+        for rank in dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()):
+            key = f"strata/arrived/{group_name}/{rank}"
+            if rank == dist.get_rank():
+                continue
+            if not store.check([key]):
+                behind.append(f"{rank} (entered none)")
+                continue
+            their_seq, their_op = store.get(key).decode().split(" ", 1)
+            if int(their_seq) < seq:
+                behind.append(f"{rank} (last entered #{their_seq} {their_op})")
+            elif int(their_seq) == seq and their_op != op:
+                behind.append(f"{rank} (is in {their_op} #{seq} instead)")
+        return ", ".join(behind) if behind else "none (all entered it; a rank may have died inside it)"
+
+
+arrivals = Arrivals()
+
+
+def _store():
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+class _Pending:
+    """An async collective: wait() re-raises a failure with the operation, group and missing ranks."""
+
+    def __init__(self, work, op: str, group_name: str, group=None, seq: int | None = None):
+        self.work, self.op, self.group_name, self.group, self.seq = work, op, group_name, group, seq
 
     def wait(self) -> None:
-        _run(self.op, self.group_name, self.work.wait)
+        _run(self.op, self.group_name, self.work.wait, self.group, self.seq)
 
 
-def _run(op: str, group_name: str, call):
+def _run(op: str, group_name: str, call, group=None, seq: int | None = None):
     try:
         return call()
     except RuntimeError as e:
-        raise RuntimeError(f"collective {op} on process group {group_name!r} failed: {e}") from e
+        where = f"collective {op}" + (f" #{seq}" if seq is not None else "") + f" on process group {group_name!r}"
+        if seq is not None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            where += f" (ranks {ranks}); ranks that did not arrive: {arrivals.missing(op, group_name, seq, group)}"
+        raise RuntimeError(f"{where}: {e}") from e
 
 
-def _issue(op: str, group_name: str, nbytes: float, call, async_op: bool):
+def _issue(op: str, group_name: str, nbytes: float, call, async_op: bool, group=None):
     counter.add(op, group_name, nbytes)
-    work = _run(op, group_name, call)
-    return _Pending(work, op, group_name) if async_op else None
+    seq = arrivals.enter(op, group_name)
+    work = _run(op, group_name, call, group, seq)
+    return _Pending(work, op, group_name, group, seq) if async_op else None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -67,30 +130,30 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_reduce(tensor, group, group_name: str, op=dist.ReduceOp.SUM, async_op: bool = False):
     n = dist.get_world_size(group)
     return _issue("all_reduce", group_name, 2 * (n - 1) / n * _nbytes(tensor),
-                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, group)
 
 
 def reduce_scatter(output, input, group, group_name: str, async_op: bool = False):
     """Sum `input` over the group; rank r gets slice r in `output` (which may alias that slice)."""
     n = dist.get_world_size(group)
     return _issue("reduce_scatter", group_name, (n - 1) / n * _nbytes(input),
-                  lambda: dist.reduce_scatter_single(output, input, group=group, async_op=async_op), async_op)
+                  lambda: dist.reduce_scatter_single(output, input, group=group, async_op=async_op), async_op, group)
 
 
 def all_gather(output, input, group, group_name: str, async_op: bool = False):
     """Concatenate every rank's `input` into `output` (input may alias this rank's slice)."""
     n = dist.get_world_size(group)
     return _issue("all_gather", group_name, (n - 1) / n * _nbytes(output),
-                  lambda: dist.all_gather_single(output, input, group=group, async_op=async_op), async_op)
+                  lambda: dist.all_gather_single(output, input, group=group, async_op=async_op), async_op, group)
 
 
 def broadcast(tensor, src_group_rank: int, group, group_name: str) -> None:
     _issue("broadcast", group_name, _nbytes(tensor),
-           lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank), False)
+           lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank), False, group)
 
 
 def barrier(group=None, group_name: str = "world") -> None:
-    _run("barrier", group_name, lambda: dist.barrier(group=group))
+    _run("barrier", group_name, lambda: dist.barrier(group=group), group, arrivals.enter("barrier", group_name))
 
 
 def send_recv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],

@@ -7,13 +7,16 @@ import os
 import sys
 
 
-def launch_local(nproc: int, strata_argv: list[str]) -> int:
+def launch_local(nproc: int, strata_argv: list[str], max_restarts: int = 0) -> int:
+    """Run `strata <strata_argv>` on nproc local ranks; when a rank fails, torchrun restarts all of
+    them up to max_restarts times (each restart finds its checkpoint through --save)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     # One compute thread per rank unless the user says otherwise: ranks share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "strata"])
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                                         f"--max-restarts={max_restarts}", "--module", "strata"])
     # Set the workers' arguments directly: parsed by torchrun, a strata flag could be taken for an
     # abbreviation of one of torchrun's own.
     args.training_script_args = strata_argv

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from strata.checkpoint import store
+from strata.checkpoint.shards import read_full
 from strata.config import ConfigError, check_tensor_parallel
 from strata.infer.generate import generate
 from strata.model.config import ModelConfig
@@ -21,8 +22,7 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None):
     group, the model split across its ranks (tensor-parallel inference)."""
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
-    path = store.resolve(checkpoint)
-    state = store.read_state(path)
+    path, state, reader = store.open_checkpoint(checkpoint)
     model_cfg = ModelConfig.from_dict(state["model_config"])
     dtype = torch.float64 if state["config"]["dtype"] == "fp64" else torch.float32
     model = build_model(model_cfg, seed=None)
@@ -30,10 +30,14 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None):
         check_tensor_parallel(model_cfg, dist.get_world_size(tp_group))
         apply_tensor_parallel(model, tp_group)
     model = model.to_empty(device=device).to(dtype)
-    tensors = store.read_model(path, device)
+    with reader:
+        tensors = read_full(reader)
     if tp_group is not None:
         tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
-    store.check_model_keys(path, model.load_state_dict(tensors, strict=False))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint {path}: does not match its model config "
+                          f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
     model.reset_buffers()
     tokenizer = None
     tokenizer_file = os.path.join(path, "tokenizer.json")

@@ -178,9 +178,17 @@ class DataParallel:
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
 
+    def optimizer_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter, int, int]]:
+        """What the optimizer updates, in its order: (tensor, the parameter it is part of, its
+        flat range [lo, hi) in that parameter); here each parameter whole, matrices first."""
+        ordered = [p for p in self.params if p.dim() >= 2] + [p for p in self.params if p.dim() < 2]
+        return [(p, p, 0, p.numel()) for p in ordered]
+
     def optimizer_param_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tensors with weight decay, tensors without) for the optimizer."""
-        return [p for p in self.params if p.dim() >= 2], [p for p in self.params if p.dim() < 2]
+        """(tensors with weight decay, tensors without): matrices and embeddings decay, norms and
+        biases do not."""
+        pieces = self.optimizer_pieces()
+        return [t for t, p, _, _ in pieces if p.dim() >= 2], [t for t, p, _, _ in pieces if p.dim() < 2]
 
     def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """(gradient this rank holds, the parameter it belongs to)."""
@@ -228,10 +236,6 @@ class DataParallel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]):
-        """Copy full parameters in place; returns (missing, unexpected) names."""
-        return self.model.load_state_dict(state, strict=False)
 
 
 def _bytes(tensors) -> int:

@@ -31,10 +31,10 @@ class ShardedStates:
     shard_params: list[torch.Tensor]
     grads_sharded = True
 
-    def optimizer_param_groups(self):
-        decay = [s for pc, s in zip(self.pieces, self.shard_params) if pc.decays]
-        no_decay = [s for pc, s in zip(self.pieces, self.shard_params) if not pc.decays]
-        return decay, no_decay
+    def optimizer_pieces(self):
+        pairs = list(zip(self.shard_params, self.pieces))
+        ordered = [x for x in pairs if x[1].decays] + [x for x in pairs if not x[1].decays]
+        return [(shard, pc.param, pc.start - pc.offset, pc.end - pc.offset) for shard, pc in ordered]
 
     def grad_pairs(self):
         return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]

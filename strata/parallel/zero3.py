@@ -226,20 +226,6 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
                 "optimizer": optimizer_state_bytes(optimizer)}
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]):
-        """Keep this rank's slice of each full parameter; returns (missing, unexpected) names."""
-        names = {name for unit in self.units for _, _, name in unit.slots}
-        missing = sorted(names - set(state))
-        if missing:
-            return missing, []
-        for unit in self.units:
-            full = torch.cat([state[name].reshape(-1).to(unit.shard) for _, _, name in unit.slots])
-            lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
-            padded = torch.cat([full, full.new_zeros(unit.bucket.size - full.numel())])
-            unit.shard.copy_(padded[lo:hi])
-        return [], sorted(set(state) - names - set(self.model.state_dict()))
-
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters (gathered a unit at a time) and persistent buffers."""
         state = {}

@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from strata.checkpoint import store
-from strata.config import TrainConfig, data_parallel_size, global_batch_size, validate
+from strata.checkpoint import shards, store
+from strata.config import ConfigError, TrainConfig, data_parallel_size, global_batch_size, validate
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
@@ -26,7 +28,7 @@ from strata.parallel.data import DataParallel
 from strata.parallel.pipeline.executor import PipelineExecutor
 from strata.parallel.pipeline.stage import chunk_views, embedding_group, make_layout
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
-from strata.parallel.tensor import gather_tensor_parallel, shard_specs, slice_tensor_parallel
+from strata.parallel.tensor import gather_tensor_parallel, shard_specs
 from strata.train import metrics as m
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at
@@ -61,6 +63,24 @@ class Run:
     scaler: LossScaler | None = None  # fp16 only
     skipped: bool = False  # the last step's gradients overflowed (fp16) and it was skipped
     activation_bytes: int | None = None  # saved for backward by one micro-batch (counted once)
+    pieces: list | None = None  # what this rank holds of each logical tensor (checkpoints)
+    checkpointer: store.Checkpointer | None = None
+
+
+def base_model_config(cfg: TrainConfig) -> ModelConfig:
+    """The preset, or with --init-from the shape of the checkpoint's model."""
+    if cfg.init_from:
+        return ModelConfig.from_dict(store.read_state(cfg.init_from)["model_config"])
+    return get_preset(cfg.model)
+
+
+def resume_source(cfg: TrainConfig) -> str | None:
+    """The checkpoint to resume from: --resume, or with `--resume auto` (and after a restart by
+    torchrun, when --save is set) the save directory's latest complete one, if there is one."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if cfg.resume == "auto" or (cfg.resume is None and restarted and cfg.save):
+        return store.latest(cfg.save) if cfg.save else None
+    return cfg.resume
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -79,13 +99,16 @@ def setup(cfg: TrainConfig) -> Run:
     dp_group = mesh["dp"].get_group() if mesh is not None and dims.dp > 1 else None
     tp_group = mesh["tp"].get_group() if mesh is not None and dims.tp > 1 else None
     pp_group = mesh["pp"].get_group() if mesh is not None and dims.pp > 1 else None
-    dp_rank, pp_rank = dims.coordinates(rank)["dp"], dims.coordinates(rank)["pp"]
+    dp_rank, tp_rank, pp_rank = (dims.coordinates(rank)[d] for d in ("dp", "tp", "pp"))
 
-    preset = get_preset(cfg.model)
-    train_source = load_data(cfg, "train", cfg.vocab_size or preset.vocab_size)
-    val_source = load_data(cfg, "val", cfg.vocab_size or preset.vocab_size)
+    base = base_model_config(cfg)
+    train_source = load_data(cfg, "train", cfg.vocab_size or base.vocab_size)
+    val_source = load_data(cfg, "val", cfg.vocab_size or base.vocab_size)
+    if cfg.init_from and train_source.vocab_size != base.vocab_size:
+        raise ConfigError(f"--init-from {cfg.init_from}: the model's vocabulary is {base.vocab_size}, "
+                          f"the data's {train_source.vocab_size}; they must be equal")
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
-    model_cfg = preset.with_overrides(vocab_size=train_source.vocab_size, n_layers=cfg.n_layers or preset.n_layers)
+    model_cfg = base.with_overrides(vocab_size=train_source.vocab_size, n_layers=cfg.n_layers or base.n_layers)
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
 
@@ -107,18 +130,55 @@ def setup(cfg: TrainConfig) -> Run:
         shape = (cfg.micro_batch, seq_len // (cfg.tp if cfg.sequence_parallel else 1), model_cfg.d_model)
         run.pipeline = PipelineExecutor(chunk_views(model, stage_layout, pp_rank), stage_layout, cfg.schedule,
                                         pp_group, shape, PARAM_DTYPE[cfg.dtype], device, lambda: autocast(run), model)
-    if cfg.resume:
-        state, tensors = store.load(cfg.resume, optimizer, device, rank, layout(run))
-        if stage_layout is not None:  # this stage's layers only
-            names = set(model.state_dict())
-            tensors = {k: v for k, v in tensors.items() if k in names}
-        if tp_group is not None:
-            tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
-        store.check_model_keys(cfg.resume, parallel.load_full_state_dict(tensors))
+    run.pieces = shards.local_pieces(model, parallel, tp_rank, dims.tp, dp_rank)
+    if cfg.save:
+        # Saves coordinate on a gloo group of their own, so a background save never interleaves
+        # with training's collectives.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout)) if world_size > 1 else None
+        run.checkpointer = store.Checkpointer(cfg.save, rank, world_size, group, cfg.keep, cfg.async_save)
+    source = resume_source(cfg)
+    if source is not None:
+        state = load_checkpoint(run, source, resume=True)
         run.start_step = state["step"]
         if run.scaler is not None and "loss_scaler" in state:
             run.scaler.load_state_dict(state["loss_scaler"])
+        if rank == 0:
+            print(f"resuming from {store.resolve(source)} at step {run.start_step}", file=sys.stderr, flush=True)
+    elif cfg.init_from:
+        load_checkpoint(run, cfg.init_from, resume=False)
     return run
+
+
+def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
+    """Fill this rank's pieces from a checkpoint saved under any layout; with resume, also Adam's
+    moments and this rank's random streams. Returns the manifest."""
+    path, manifest, reader = store.open_checkpoint(source)
+    saved = ModelConfig.from_dict(manifest["model_config"])
+    if saved != run.model_cfg:
+        diff = {k: (v, getattr(run.model_cfg, k)) for k, v in saved.to_dict().items() if getattr(run.model_cfg, k) != v}
+        raise ConfigError(f"checkpoint {path}: its model differs from this one in "
+                          + ", ".join(f"{k} (saved {a}, now {b})" for k, (a, b) in diff.items()))
+    with reader:
+        restored = shards.load_pieces(reader, run.pieces, run.optimizer if resume else None)
+        if resume and not restored:
+            raise ConfigError(f"--resume {source}: the checkpoint holds no optimizer state "
+                              f"(a converted model?); use --init-from to start training from its weights")
+        if resume and reader.rngs:  # the same rank's streams; under a smaller old world, rank 0's
+            shards.set_rng_state(reader.rngs.get(run.rank, reader.rngs[0]))
+    run.parallel.after_step()  # ZeRO-1/2: gather every rank's loaded shard into the parameters
+    return manifest
+
+
+def save_checkpoint(run: Run, step: int) -> str:
+    """Snapshot this rank's pieces and hand them to the checkpointer (which may write them in the
+    background)."""
+    tensors, meta = shards.snapshot(run.pieces, run.optimizer)
+    state = {"config": run.cfg.to_dict(), "model_config": run.model_cfg.to_dict(), "layout": layout(run),
+             "data_position": {"step": step, "sequences": step * run.cfg.global_batch}}
+    if run.scaler is not None:
+        state["loss_scaler"] = run.scaler.state_dict()
+    tokenizer = os.path.join(run.cfg.data, "tokenizer.json")
+    return run.checkpointer.save(step, tensors, meta, state, (tokenizer,) if os.path.isfile(tokenizer) else ())
 
 
 def full_model_state(run: Run) -> dict[str, torch.Tensor]:
@@ -134,7 +194,7 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
 
 
 def layout(run: Run) -> dict:
-    """What a checkpoint's sharded optimizer states depend on."""
+    """The layout, as a checkpoint records it (any layout loads any checkpoint)."""
     return {"dp": run.dims.dp, "tp": run.dims.tp, "pp": run.dims.pp, "zero": run.cfg.zero,
             "virtual_stages": run.cfg.virtual_stages,
             "blocks_per_chunk": list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None}
@@ -176,6 +236,9 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.dp
     loss = (loss_sum / len(micro_batches)).item()
+    if run.scaler is None and not math.isfinite(loss):  # every rank alike: the loss was all-reduced
+        raise FloatingPointError(f"step {step + 1}: the loss is {loss}; stopped before the update "
+                                 f"(lower --lr, or use fp32/bf16)")
     if run.scaler is not None:
         finite = run.scaler.unscale_and_check(run.parallel.local_grads())
         run.scaler.update(finite)
@@ -185,6 +248,9 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
             run.parallel.zero_grad()
             return loss, float("inf"), states
     grad_norm = run.parallel.grad_norm()
+    if not torch.isfinite(grad_norm):  # global, so the same on every rank
+        raise FloatingPointError(f"step {step + 1}: the gradient norm is {grad_norm.item()}; stopped "
+                                 f"before the update (lower --lr, or use fp32/bf16)")
     if cfg.grad_clip > 0:
         run.parallel.clip_(cfg.grad_clip, grad_norm)
     run.optimizer.step()
@@ -253,48 +319,47 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
                     desc="train", unit="step", dynamic_ncols=True)
     if run.start_step == 0:
         validate_and_log(0)
-    for step in range(run.start_step, cfg.steps):
-        comm.counter.reset()
-        started = time.perf_counter()
-        loss, grad_norm, states = train_step(run, step)
-        elapsed = time.perf_counter() - started
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"step {step + 1}: loss is {loss}; stopping (lower --lr, or use fp32)")
-        tokens_per_s = tokens_per_step / elapsed
-        record = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
-                  "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / (peak * run.world_size),
-                  "step_time_s": elapsed, "model_state_bytes": sum(states.values()),
-                  "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
-                  "comm_bytes_by_op": comm.counter.by_op(),
-                  "peak_mem_bytes": m.peak_memory_bytes(run.device)}
-        if cfg.offload == "disk":
-            record["model_state_breakdown"] = {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
-        if cfg.offload == "cpu":  # by location: what stays on the device, what the host holds
-            record["model_state_breakdown"] = {**states, "optimizer": 0, "optimizer_on_host": run.optimizer.host_bytes()}
-        if run.scaler is not None:
-            record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
-        if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
-            record["bubble"] = run.pipeline.idle_fraction
-            record["peak_activation_bytes"] = run.pipeline.peak_activation_bytes
-        else:  # one micro-batch's activations at a time
-            record["peak_activation_bytes"] = run.activation_bytes
-        writer.write(record)
-        summary["losses"].append(loss)
-        summary["step_times"].append(elapsed)
-        summary["records"].append(record)
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}")
-        last = step + 1 == cfg.steps
-        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
-            validate_and_log(step + 1)
-        if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
-            state = {"config": cfg.to_dict(), "model_config": run.model_cfg.to_dict()}
+    try:  # a non-finite loss stops training; a checkpoint being written is finished first
+        for step in range(run.start_step, cfg.steps):
+            comm.counter.reset()
+            started = time.perf_counter()
+            loss, grad_norm, states = train_step(run, step)
+            elapsed = time.perf_counter() - started
+            tokens_per_s = tokens_per_step / elapsed
+            record = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
+                      "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / (peak * run.world_size),
+                      "step_time_s": elapsed, "model_state_bytes": sum(states.values()),
+                      "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
+                      "comm_bytes_by_op": comm.counter.by_op(),
+                      "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+            if cfg.offload == "disk":
+                record["model_state_breakdown"] = {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
+            if cfg.offload == "cpu":  # by location: what stays on the device, what the host holds
+                record["model_state_breakdown"] = {**states, "optimizer": 0, "optimizer_on_host": run.optimizer.host_bytes()}
             if run.scaler is not None:
-                state["loss_scaler"] = run.scaler.state_dict()
-            tokenizer = os.path.join(cfg.data, "tokenizer.json")
-            summary["checkpoint"] = store.save(cfg.save, step + 1, full_model_state(run), run.optimizer, state,
-                                               run.rank, run.world_size, layout(run),
-                                               (tokenizer,) if os.path.isfile(tokenizer) else ())
+                record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
+            if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
+                record["bubble"] = run.pipeline.idle_fraction
+                record["peak_activation_bytes"] = run.pipeline.peak_activation_bytes
+            else:  # one micro-batch's activations at a time
+                record["peak_activation_bytes"] = run.activation_bytes
+            writer.write(record)
+            summary["losses"].append(loss)
+            summary["step_times"].append(elapsed)
+            summary["records"].append(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}")
+            last = step + 1 == cfg.steps
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+                validate_and_log(step + 1)
+            if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
+                summary["checkpoint"] = save_checkpoint(run, step + 1)
+    except FloatingPointError:
+        if run.checkpointer is not None:
+            run.checkpointer.wait()
+        raise
+    if run.checkpointer is not None:
+        run.checkpointer.wait()
     progress.close()
     writer.close()
     if cfg.offload == "disk":
