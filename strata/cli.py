@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tp", type=int, default=1, help="split the model over N processes (tensor parallel)")
 
+    conv = sub.add_parser("convert", help="Hugging Face <-> strata checkpoints (LLaMA and GPT-2 families)")
+    direction = conv.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="DIR", help="a local Hugging Face model (config.json + safetensors)")
+    direction.add_argument("--to-hf", metavar="CKPT", help="a strata checkpoint (or save directory), any layout")
+    conv.add_argument("--out", required=True, help="the strata checkpoint directory, or the Hugging Face one")
+
     plot = sub.add_parser("plot", help="draw the loss curve of a metrics file, or a pipeline trace")
     plot.add_argument("metrics", help="metrics JSONL (--metrics) or pipeline trace JSON (--trace)")
     plot.add_argument("--out", required=True, help="PNG file")
@@ -132,6 +138,14 @@ def _dispatch(args, argv) -> int:
     if args.command == "generate":
         from strata.infer.cli import run_generate
         return run_generate(args, argv)
+    if args.command == "convert":
+        from strata.checkpoint.hf import convert_from_hf, convert_to_hf
+        source = args.from_hf or args.to_hf
+        if not os.path.isdir(source):
+            raise ConfigError(f"--{'from-hf' if args.from_hf else 'to-hf'} {source}: no such directory")
+        written = convert_from_hf(args.from_hf, args.out) if args.from_hf else convert_to_hf(args.to_hf, args.out)
+        print(f"wrote {written}")
+        return 0
     if args.command == "plot":
         from strata.parallel.pipeline.timeline import is_trace, plot_schedule, read_trace
         from strata.train.plot import plot_losses
