@@ -19,6 +19,7 @@ BASE = dict(model="tiny", seq_len=32, steps=10, progress=False, peak_flops=1e10,
 # name -> (world size, settings): the layouts of the acceptance list
 LAYOUTS = {
     "single": (1, {}),
+    "dp2": (2, {}),  # replicas: only dp rank 0 writes
     "dp4-zero1": (4, {"zero": 1}),
     "dp2-zero3": (2, {"zero": 3}),
     "tp2": (2, {"tp": 2}),

@@ -120,13 +120,14 @@ class ShardReader:
             for tensor_name, region in meta["regions"].items():
                 region = Region(**{**region, "shape": tuple(region["shape"])})
                 self.index.setdefault(tensor_name, []).append((data_file, region))
-            self.steps.add(meta["optimizer_step"])
+            if meta["regions"]:  # a rank that only held replicas wrote nothing, and no step
+                self.steps.add(meta["optimizer_step"])
             self.rngs[int(name[len("shard_"):-len(".json")])] = meta["rng"]
         self._open: dict = {}
 
     @property
     def has_optimizer(self) -> bool:
-        return None not in self.steps
+        return bool(self.steps) and None not in self.steps
 
     @property
     def optimizer_step(self) -> float:

@@ -59,7 +59,14 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int, 
     created = not dist.is_initialized()
     if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        # After a restart (--max-restarts) torchrun's store still holds the dead attempt's keys,
+        # among them the peers' old addresses, which a new rank may read before they are
+        # rewritten: each attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"strata/attempt_{attempt}", store), rank=rank,
+                                world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), created
 

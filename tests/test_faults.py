@@ -1,0 +1,116 @@
+"""Training that survives a crash: a rank killed with SIGKILL mid-run is restarted by torchrun and
+the job ends with the uninterrupted run's parameters; a collective a rank never joins fails within
+the timeout, naming the operation, the group and the missing rank; a non-finite loss or gradient
+stops training with one line, before the update, leaving the checkpoints intact."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distributed import run_on_ranks
+from strata.checkpoint import shards, store
+from strata.cli import main as strata_main
+from strata.distributed import comm
+
+TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "80", "--lr", "3e-3",
+         "--eval-batches", "1", "--no-progress", "--peak-flops", "1e10", "--nproc", "2", "--save-every", "5"]
+
+
+def _strata(*args, **kwargs):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "strata", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def _descendants_with_rank(root: int, rank: int) -> list[int]:
+    """Processes under `root` whose environment says RANK=<rank> (torchrun's workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid, chain = int(pid), []
+            while ppid > 1 and ppid != root:
+                chain.append(ppid)
+                with open(f"/proc/{ppid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != root:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def _final_params(save_dir) -> dict:
+    with store.open_checkpoint(str(save_dir))[2] as reader:
+        return shards.read_full(reader)
+
+
+def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    straight = _strata(*TRAIN, "--save", tmp_path / "straight")
+    kill_at = random.Random().randint(8, 40)
+    metrics = tmp_path / "metrics.jsonl"
+    job = _strata(*TRAIN, "--save", tmp_path / "killed", "--max-restarts", "1", "--metrics", metrics)
+    killed = None
+    deadline = time.monotonic() + 120
+    while killed is None and time.monotonic() < deadline and job.poll() is None:
+        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if steps and max(steps) >= kill_at:
+            victims = _descendants_with_rank(job.pid, 1)
+            if victims:
+                os.kill(victims[0], signal.SIGKILL)
+                killed = max(steps)
+        time.sleep(0.005)
+    out, _ = job.communicate(timeout=300)
+    assert killed is not None, f"the run ended before step {kill_at}:\n{out[-2000:]}"
+    assert job.returncode == 0, out[-3000:]
+    assert "resuming from" in out, out[-3000:]  # the restarted ranks found the last checkpoint
+    straight_out, _ = straight.communicate(timeout=300)
+    assert straight.returncode == 0, straight_out[-3000:]
+    expected, got = _final_params(tmp_path / "straight"), _final_params(tmp_path / "killed")
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{name} differs (killed at step {killed})"
+
+
+def _skip_a_collective(timeout_s):
+    """Rank 1 never joins rank 0's second all-reduce (it is busy elsewhere)."""
+    group = dist.new_group([0, 1])
+    x = torch.ones(4)
+    comm.all_reduce(x, group, "dp")
+    if dist.get_rank() == 1:
+        time.sleep(timeout_s + 4)
+        return None
+    started = time.monotonic()
+    try:
+        comm.all_reduce(x, group, "dp")
+    except RuntimeError as e:
+        return time.monotonic() - started, str(e)
+    return time.monotonic() - started, "no error"
+
+
+def test_a_rank_that_skips_a_collective_gets_a_timeout_error_naming_it():
+    timeout_s = 3
+    elapsed, message = run_on_ranks(_skip_a_collective, 2, timeout_s, collective_timeout=timeout_s, timeout=120)[0]
+    assert elapsed < timeout_s + 10, elapsed
+    assert "collective all_reduce #2 on process group 'dp' (ranks [0, 1])" in message, message
+    assert "ranks that did not arrive: 1 (last entered #1 all_reduce)" in message, message
+
+
+def test_a_non_finite_gradient_stops_before_the_update_with_one_line(tmp_path, capsys):
+    code = strata_main(["train", "--model", "tiny", "--steps", "5", "--lr", "1e30", "--no-progress",
+                        "--save", str(tmp_path / "ck"), "--save-every", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and "step 2: the gradient norm is nan; stopped before the update" in err, err
+    assert "Traceback" not in err
+    # the step-1 checkpoint is complete and finite: a rerun with a sane lr resumes from it
+    assert store.latest(str(tmp_path / "ck")).endswith("step_000001")
+    assert all(torch.isfinite(t).all() for t in _final_params(tmp_path / "ck").values())
