@@ -3,7 +3,6 @@ if never interrupted; and the safety of the directory (atomic, checked, pruned, 
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -113,12 +112,21 @@ def test_async_save_writes_the_same_checkpoint_as_a_blocking_one(tmp_path):
                     assert torch.equal(a.read(kind, name, region), b.read(kind, name, region)), (step, kind, name)
 
 
-def test_a_save_killed_midway_is_never_loaded(tmp_path):
+def test_a_save_killed_midway_is_never_loaded(tmp_path, monkeypatch):
     _tiny_run(tmp_path)
     ck = tmp_path / "ck"
-    # what a save killed after writing some shards leaves: a .tmp directory without its manifest
-    shutil.copytree(ck / "step_000004", ck / "step_000006.tmp")
-    os.remove(ck / "step_000006.tmp" / "manifest.json")
+    # the process dies while the step-6 save writes its manifest, after the shards
+    real_write_json = store._write_json
+
+    def die_at_the_manifest(path, obj):
+        if path.endswith(store.MANIFEST):
+            raise SystemExit("killed")
+        real_write_json(path, obj)
+    monkeypatch.setattr(store, "_write_json", die_at_the_manifest)
+    with pytest.raises(SystemExit):
+        train(TrainConfig(**{**BASE, "steps": 6, "save": str(ck), "resume": str(ck)}))
+    monkeypatch.undo()
+    assert (ck / "step_000006.tmp" / "shard_0.safetensors").exists() and not (ck / "step_000006").exists()
     assert store.resolve(str(ck)).endswith("step_000004")
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         store.resolve(str(ck / "step_000006.tmp"))
@@ -153,3 +161,10 @@ def test_init_from_starts_a_new_run_from_the_weights(tmp_path):
     # validation reads the same batches every time: the new run's step-0 loss is the old run's last
     assert started["val_losses"][0][1] == saving["val_losses"][-1][1]
     assert len(started["losses"]) == 2  # from step 0, with a fresh optimizer
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path, capsys):
+    _tiny_run(tmp_path)
+    code = strata_main(["train", "--model", "tiny", "--n-layers", "3", "--no-progress", "--resume", str(tmp_path / "ck")])
+    err = capsys.readouterr().err
+    assert code == 2 and "its model differs from this one in n_layers (saved 2, now 3)" in err, err

@@ -142,18 +142,6 @@ def test_resume_under_zero_is_exact(tmp_path, zero):
         assert resumed == straight[3:]
 
 
-def _resume_with_another_layout(tmp):
-    common = dict(model="tiny", seq_len=32, steps=2, global_batch=4, micro_batch=1, progress=False,
-                  peak_flops=1e10, eval_batches=1)
-    train(TrainConfig(**common, zero=1, save=f"{tmp}/ck"))
-    train(TrainConfig(**common, zero=2, resume=f"{tmp}/ck"))
-
-
-def test_resume_of_sharded_states_under_another_layout_is_refused(tmp_path):
-    with pytest.raises(RuntimeError, match="split optimizer states .ZeRO, tensor or pipeline parallel. load only under the layout"):
-        run_on_ranks(_resume_with_another_layout, 2, str(tmp_path), timeout=120)
-
-
 def _launch_points(zero):
     """For each bucket's collective: how many parameters still had no gradient when it started."""
     from strata.train import trainer
