@@ -2,8 +2,8 @@
 operation and process group, from the ring algorithm's volume) and bounded by the process group's
 timeout, and a failure names the operation, the group and the ranks that did not arrive.
 
-Arrivals: each rank numbers the collectives it enters on each group and posts the number to the
-rendezvous store (one small write, microseconds). When a collective fails, the error compares the
+Arrivals: each rank numbers the collectives it enters on each group and posts the numbers to the
+rendezvous store from a background thread. When a collective fails, the error compares the
 group's posted numbers with this rank's: a rank behind it never reached the collective (it hangs
 elsewhere, skipped it, or died); a rank at the same number in another operation took a different
 path through the code.
@@ -14,6 +14,7 @@ its output; broadcast n; a point-to-point send n (counted by the sender only).""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 # Seconds a failed collective waits for the other ranks' arrival records to settle before naming
 # the missing ones (their posts are immediate; this covers ranks that time out a moment later).
-ARRIVAL_GRACE_S = 1.0
+ARRIVAL_GRACE_S = 1.5
 
 
 class CommCounter:
@@ -49,24 +50,52 @@ counter = CommCounter()
 
 
 class Arrivals:
-    """This process's count of collectives entered per group name, posted to the store."""
+    """This process's count of collectives entered per group name. A daemon thread posts the
+    counts to the rendezvous store when they change, at most every POST_EVERY_S: a few writes per
+    rank per second whatever the collective rate (the store serves every rank of the job), and a
+    hung rank's last position is there within that time."""
+
+    POST_EVERY_S = 0.5
 
     def __init__(self):
         self.count: dict[str, int] = defaultdict(int)
+        self.last_op: dict[str, str] = {}
+        self._posted: dict[str, str] = {}
+        self._thread: threading.Thread | None = None
 
     def enter(self, op: str, group_name: str) -> int:
         self.count[group_name] += 1
-        store = _store()
-        if store is not None:
-            store.set(f"strata/arrived/{group_name}/{dist.get_rank()}", f"{self.count[group_name]} {op}")
+        self.last_op[group_name] = op
+        if self._thread is None or not self._thread.is_alive():  # also in a forked child
+            self._thread = threading.Thread(target=self._post_forever, name="strata-arrivals", daemon=True)
+            self._thread.start()
         return self.count[group_name]
+
+    def _post_forever(self) -> None:
+        while True:
+            time.sleep(self.POST_EVERY_S)
+            self.post()
+
+    def post(self) -> None:
+        store = _store()
+        if store is None:
+            return
+        for name, seq in list(self.count.items()):
+            value = f"{seq} {self.last_op[name]}"
+            if self._posted.get(name) != value:
+                try:
+                    store.set(f"strata/arrived/{name}/{dist.get_rank()}", value)
+                except (RuntimeError, ValueError):  # the process group is being torn down
+                    return
+                self._posted[name] = value
 
     def missing(self, op: str, group_name: str, seq: int, group) -> str:
         """Which ranks of `group` have not entered collective number `seq` (this rank's), in words."""
         store = _store()
         if store is None:
             return "unknown (no rendezvous store)"
-        time.sleep(ARRIVAL_GRACE_S)
+        self.post()
+        time.sleep(ARRIVAL_GRACE_S)  # every other rank's thread has posted its latest by now
         behind = []
         for rank in dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()):
             key = f"strata/arrived/{group_name}/{rank}"
