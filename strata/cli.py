@@ -21,6 +21,7 @@ TRAIN_HELP = {
     "micro_batch": "sequences per forward/backward on one rank",
     "global_batch": "sequences per optimizer step, all ranks together",
     "nproc": "start N local processes (through torch.distributed.run)",
+    "parallel": "manual: the layout flags; auto: the planner chooses dp, tp, pp, ZeRO, micro-batch, schedule, checkpointing",
     "dp": "data-parallel degree (default: world / (tp x pp))",
     "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree (stages)", "zero": "ZeRO stage 0-3",
     "n_layers": "override the preset's number of transformer blocks",
@@ -100,6 +101,32 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--to-hf", metavar="CKPT", help="a strata checkpoint (or save directory), any layout")
     conv.add_argument("--out", required=True, help="the strata checkpoint directory, or the Hugging Face one")
 
+    plan = sub.add_parser("plan", help="choose the layout for a model on a cluster: memory, communication, time")
+    plan.add_argument("--model", required=True, help="a preset, a strata checkpoint, or a Hugging Face config.json")
+    plan.add_argument("--device", default="A100-80G", help="A100-80G, H100-80G, V100-32G, ... or cpu-local (calibrated)")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (cpu-local: processes)")
+    plan.add_argument("--intra", help="link inside a node: nvlink | pcie | GB/s (default: nvlink if the device has it)")
+    plan.add_argument("--network", default="ib-200", help="between nodes: 10gbe | 100gbe | ib-200 | ib-400 | GB/s")
+    plan.add_argument("--nics-per-node", type=int, default=1, help="network links per node (8 on a DGX A100)")
+    plan.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
+    plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
+    plan.add_argument("--precision", default="bf16", help="bf16 | fp16 (mixed precision, 16 bytes/parameter) | fp32")
+    plan.add_argument("--layout", help="evaluate one layout instead of searching, e.g. dp=8,tp=8,pp=16,zero=1,mb=1,ckpt=full")
+    plan.add_argument("--top", type=int, default=10, help="layouts to show")
+    plan.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
+    plan.add_argument("--explain", action="store_true", help="why the best layout wins and the others lose")
+    plan.add_argument("--chart", help="PNG of the memory breakdown of the layouts shown")
+    plan.add_argument("--no-offload", action="store_true", help="leave optimizer offload out of the search")
+    plan.add_argument("--profile", help="calibration profile for cpu-local (default: the one `strata calibrate` wrote)")
+    plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s the compute reaches (default 0.58; cpu-local: calibrated)")
+
+    cal = sub.add_parser("calibrate", help="measure this machine for the planner's cpu-local device")
+    cal.add_argument("--nproc", type=int, default=4, help="measure groups of 1, 2, 4, ... up to N processes")
+    cal.add_argument("--model", default="small", help="the preset whose training step sets the efficiency")
+    cal.add_argument("--out", help="profile file (default: ~/.cache/strata/calibration.json)")
+    cal.add_argument("--worker", help=argparse.SUPPRESS)
+
     plot = sub.add_parser("plot", help="draw the loss curve of a metrics file, or a pipeline trace")
     plot.add_argument("metrics", help="metrics JSONL (--metrics) or pipeline trace JSON (--trace)")
     plot.add_argument("--out", required=True, help="PNG file")
@@ -146,6 +173,24 @@ def _dispatch(args, argv) -> int:
         written = convert_from_hf(args.from_hf, args.out) if args.from_hf else convert_to_hf(args.to_hf, args.out)
         print(f"wrote {written}")
         return 0
+    if args.command == "plan":
+        from strata.plan.report import run_plan
+        if args.top < 1:
+            raise ConfigError(f"--top {args.top}: must be >= 1")
+        return run_plan(args)
+    if args.command == "calibrate":
+        from strata.plan import calibrate
+        if args.worker:
+            calibrate.worker(args.worker)
+            return 0
+        from strata.model.presets import PRESETS
+        from strata.plan.inputs import default_profile_path
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+        if args.model not in PRESETS:
+            raise ConfigError(f"--model {args.model}: unknown preset; valid: {', '.join(PRESETS)}")
+        calibrate.calibrate(args.nproc, args.model, args.out or default_profile_path())
+        return 0
     if args.command == "plot":
         from strata.parallel.pipeline.timeline import is_trace, plot_schedule, read_trace
         from strata.train.plot import plot_losses
@@ -186,10 +231,19 @@ def _train(args, argv) -> int:
     cfg = make_config(load_toml(args.config) if args.config else {}, flag_values)
     launched_by_torchrun = "LOCAL_RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched_by_torchrun else cfg.nproc
+    argv = ["train", *argv[1:]] if argv[:1] == ["train"] else argv
+    if cfg.parallel == "auto":
+        from strata.config import check_checkpoint_flags, model_shape
+        from strata.plan.auto import as_flags, choose
+        check_checkpoint_flags(cfg)
+        cfg, reasons = choose(cfg, world_size, model_shape(cfg))
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("\n".join(reasons), file=sys.stderr, flush=True)
+        argv = [*argv, *as_flags(cfg)]
     validate(cfg, world_size)  # before any process exists
     if cfg.nproc > 1 and not launched_by_torchrun:
         from strata.distributed.launch import launch_local
-        return launch_local(cfg.nproc, ["train", *argv[1:]] if argv[:1] == ["train"] else argv, cfg.max_restarts)
+        return launch_local(cfg.nproc, argv, cfg.max_restarts)
     from strata.train.trainer import train
     try:
         summary = train(cfg)

@@ -41,6 +41,7 @@ class TrainConfig:
     loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000  # fp16: good steps in a row before the scale doubles
     # layout
+    parallel: str = "manual"  # manual: the flags below; auto: the planner chooses them
     nproc: int = 1
     dp: int | None = None  # default: what is left of the world after tp and pp
     tp: int = 1
@@ -135,12 +136,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.model in PRESETS, f"--model {cfg.model}: unknown preset; valid: {', '.join(PRESETS)}")
     need(cfg.n_layers is None or cfg.n_layers >= 1, f"--n-layers {cfg.n_layers}: must be >= 1")
     check_checkpoint_flags(cfg)
-    base = PRESETS[cfg.model]
-    if cfg.init_from:
-        from strata.checkpoint.store import read_state
-        from strata.model.config import ModelConfig
-        base = ModelConfig.from_dict(read_state(cfg.init_from)["model_config"])
-    model = base.with_overrides(n_layers=cfg.n_layers or base.n_layers)
+    need(cfg.parallel in ("manual", "auto"), f"--parallel {cfg.parallel}: valid: manual, auto")
+    model = model_shape(cfg)
     need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: valid: {', '.join(DTYPES)}")
     need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")),
          f"--data {cfg.data}: no meta.json there; run `strata data prepare --out {cfg.data}` "
@@ -199,6 +196,16 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.bucket_mb > 0, f"--bucket-mb {cfg.bucket_mb}: must be > 0")
     need(cfg.nproc == 1 or world_size == cfg.nproc,
          f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")
+
+
+def model_shape(cfg: TrainConfig):
+    """The model's shape (a ModelConfig): the preset, or --init-from's checkpoint; --n-layers applied."""
+    from strata.model.config import ModelConfig
+    base = PRESETS[cfg.model]
+    if cfg.init_from:
+        from strata.checkpoint.store import read_state
+        base = ModelConfig.from_dict(read_state(cfg.init_from)["model_config"])
+    return base.with_overrides(n_layers=cfg.n_layers or base.n_layers)
 
 
 def check_checkpoint_flags(cfg: TrainConfig) -> None:

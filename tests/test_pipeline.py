@@ -167,8 +167,11 @@ def _measure_bubble(schedule, p, m, v, cost):
         chunk.store = executor.store
     batch = [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))] * m
     executor.step(batch)  # warm-up: connections, first allocations
-    executor.step(batch)
-    return executor.idle_fraction
+    idle = []
+    for _ in range(3):  # load on the machine only adds idle time: the least of three is the schedule's
+        executor.step(batch)
+        idle.append(executor.idle_fraction)
+    return min(idle)
 
 
 @pytest.mark.parametrize("schedule,v,cost", [

@@ -15,13 +15,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from strata.checkpoint import shards, store
-from strata.config import ConfigError, TrainConfig, data_parallel_size, global_batch_size, validate
+from strata.config import ConfigError, TrainConfig, data_parallel_size, global_batch_size, model_shape, validate
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
 from strata.memory.activations import count_saved_activations
 from strata.model.config import ModelConfig
-from strata.model.presets import get_preset
 from strata.model.transformer import Transformer
 from strata.parallel.apply import parallelize
 from strata.parallel.data import DataParallel
@@ -67,13 +66,6 @@ class Run:
     checkpointer: store.Checkpointer | None = None
 
 
-def base_model_config(cfg: TrainConfig) -> ModelConfig:
-    """The preset, or with --init-from the shape of the checkpoint's model."""
-    if cfg.init_from:
-        return ModelConfig.from_dict(store.read_state(cfg.init_from)["model_config"])
-    return get_preset(cfg.model)
-
-
 def resume_source(cfg: TrainConfig) -> str | None:
     """The checkpoint to resume from: --resume, or with `--resume auto` (and after a restart by
     torchrun, when --save is set) the save directory's latest complete one, if there is one."""
@@ -101,14 +93,14 @@ def setup(cfg: TrainConfig) -> Run:
     pp_group = mesh["pp"].get_group() if mesh is not None and dims.pp > 1 else None
     dp_rank, tp_rank, pp_rank = (dims.coordinates(rank)[d] for d in ("dp", "tp", "pp"))
 
-    base = base_model_config(cfg)
+    base = model_shape(cfg)
     train_source = load_data(cfg, "train", cfg.vocab_size or base.vocab_size)
     val_source = load_data(cfg, "val", cfg.vocab_size or base.vocab_size)
     if cfg.init_from and train_source.vocab_size != base.vocab_size:
         raise ConfigError(f"--init-from {cfg.init_from}: the model's vocabulary is {base.vocab_size}, "
                           f"the data's {train_source.vocab_size}; they must be equal")
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
-    model_cfg = base.with_overrides(vocab_size=train_source.vocab_size, n_layers=cfg.n_layers or base.n_layers)
+    model_cfg = base.with_overrides(vocab_size=train_source.vocab_size)
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
 

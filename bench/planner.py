@@ -1,0 +1,90 @@
+"""The planner's predictions for this machine against measured runs: after `strata calibrate`, every
+layout below trains the `small` preset for a few steps on 2 and 4 local ranks; the table puts the
+predicted step time and memory per rank next to the measured ones, and checks the planner's top
+choice against the fastest measured layout.
+
+Memory is compared as tensors: predicted weights + gradients + optimizer states + activations +
+buffers against the bytes strata counts on rank 0 (model states from its tensors, activations
+from the saved-tensor hooks), which is what max_memory_allocated measures on a GPU; the process's
+resident set adds the interpreter and the allocator's caches, shown for reference.
+
+  python bench/planner.py [--steps 6] [--profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from strata.model.presets import get_preset
+from strata.plan.cost import Layout, estimate
+from strata.plan.inputs import cpu_local_cluster, load_profile, workload
+
+SEQ, MICRO, GLOBAL = 128, 4, 16
+LAYOUTS = {  # nproc: layouts (zero-bubble and interleaved are left to the pipeline benchmark)
+    2: [Layout(dp=2), Layout(dp=2, zero=1), Layout(dp=2, zero=3), Layout(tp=2), Layout(pp=2)],
+    4: [Layout(dp=4, micro_batch=2), Layout(dp=4, zero=2, micro_batch=2), Layout(dp=2, tp=2),
+        Layout(dp=2, pp=2), Layout(tp=2, pp=2), Layout(pp=4)],
+}
+
+
+def flags(layout: Layout) -> list[str]:
+    return ["--dp", layout.dp, "--tp", layout.tp, "--pp", layout.pp, "--zero", layout.zero,
+            "--micro-batch", layout.micro_batch, "--schedule", layout.schedule]
+
+
+def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
+    metrics = os.path.join(out_dir, f"{layout.describe()}.jsonl")
+    cmd = [sys.executable, "-m", "strata", "train", "--model", "small", "--seq-len", SEQ, "--global-batch", GLOBAL,
+           "--steps", steps, "--nproc", nproc, "--no-progress", "--eval-batches", 1, "--peak-flops", "1e11",
+           "--metrics", metrics, *flags(layout)]
+    subprocess.run(list(map(str, cmd)), check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    records = [json.loads(line) for line in open(metrics) if '"train"' in line]
+    last = records[-1]
+    return {"step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
+            "memory": last["model_state_bytes"] + last["peak_activation_bytes"], "rss": last["peak_mem_bytes"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--profile", help="calibration profile (default: the one `strata calibrate` wrote)")
+    args = p.parse_args()
+    profile = load_profile(args.profile)
+    work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
+    rows, worst_time, worst_memory = [], 0.0, 0.0
+    with tempfile.TemporaryDirectory() as out_dir:
+        for nproc, layouts in LAYOUTS.items():
+            cluster = cpu_local_cluster(nproc, profile)
+            results = []
+            for layout in layouts:
+                predicted = estimate(work, cluster, layout)
+                measured = measure(layout, nproc, args.steps, out_dir)
+                results.append((layout, predicted, measured))
+                time_err = predicted.step_time_s / measured["step_time_s"] - 1
+                mem_pred = predicted.memory_bytes_per_device - cluster.runtime_bytes
+                mem_err = mem_pred / measured["memory"] - 1
+                worst_time, worst_memory = max(worst_time, abs(time_err)), max(worst_memory, abs(mem_err))
+                rows.append(f"| {nproc} | {layout.describe()} | {predicted.step_time_s:.3f} | {measured['step_time_s']:.3f} "
+                            f"| {time_err:+.0%} | {mem_pred / 2**20:.1f} | {measured['memory'] / 2**20:.1f} "
+                            f"| {mem_err:+.0%} | {measured['rss'] / 2**20:.0f} |")
+                print(rows[-1], flush=True)
+            top = min(results, key=lambda r: r[1].step_time_s)
+            fastest = min(results, key=lambda r: r[2]["step_time_s"])
+            gap = top[2]["step_time_s"] / fastest[2]["step_time_s"] - 1
+            rows.append(f"| {nproc} | planner's choice {top[0].describe()}: measured {gap:+.0%} against the fastest "
+                        f"measured, {fastest[0].describe()} | | | | | | | |")
+            print(rows[-1], flush=True)
+    print("\n| ranks | layout | predicted step s | measured step s | error | predicted MiB | measured MiB | error "
+          "| measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\nworst step-time error {worst_time:.0%}, worst memory error {worst_memory:.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""`strata train --parallel auto`: the planner picks dp, tp, pp, ZeRO, the micro-batch, the schedule
+and activation checkpointing for the processes at hand, and says which and why."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from strata.config import ConfigError, TrainConfig, validate
+from strata.plan.cost import Cluster
+from strata.plan.hardware import DEVICES
+from strata.plan.inputs import build_cluster, cpu_local_cluster, default_profile_path, load_profile, workload
+from strata.plan.search import explain, search
+
+LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split")
+
+
+def local_cluster(processes: int) -> Cluster:
+    """The processes of this job on this node: a GPU from the device table when there is one,
+    else this CPU as `strata calibrate` measured it."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        match = next((d for d in DEVICES if d.split("-")[0].replace("RTX-", "RTX ") in name), None)
+        if match is None:
+            raise ConfigError(f"--parallel auto: {name!r} is not in the planner's device table "
+                              f"({', '.join(DEVICES)}); choose the layout by hand")
+        return build_cluster(match, 1, processes, None, "ib-200")
+    if not os.path.isfile(default_profile_path()):
+        raise ConfigError(f"--parallel auto: no calibration profile at {default_profile_path()}; "
+                          f"run `strata calibrate --nproc {processes}` first")
+    return cpu_local_cluster(processes, load_profile(None))
+
+
+def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[str]]:
+    """The config with the planner's best runnable layout filled in, and the reasons."""
+    given = [f for f in LAYOUT_FLAGS if getattr(cfg, f) != getattr(TrainConfig, f)]
+    if given:
+        raise ConfigError(f"--parallel auto chooses the layout; drop --{given[0].replace('_', '-')} "
+                          f"(or use --parallel manual)")
+    precision = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.dtype, "fp32")
+    global_batch = cfg.global_batch or cfg.micro_batch * world_size
+    work = workload(model, global_batch, cfg.seq_len, precision)
+    cluster = local_cluster(world_size)
+    ranked, rejected = search(work, cluster, offload=False)
+    for e in ranked:
+        lay = e.layout
+        chosen = replace(cfg, parallel="manual", dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
+                         micro_batch=lay.micro_batch, global_batch=global_batch, schedule=lay.schedule,
+                         virtual_stages=lay.virtual_stages, checkpointing=lay.checkpointing,
+                         sequence_parallel=lay.sequence_parallel)
+        try:
+            validate(chosen, world_size)
+        except ConfigError:
+            continue  # a layout the planner allows but this strata does not run
+        reasons = explain(e, ranked, rejected, cluster)
+        return chosen, [f"--parallel auto chose {lay.describe()} for {world_size} x {cluster.device.name}: "
+                        f"predicted {e.step_time_s:.3g} s per step, {e.memory_bytes_per_device / 2**20:,.0f} MiB per "
+                        f"device", *reasons[1:]]
+    raise ConfigError(f"--parallel auto: no layout of {world_size} x {cluster.device.name} fits this model")
+
+
+def as_flags(cfg: TrainConfig) -> list[str]:
+    """The chosen layout as command-line flags, for the ranks that the launcher starts."""
+    flags = ["--parallel", "manual", "--dp", str(cfg.dp), "--tp", str(cfg.tp), "--pp", str(cfg.pp),
+             "--zero", str(cfg.zero), "--micro-batch", str(cfg.micro_batch), "--global-batch", str(cfg.global_batch),
+             "--schedule", cfg.schedule, "--virtual-stages", str(cfg.virtual_stages),
+             "--checkpointing", cfg.checkpointing]
+    return flags + (["--sequence-parallel"] if cfg.sequence_parallel else [])

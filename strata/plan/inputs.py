@@ -1,0 +1,111 @@
+"""What the planner is asked about, from the user's words: a model (a preset, a strata checkpoint,
+or a Hugging Face config.json), a cluster (device, nodes, links) and the training settings."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from strata.config import ConfigError
+from strata.model.config import ModelConfig
+from strata.model.presets import PRESETS
+from strata.plan.cost import Cluster, Workload
+from strata.plan.hardware import DEVICES, GB, LINKS, Device
+
+CPU_LOCAL = "cpu-local"
+
+
+def resolve_model(spec: str) -> ModelConfig:
+    """A preset name, a strata checkpoint (or save) directory, or a Hugging Face config.json (or
+    the directory holding it)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
+        from strata.checkpoint.store import read_state
+        return ModelConfig.from_dict(read_state(spec)["model_config"])
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise ConfigError(f"--model {spec}: not a preset ({', '.join(PRESETS)}), a checkpoint directory "
+                          f"or a Hugging Face config.json")
+    from strata.checkpoint.hf import model_config_from_hf
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--model {spec}: not valid JSON ({e})") from None
+    return model_config_from_hf(hf, f"--model {spec}")
+
+
+def bandwidth(value: str, flag: str, device: Device | None = None) -> float:
+    """'nvlink' (the device's), a link name, or a number of GB/s -> bytes/s per direction."""
+    if value == "nvlink":
+        if device is None or device.nvlink_bandwidth is None:
+            raise ConfigError(f"{flag} nvlink: the {device.name if device else 'device'} has no NVLink; "
+                              f"use pcie or a number of GB/s")
+        return device.nvlink_bandwidth
+    if value in LINKS:
+        return LINKS[value]
+    try:
+        gbps = float(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value}: valid: {', '.join(['nvlink', *LINKS])} or GB/s as a number") from None
+    if gbps <= 0:
+        raise ConfigError(f"{flag} {value}: must be > 0 GB/s")
+    return gbps * GB
+
+
+def build_cluster(device: str, nodes: int, per_node: int, intra: str | None, network: str,
+                  nics_per_node: int = 1, profile: str | None = None, efficiency: float | None = None) -> Cluster:
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--nics-per-node", nics_per_node)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ConfigError(f"--efficiency {efficiency}: must be in (0, 1]")
+    if device == CPU_LOCAL:
+        return cpu_local_cluster(per_node, load_profile(profile), efficiency)
+    if device not in DEVICES:
+        raise ConfigError(f"--device {device}: valid: {', '.join([*DEVICES, CPU_LOCAL])}")
+    dev = DEVICES[device]
+    intra = intra or ("nvlink" if dev.nvlink_bandwidth else "pcie")
+    cluster = Cluster(dev, nodes, per_node, bandwidth(intra, "--intra", dev),
+                      bandwidth(network, "--network") * nics_per_node)
+    if efficiency is not None:
+        cluster = Cluster(**{**cluster.__dict__, "efficiency": efficiency})
+    return cluster
+
+
+# --- cpu-local: the calibration profile --------------------------------------------------------
+def default_profile_path() -> str:
+    base = os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
+    return os.path.join(base, "calibration.json")
+
+
+def load_profile(path: str | None) -> dict:
+    path = path or default_profile_path()
+    if not os.path.isfile(path):
+        raise ConfigError(f"--device {CPU_LOCAL}: no calibration profile at {path}; run `strata calibrate` first")
+    with open(path) as f:
+        return json.load(f)
+
+
+def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = None) -> Cluster:
+    """This machine as `processes` devices of one node, from what `strata calibrate` measured with
+    that many processes running at once (the nearest measured count)."""
+    measured = sorted(int(n) for n in profile["matmul_flops"])
+    nearest = str(min(measured, key=lambda n: (abs(n - processes), n)))
+    device = Device(CPU_LOCAL, int(profile["memory_bytes"] / processes), {"fp32": profile["matmul_flops"][nearest]},
+                    profile["memory_bandwidth"], None)
+    collectives = {op: by_size for op, by_size in profile["collectives"].items()}
+    return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0,
+                   efficiency or profile["efficiency"], collectives, profile.get("runtime_bytes", 0.0))
+
+
+def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str) -> Workload:
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"--precision {precision}: valid: bf16, fp16, fp32")
+    seq_len = seq_len or model.max_seq_len
+    if not 1 <= seq_len <= model.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len}: must be between 1 and the model's {model.max_seq_len}")
+    if global_batch < 1:
+        raise ConfigError(f"--global-batch {global_batch}: must be >= 1")
+    return Workload(model, global_batch, seq_len, precision)

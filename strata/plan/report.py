@@ -1,0 +1,117 @@
+"""`strata plan`: the table, the JSON, one given layout, the explanation, the memory chart."""
+
+from __future__ import annotations
+
+import json
+
+from strata.config import ConfigError
+from strata.plan.cost import Estimate, Layout, estimate
+from strata.plan.inputs import build_cluster, resolve_model, workload
+from strata.plan.search import distinct, explain, refusal, search
+
+LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "v": int, "zero": int, "mb": int, "ckpt": str, "offload": str,
+               "schedule": str, "sp": bool}
+
+
+def parse_layout(text: str, world: int) -> Layout:
+    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp'."""
+    values = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        if key not in LAYOUT_KEYS:
+            raise ConfigError(f"--layout {text}: unknown key {key!r}; valid: {', '.join(LAYOUT_KEYS)}")
+        try:
+            values[key] = True if LAYOUT_KEYS[key] is bool else LAYOUT_KEYS[key](value)
+        except ValueError:
+            raise ConfigError(f"--layout {text}: {key}={value} is not a number") from None
+    tp, pp = values.get("tp", 1), values.get("pp", 1)
+    dp = values.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0)
+    if dp * tp * pp != world:
+        raise ConfigError(f"--layout {text}: dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp}, the cluster has {world} devices")
+    v = values.get("v", 1)
+    layout = Layout(dp, tp, pp, v, values.get("zero", 0), values.get("mb", 1), values.get("ckpt", "none"),
+                    values.get("offload", "none"), values.get("sp", False),
+                    values.get("schedule", "interleaved" if v > 1 else "1f1b"))
+    checks = [(layout.zero in (0, 1, 2, 3), "zero: valid 0-3"),
+              (layout.checkpointing in ("none", "selective", "full"), "ckpt: valid none, selective, full"),
+              (layout.offload in ("none", "cpu"), "offload: valid none, cpu"),
+              (layout.schedule in ("gpipe", "1f1b", "interleaved", "zb"), "schedule: valid gpipe, 1f1b, interleaved, zb"),
+              (min(dp, tp, pp, v, layout.micro_batch) >= 1, "degrees and mb must be >= 1")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"--layout {text}: {message}")
+    return layout
+
+
+def table(estimates: list[Estimate]) -> str:
+    head = ("| layout | fits | GB/device: weights + grads + optimizer + activations + buffers | comm s/step: tp, dp, pp "
+            "| bubble | step s | tokens/s | TFLOP/s/device | MFU |")
+    rows = [head, "|" + "---|" * 9]
+    for e in estimates:
+        mem = e.memory_breakdown
+        gb = " + ".join(f"{mem[k] / 1e9:.1f}" for k in ("weights", "gradients", "optimizer_states", "activations", "buffers"))
+        comm = ", ".join(f"{e.comm_seconds[g]:.3g}" for g in ("tp", "dp", "pp"))
+        rows.append(f"| {e.layout.describe()} | {'yes' if e.fits else 'no'} | {e.memory_bytes_per_device / 1e9:.1f} = {gb} "
+                    f"| {comm} | {e.bubble:.1%} | {e.step_time_s:.3g} | {e.tokens_per_s:,.0f} "
+                    f"| {e.tflops_per_device:.1f} | {e.mfu:.1%} |")
+    return "\n".join(rows)
+
+
+def chart(estimates: list[Estimate], path: str, title: str) -> None:
+    """Stacked bars of each layout's memory per device, with the device's memory as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    parts = ("weights", "gradients", "optimizer_states", "activations", "buffers")
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(estimates)), 4.5))
+    bottoms = [0.0] * len(estimates)
+    for part in parts:
+        values = [e.memory_breakdown[part] / 1e9 for e in estimates]
+        ax.bar(range(len(estimates)), values, bottom=bottoms, label=part.replace("_", " "))
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_xticks(range(len(estimates)), [e.layout.describe().replace(",", "\n", 3) for e in estimates], fontsize=7)
+    ax.set_ylabel("GB per device")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_plan(args) -> int:
+    model = resolve_model(args.model)
+    work = workload(model, args.global_batch, args.seq_len, args.precision)
+    cluster = build_cluster(args.device, args.nodes, args.gpus_per_node, args.intra, args.network,
+                            args.nics_per_node, args.profile, args.efficiency)
+    if args.layout:
+        e = estimate(work, cluster, parse_layout(args.layout, cluster.world))
+        reason = refusal(e)
+        if reason:
+            e.notes.append(f"refused: {reason}")
+        shown, ranked, rejected = [e], [e] if e.fits and not reason else [], [] if e.fits and not reason else [e]
+    else:
+        ranked, rejected = search(work, cluster, offload=not args.no_offload)
+        if not ranked:
+            smallest = rejected[0] if rejected else None
+            need = f"; the smallest layout needs {smallest.memory_bytes_per_device / 1e9:.1f} GB per device " \
+                   f"({smallest.layout.describe()})" if smallest else ""
+            raise ConfigError(f"no layout of {cluster.world} x {cluster.device.name} runs {args.model}{need}")
+        shown = distinct(ranked)[:args.top]
+    if args.json:
+        print(json.dumps({"model": args.model, "world": cluster.world, "device": cluster.device.name,
+                          "layouts": [e.to_json() for e in shown]}, indent=1))
+    else:
+        print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) on {args.nodes} x {args.gpus_per_node} "
+              f"{cluster.device.name}, global batch {work.global_batch} x {work.seq_len} tokens, {work.precision}\n")
+        print(table(shown))
+        for e in shown:
+            for note in e.notes:
+                print(f"{e.layout.describe()}: {note}")
+    if args.explain and (ranked or rejected):
+        best = ranked[0] if ranked else rejected[0]
+        print("\n" + "\n".join(explain(best, ranked, rejected, cluster)))
+    if args.chart:
+        chart(shown, args.chart, f"{args.model} on {cluster.world} x {cluster.device.name}")
+        if not args.json:
+            print(f"\nwrote {args.chart}")
+    return 0

@@ -1,0 +1,139 @@
+"""Search: every layout strata can run for a model on a cluster, estimated, the ones that do not fit
+(or whose communication alone dwarfs the compute) set aside, the rest ranked by step time. And
+`explain`: why the winner wins, in the numbers that decide it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from strata.plan.cost import Cluster, Estimate, Layout, Workload, estimate
+
+MICRO_BATCHES = (1, 2, 4, 8)
+CHECKPOINTING = ("none", "selective", "full")
+# A layout whose communication takes this many times its compute is refused, whatever it fits in.
+REFUSE_COMM_OVER_COMPUTE = 10.0
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(work: Workload, world: int, offload: bool = True) -> Iterator[Layout]:
+    """Every layout of `world` devices strata runs for this model and batch."""
+    cfg = work.model
+    for t in divisors(world):
+        if cfg.n_heads % t or cfg.d_ff % t or (cfg.kv_heads % t and t % cfg.kv_heads):
+            continue
+        for p in divisors(world // t):
+            if p > cfg.n_layers:
+                continue
+            d = world // (t * p)
+            for v, schedule in _schedules(cfg.n_layers, p):
+                for zero in (0, 1, 2, 3) if d > 1 else (0,):
+                    if p > 1 and zero >= 2:
+                        continue  # strata refuses it: ZeRO-2/3 would communicate every micro-batch
+                    for b in MICRO_BATCHES:
+                        if work.global_batch % (d * b):
+                            continue
+                        for checkpointing in CHECKPOINTING:
+                            for place in ("none", "cpu") if offload else ("none",):
+                                for sp in (False, True) if t > 1 and work.seq_len % t == 0 else (False,):
+                                    yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule)
+
+
+def _schedules(n_layers: int, p: int) -> list[tuple[int, str]]:
+    if p == 1:
+        return [(1, "1f1b")]
+    found = [(1, "1f1b"), (1, "zb")]
+    found += [(v, "interleaved") for v in (2, 4) if n_layers % (p * v) == 0]
+    return found
+
+
+def refusal(e: Estimate) -> str | None:
+    """Why a layout is set aside even if it fits: communication that takes minutes per step."""
+    comm = sum(e.comm_seconds.values())
+    if e.compute_s > 0 and comm > REFUSE_COMM_OVER_COMPUTE * e.compute_s:
+        return (f"communication alone takes {_duration(comm)} per step, {comm / e.compute_s:.0f}x the compute "
+                f"({_duration(e.compute_s)})")
+    return None
+
+
+def search(work: Workload, cluster: Cluster, offload: bool = True) -> tuple[list[Estimate], list[Estimate]]:
+    """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first)."""
+    ranked, rejected = [], []
+    for layout in layouts(work, cluster.world, offload):
+        e = estimate(work, cluster, layout)
+        reason = refusal(e)
+        if reason:
+            e.notes.append(f"refused: {reason}")
+        (ranked if e.fits and not reason else rejected).append(e)
+    ranked.sort(key=lambda e: (e.step_time_s, e.memory_bytes_per_device))
+    rejected.sort(key=lambda e: e.memory_bytes_per_device)
+    return ranked, rejected
+
+
+def distinct(estimates: list[Estimate]) -> list[Estimate]:
+    """The best of each shape (degrees, ZeRO stage, schedule): variants that differ only in a knob
+    that does not matter there (sequence parallelism, a checkpointing mode) would crowd a table."""
+    seen, kept = set(), []
+    for e in estimates:
+        lay = e.layout
+        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule)
+        if key not in seen:
+            seen.add(key)
+            kept.append(e)
+    return kept
+
+
+# --- explain ----------------------------------------------------------------------------------------
+def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cluster: Cluster) -> list[str]:
+    """Plain sentences: what the winner spends its step on, and why each obvious alternative
+    (no tensor parallelism, no pipeline, pure data parallelism, ZeRO-3, TP across nodes) loses."""
+    lines = [f"best: {best.layout.describe()}: {_duration(best.step_time_s)} per step, "
+             f"{best.tflops_per_device:.0f} TFLOP/s per device ({best.mfu:.0%} MFU), "
+             f"{best.memory_bytes_per_device / 1e9:.1f} GB of {cluster.device.memory_bytes / 1e9:.0f} GB per device; "
+             f"{_shares(best)}"]
+    link = "NVLink" if cluster.device.nvlink_bandwidth and cluster.intra_bandwidth >= cluster.device.nvlink_bandwidth \
+        else f"{cluster.intra_bandwidth / 1e9:.0f} GB/s inside a node (no NVLink)"
+    alternatives = {
+        "without tensor parallelism (tp=1)": lambda lay: lay.tp == 1,
+        "without pipeline parallelism (pp=1)": lambda lay: lay.pp == 1,
+        "data parallelism alone (tp=1, pp=1, ZeRO-0)": lambda lay: lay.tp == 1 and lay.pp == 1 and lay.zero == 0,
+        "with ZeRO-3": lambda lay: lay.zero == 3,
+        f"with tensor parallelism over {link} (tp>1)": lambda lay: lay.tp > 1,
+        "with tensor parallelism across nodes": lambda lay: lay.tp > cluster.devices_per_node,
+    }
+    for label, wanted in alternatives.items():
+        if wanted(best.layout):
+            continue
+        rival = next((e for e in ranked if wanted(e.layout)), None)
+        if rival is not None:
+            slower = rival.step_time_s / best.step_time_s - 1
+            lines.append(f"{label}: best is {rival.layout.describe()}, {slower:.0%} slower; {_shares(rival)}")
+            continue
+        rival = next((e for e in rejected if wanted(e.layout)), None)
+        if rival is not None:
+            why = next((n for n in rival.notes if n.startswith("refused")), None) or \
+                f"does not fit: needs {rival.memory_bytes_per_device / 1e9:.1f} GB per device at least " \
+                f"({rival.layout.describe()})"
+            lines.append(f"{label}: {why}")
+    return lines
+
+
+def _shares(e: Estimate) -> str:
+    step = e.step_time_s
+    parts = [f"compute {e.compute_s / step:.0%}"]
+    for group, seconds in e.comm_seconds.items():
+        if seconds > 0:
+            parts.append(f"{group} communication {seconds / step:.0%}")
+    if e.bubble > 0:
+        parts.append(f"pipeline bubble {e.bubble:.0%}")
+    return "of the step: " + ", ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 120:
+        return f"{seconds / 60:.1f} min"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms"

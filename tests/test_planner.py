@@ -1,0 +1,143 @@
+"""The planner against the field's rules of thumb and published results (shared/REFERENCE.md),
+and `strata plan` as a user types it."""
+
+import json
+
+import pytest
+
+from strata.cli import main as strata_main
+from strata.model.config import ModelConfig
+from strata.model.presets import get_preset
+from strata.plan.cost import Layout, estimate
+from strata.plan.inputs import build_cluster, workload
+from strata.plan.search import explain, search
+
+GB = 10**9
+
+
+def _selene(nodes):
+    """Megatron-LM's cluster: DGX A100 80 GB nodes, NVLink inside, 8 x HDR InfiniBand per node."""
+    return build_cluster("A100-80G", nodes, 8, "nvlink", "ib-200", nics_per_node=8)
+
+
+# --- published results: Narayanan et al. 2021 ------------------------------------------------------
+MEGATRON_1T = ModelConfig(vocab_size=51200, n_layers=128, d_model=25600, n_heads=160, d_ff=4 * 25600,
+                          max_seq_len=2048, norm="layernorm", position="learned", mlp="gelu",
+                          tie_embeddings=True, bias=True)
+PUBLISHED = {  # name: (model, nodes, global batch, the paper's layout, TFLOP/s per GPU)
+    "gpt3-175b on 1024 A100": (get_preset("gpt3-175b"), 128, 1536, Layout(dp=8, tp=8, pp=16, checkpointing="full"), 140),
+    "1T on 3072 A100": (MEGATRON_1T, 384, 3072, Layout(dp=6, tp=8, pp=64, checkpointing="full"), 163),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_megatron_throughput_is_predicted_within_15_percent(name):
+    model, nodes, batch, layout, tflops = PUBLISHED[name]
+    e = estimate(workload(model, batch, 2048, "bf16"), _selene(nodes), layout)
+    assert e.fits
+    assert e.tflops_per_device == pytest.approx(tflops, rel=0.15), e.tflops_per_device
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_planners_own_layout_is_no_worse_than_the_published_one(name):
+    model, nodes, batch, layout, _ = PUBLISHED[name]
+    work, cluster = workload(model, batch, 2048, "bf16"), _selene(nodes)
+    ranked, _ = search(work, cluster, offload=False)
+    assert ranked[0].step_time_s <= estimate(work, cluster, layout).step_time_s
+
+
+# --- rules of thumb -------------------------------------------------------------------------------
+def test_full_fine_tuning_of_an_n_billion_model_needs_about_20n_gb():
+    model = get_preset("llama-7b")
+    n = model.num_params() / 1e9
+    e = estimate(workload(model, 1, 2048, "bf16"), build_cluster("A100-80G", 1, 1, None, "ib-200"), Layout())
+    assert 16 * n * GB < e.memory_bytes_per_device < 24 * n * GB
+
+
+def test_zero3_moves_3_psi_and_on_10_gbe_the_planner_refuses_it():
+    model = get_preset("llama-65b")
+    work, cluster = workload(model, 64, 2048, "bf16"), build_cluster("A100-80G", 8, 8, None, "10gbe")
+    e = estimate(work, cluster, Layout(dp=64, zero=3))  # one micro-batch per rank
+    elements = e.comm_bytes["dp"] / 2  # bf16
+    assert elements == pytest.approx(3 * model.num_params() * 63 / 64, rel=1e-6)
+    assert elements == pytest.approx(195e9, rel=0.03)  # "65B: 195 G elements"
+    assert e.comm_seconds["dp"] > 120  # minutes per step on 10 Gb/s
+    ranked, rejected = search(work, cluster)
+    assert all(r.layout.zero != 3 for r in ranked)
+    assert any(n.startswith("refused: communication alone takes") for r in rejected if r.layout.zero == 3 for n in r.notes)
+
+
+def test_tensor_parallelism_across_nodes_drops_utilisation_to_a_few_percent():
+    work = workload(get_preset("llama-13b"), 256, 2048, "bf16")
+    cluster = build_cluster("A100-80G", 2, 8, None, "100gbe")
+    inside = estimate(work, cluster, Layout(dp=2, tp=8, checkpointing="full"))
+    across = estimate(work, cluster, Layout(dp=1, tp=16, checkpointing="full"))
+    assert inside.mfu > 0.3
+    assert across.mfu < 0.1
+
+
+def test_without_nvlink_the_planner_prefers_pipeline_over_tensor_parallelism():
+    work = workload(get_preset("llama-7b"), 64, 2048, "bf16")
+    cluster = build_cluster("RTX-4090", 1, 8, "pcie", "10gbe")
+    ranked, rejected = search(work, cluster)
+    best = ranked[0]
+    assert best.layout.pp > 1 and best.layout.tp == 1, best.layout
+    with_tp = next(e for e in ranked if e.layout.tp > 1)
+    assert with_tp.step_time_s > best.step_time_s
+    lines = explain(best, ranked, rejected, cluster)
+    assert any("tensor parallelism over 32 GB/s inside a node (no NVLink)" in line for line in lines), lines
+
+
+def test_slow_network_and_little_memory_give_dp_pp_tp_and_zero1():
+    work = workload(get_preset("llama-13b"), 256, 2048, "bf16")
+    cluster = build_cluster("A100-40G", 4, 8, None, "10gbe")
+    best = search(work, cluster)[0][0].layout
+    assert best.dp > 1 and best.pp > 1 and best.tp > 1 and best.zero == 1, best
+
+
+# --- the command ------------------------------------------------------------------------------------
+def test_plan_json_lists_layouts_best_first_with_every_field(capsys):
+    assert strata_main(["plan", "--model", "llama-7b", "--device", "H100-80G", "--nodes", "2", "--global-batch", "64",
+                        "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = out["layouts"]
+    assert len(layouts) == 3
+    assert [x["step_time_s"] for x in layouts] == sorted(x["step_time_s"] for x in layouts)
+    for key in ("dp", "tp", "pp", "virtual_stages", "zero", "micro_batch", "checkpointing", "offload", "fits",
+                "memory_bytes_per_device", "memory_breakdown", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"):
+        assert key in layouts[0], key
+    assert set(layouts[0]["memory_breakdown"]) == {"weights", "gradients", "optimizer_states", "activations", "buffers"}
+    assert layouts[0]["dp"] * layouts[0]["tp"] * layouts[0]["pp"] == 16
+
+
+def test_plan_evaluates_a_given_layout_explains_and_draws(capsys, tmp_path):
+    assert strata_main(["plan", "--model", "gpt3-175b", "--nodes", "128", "--nics-per-node", "8", "--global-batch",
+                        "1536", "--seq-len", "2048", "--layout", "dp=8,tp=8,pp=16,mb=1,ckpt=full", "--explain",
+                        "--chart", str(tmp_path / "m.png")]) == 0
+    out = capsys.readouterr().out
+    assert "dp=8,tp=8,pp=16,zero=0,mb=1,1f1b,ckpt=full" in out and "best:" in out
+    assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_plan_reads_a_hugging_face_config(tmp_path, capsys):
+    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert strata_main(["plan", "--model", str(tmp_path / "config.json"), "--global-batch", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"][0]["fits"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "nope"], "not a preset"),
+    (["--model", "tiny", "--device", "Z80"], "--device Z80: valid"),
+    (["--model", "tiny", "--network", "carrier-pigeon"], "--network carrier-pigeon: valid"),
+    (["--model", "tiny", "--device", "RTX-4090", "--intra", "nvlink"], "has no NVLink"),
+    (["--model", "tiny", "--layout", "dp=3,tp=2"], "the cluster has 8 devices"),
+    (["--model", "tiny", "--layout", "dp=8,zero=7"], "zero: valid 0-3"),
+    (["--model", "gpt3-175b", "--gpus-per-node", "1"], "no layout of 1 x A100-80G runs gpt3-175b"),
+])
+def test_plan_bad_input_gets_one_line(args, message, capsys):
+    assert strata_main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
