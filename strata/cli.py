@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--chart", help="PNG of the memory breakdown of the layouts shown")
     plan.add_argument("--no-offload", action="store_true", help="leave optimizer offload out of the search")
     plan.add_argument("--profile", help="calibration profile for cpu-local (default: the one `strata calibrate` wrote)")
-    plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s the compute reaches (default 0.58; cpu-local: calibrated)")
+    plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s the compute reaches (default 0.63; cpu-local: calibrated)")
 
     cal = sub.add_parser("calibrate", help="measure this machine for the planner's cpu-local device")
     cal.add_argument("--nproc", type=int, default=4, help="measure groups of 1, 2, 4, ... up to N processes")

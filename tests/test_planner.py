@@ -77,15 +77,21 @@ def test_tensor_parallelism_across_nodes_drops_utilisation_to_a_few_percent():
 
 
 def test_without_nvlink_the_planner_prefers_pipeline_over_tensor_parallelism():
-    work = workload(get_preset("llama-7b"), 64, 2048, "bf16")
-    cluster = build_cluster("RTX-4090", 1, 8, "pcie", "10gbe")
-    ranked, rejected = search(work, cluster)
-    best = ranked[0]
+    """The same 8 A100-40G and model: over PCIe the planner pipelines, over NVLink it splits tensors."""
+    work = workload(get_preset("llama-13b"), 64, 2048, "bf16")
+    best_by_link = {}
+    for link in ("pcie", "nvlink"):
+        cluster = build_cluster("A100-40G", 1, 8, link, "10gbe")
+        ranked, rejected = search(work, cluster)
+        with_tp = next(e for e in ranked if e.layout.tp > 1)
+        pipelined = next(e for e in ranked if e.layout.pp > 1 and e.layout.tp == 1)
+        best_by_link[link] = (ranked[0], with_tp, pipelined, explain(ranked[0], ranked, rejected, cluster))
+    best, with_tp, pipelined, lines = best_by_link["pcie"]
     assert best.layout.pp > 1 and best.layout.tp == 1, best.layout
-    with_tp = next(e for e in ranked if e.layout.tp > 1)
-    assert with_tp.step_time_s > best.step_time_s
-    lines = explain(best, ranked, rejected, cluster)
+    assert with_tp.step_time_s > pipelined.step_time_s
     assert any("tensor parallelism over 32 GB/s inside a node (no NVLink)" in line for line in lines), lines
+    best, with_tp, pipelined, _ = best_by_link["nvlink"]
+    assert best.layout.tp > 1 and with_tp.step_time_s < pipelined.step_time_s, best.layout
 
 
 def test_slow_network_and_little_memory_give_dp_pp_tp_and_zero1():

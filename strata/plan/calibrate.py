@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-MESSAGE_BYTES = [2**k for k in range(16, 25, 2)]  # 64 KiB .. 16 MiB
+MESSAGE_BYTES = [2**k for k in range(14, 25, 2)]  # 16 KiB .. 16 MiB
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
@@ -36,31 +36,53 @@ def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
     return done * 2 * n**3 / (time.perf_counter() - started)
 
 
-def _time_op(op: str, nbytes: int, repeats: int) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _time_op(op: str, nbytes: int, repeats: int, group) -> float:
+    """Seconds one collective adds between bursts of compute, as in training: each rank computes,
+    then communicates. Timed after a barrier instead, a collective looks several times cheaper
+    than it is, since in a real step the ranks arrive a little apart."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peer = dist.get_global_rank(group, 1 - rank) if rank < 2 else None
     elements = nbytes // 4
     full = torch.ones(elements - elements % world)
     shard = torch.ones(full.numel() // world)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        started = time.perf_counter()
+    a = torch.randn(256, 256)
+
+    def burst():
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def run():
         if op == "all_reduce":
-            dist.all_reduce(full)
+            dist.all_reduce(full, group=group)
         elif op == "all_gather":
-            dist.all_gather_into_tensor(full, shard)
+            dist.all_gather_into_tensor(full, shard, group=group)
         elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(shard, full)
-        elif rank == 0:  # send: rank 0 to rank 1, the others idle
-            dist.send(full, 1)
+            dist.reduce_scatter_tensor(shard, full, group=group)
+        elif rank == 0:  # send: the group's first rank to its second, the others idle
+            dist.send(full, peer)
         elif rank == 1:
-            dist.recv(full, 0)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+            dist.recv(full, peer)
+
+    run()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        burst()
+        run()
+    both = time.perf_counter() - started
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        burst()
+    alone = time.perf_counter() - started
+    spent = torch.tensor([max(both - alone, 0.0) / repeats], dtype=torch.float64)
+    dist.all_reduce(spent)  # the mean over every process
+    return spent.item() / dist.get_world_size()
 
 
 def fit(points: list[tuple[float, float]]) -> dict:
-    """Least squares time = latency + bytes / bandwidth."""
+    """Least squares time = latency + bytes / bandwidth over all sizes (what the summary prints;
+    the planner reads the points themselves, alpha-beta between neighbouring sizes)."""
     xs, ys = [x for x, _ in points], [y for _, y in points]
     mx, my = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
@@ -77,13 +99,18 @@ def worker(out: str) -> None:
     if world > 1:
         dist.barrier()
     rate = torch.tensor([matmul_rate()], dtype=torch.float64)
-    collectives = {}
+    collectives = {op: {} for op in OPS}
     if world > 1:
         dist.all_reduce(rate)
         rate /= world
-        for op in OPS:
-            points = [(nbytes, _time_op(op, nbytes, 5)) for nbytes in MESSAGE_BYTES]
-            collectives[op] = fit(points)
+        # every group size that divides the world, all groups of that size busy at once (as the
+        # tp groups of a dp x tp layout are), while every process runs
+        for size in [g for g in range(2, world + 1) if world % g == 0]:
+            groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
+            group = groups[dist.get_rank() // size]
+            for op in OPS:
+                points = [(nbytes, _time_op(op, nbytes, 10, group)) for nbytes in MESSAGE_BYTES]
+                collectives[op][str(size)] = {**fit(points), "points": points}
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"matmul_flops": rate.item(), "collectives": collectives}, f)
@@ -103,20 +130,34 @@ def memory_bandwidth() -> float:
     return 2 * src.numel() * 4 / min(times)  # read + write
 
 
-def step_efficiency(model: str, rate: float) -> float:
-    """FLOP/s of a real fp32 training step of `model` (one process) over the matmul rate."""
+def step_time(model: str, micro_batch: int, seq_len: int = 128) -> float:
+    """Median seconds of a real fp32 training step of `model`: one process, one micro-batch."""
     from strata.config import TrainConfig
     from strata.train.trainer import train
-    cfg = TrainConfig(model=model, seq_len=128, micro_batch=4, steps=4, progress=False, peak_flops=1e12, eval_batches=1)
-    summary = train(cfg)
-    step = statistics.median(summary["step_times"][1:])
-    flops = cfg.micro_batch * 128 * summary["model"].cfg.flops_per_token(128)
-    return flops / step / rate
+    cfg = TrainConfig(model=model, seq_len=seq_len, micro_batch=micro_batch, steps=5, progress=False,
+                      peak_flops=1e12, eval_batches=1)
+    return statistics.median(train(cfg)["step_times"][1:])
+
+
+def step_costs(model: str, rate: float, memory_bandwidth: float, seq_len: int = 128) -> dict:
+    """The efficiency (FLOP/s of the forward and backward over the matmul rate, FLOPs as the
+    planner counts them) for micro-batches of 1-8 sequences: small ones run below the large ones'
+    rate. The optimizer step is taken out as the planner predicts it."""
+    from strata.model.presets import get_preset
+    from strata.parallel.pipeline.stage import unit_costs
+    cfg = get_preset(model)
+    flops_per_token = 3 * sum(unit_costs(cfg, seq_len))
+    optimizer = cfg.num_params() * 32 / memory_bandwidth
+    by_tokens = {}
+    for b in (1, 2, 4, 8):
+        seconds = step_time(model, b, seq_len) - optimizer
+        by_tokens[str(b * seq_len)] = flops_per_token * b * seq_len / seconds / rate
+    return {"efficiency_by_tokens": by_tokens, "efficiency": by_tokens[str(4 * seq_len)]}
 
 
 def calibrate(max_procs: int, model: str, out: str) -> dict:
     from strata.distributed.launch import launch_local
-    profile = {"device": "cpu-local", "cores": os.cpu_count(), "memory_bytes": _total_memory(),
+    profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": _total_memory(),
                "matmul_flops": {}, "collectives": {op: {} for op in OPS}}
     sizes = [1] + [n for n in (2, 4, 8, 16) if n <= max_procs]
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,17 +172,20 @@ def calibrate(max_procs: int, model: str, out: str) -> dict:
             with open(part) as f:
                 measured = json.load(f)
             profile["matmul_flops"][str(n)] = measured["matmul_flops"]
-            for op, values in measured["collectives"].items():
-                profile["collectives"][op][str(n)] = values
+            for op, by_size in measured["collectives"].items():
+                for size, values in by_size.items():
+                    profile["collectives"][op][f"{size}/{n}"] = values
             print(f"{n} process{'es' if n > 1 else ''}: {measured['matmul_flops'] / 1e9:.1f} GFLOP/s each"
-                  + "".join(f"; {op} {v['latency_s'] * 1e6:.0f} us + {v['bandwidth'] / 1e9:.2f} GB/s"
-                            for op, v in measured["collectives"].items()), flush=True)
+                  + "".join(f"; {op} in groups of {size}: {v['latency_s'] * 1e6:.0f} us + {v['bandwidth'] / 1e9:.2f} GB/s"
+                            for op, by_size in measured["collectives"].items() for size, v in by_size.items()),
+                  flush=True)
     torch.set_num_threads(1)
     profile["memory_bandwidth"] = memory_bandwidth()
-    profile["efficiency"] = step_efficiency(model, profile["matmul_flops"]["1"])
+    profile.update(step_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"]))
     profile["efficiency_model"] = model
     print(f"memory bandwidth {profile['memory_bandwidth'] / 1e9:.1f} GB/s; a {model} training step reaches "
-          f"{profile['efficiency']:.0%} of the matmul rate", flush=True)
+          + ", ".join(f"{e:.0%} at {k} tokens" for k, e in profile["efficiency_by_tokens"].items())
+          + " of the matmul rate", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(profile, f, indent=1)

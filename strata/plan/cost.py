@@ -8,7 +8,9 @@ stages are the farthest apart. Each group's collectives run on the slowest link 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Device
@@ -26,14 +28,34 @@ class Cluster:
     inter_bandwidth: float = 0.0  # bytes/s per direction per node between nodes
     intra_latency: float = 5e-6  # seconds per ring step (alpha)
     inter_latency: float = 10e-6
-    efficiency: float = 0.58  # fraction of peak FLOP/s a step's compute reaches (calibrated for cpu-local)
+    efficiency: float = 0.63  # fraction of peak FLOP/s a step's compute reaches (calibrated for cpu-local)
     # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate)
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
     runtime_bytes: float = 0.0  # what a process holds before the model (calibrated; 0 on GPUs)
 
+    # cpu-local: the efficiency measured against the tokens in a micro-batch (the rows of every
+    # matmul): small micro-batches run below the large ones' rate. Empty: `efficiency` throughout.
+    efficiency_curve: tuple[tuple[float, float], ...] = ()
+    # Communication runs beside compute (GPUs: its own engines); on a CPU it takes the cores.
+    overlap: bool = True
+    # cpu-local: processes share this many cores; the device's peak is the rate with all busy
+    shared_cores: int = 0
+
     @property
     def world(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def efficiency_at(self, tokens: float) -> float:
+        """The efficiency for micro-batches of `tokens` tokens, interpolated in log(tokens)."""
+        curve = self.efficiency_curve
+        if not curve:
+            return self.efficiency
+        if tokens <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+            if tokens <= x1:
+                return y0 + math.log(tokens / x0) / math.log(x1 / x0) * (y1 - y0)
+        return curve[-1][1]
 
 
 @dataclass(frozen=True)
@@ -121,9 +143,10 @@ def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stri
     With a calibrated profile (cpu-local), its measured numbers for this op and group size."""
     if size <= 1 or nbytes == 0:
         return 0.0
-    measured = cluster.collectives.get(op, {}).get(str(size))
+    by_size = cluster.collectives.get(op, {})
+    measured = by_size.get(f"{size}/{cluster.world}", by_size.get(str(size)))
     if measured is not None:
-        return measured["latency_s"] + nbytes / measured["bandwidth"]
+        return measured_seconds(measured, nbytes)
     bandwidth, latency, _ = group_link(cluster, size, stride)
     if op == "all_reduce":
         return 2 * (size - 1) * latency + 2 * (size - 1) / size * nbytes / bandwidth
@@ -134,92 +157,143 @@ def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stri
     raise ValueError(f"unknown collective {op!r}")
 
 
+# --- the pipeline's stages ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageLoad:
+    """What one pipeline rank holds and computes (all its chunks together)."""
+    flops_per_token: float  # forward
+    params: float
+    blocks: int
+    first: bool  # holds the embedding
+    last: bool  # holds the head (and the loss)
+
+
+@lru_cache(maxsize=512)
+def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLoad, ...]:
+    """Per pipeline rank, from strata's own cut (balanced by forward FLOPs: the embedding with the
+    first chunk, the head with the last), so an uneven stage costs what it costs."""
+    from strata.parallel.pipeline.stage import make_layout, unit_costs
+    costs = unit_costs(cfg, seq_len)
+    d, norm = cfg.d_model, cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    embed = cfg.vocab_size * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0) + \
+        (norm if cfg.embedding_norm else 0)
+    head = norm + (0 if cfg.tie_embeddings else cfg.vocab_size * d + int(cfg.bias) * cfg.vocab_size)
+    block = (cfg.num_params() - embed - head) / cfg.n_layers
+    if p == 1:
+        blocks_of_rank = [cfg.n_layers]
+    else:
+        layout = make_layout(cfg, p, v, seq_len, None)
+        blocks_of_rank = [sum(layout.blocks_per_chunk[c] for c in layout.chunks_of(r)) for r in range(p)]
+    loads = []
+    for rank, blocks in enumerate(blocks_of_rank):
+        first, last = rank == 0, rank == p - 1
+        params = blocks * block + (embed if first else 0) + (head if last else 0)
+        if last and not first and cfg.tie_embeddings:
+            params += cfg.vocab_size * d  # the last stage's copy of the tied embedding
+        flops = blocks * costs[1] + (costs[0] if first else 0) + (costs[-1] if last else 0)
+        loads.append(StageLoad(flops, params, blocks, first, last))
+    return tuple(loads)
+
+
+def measured_seconds(points: list[list[float]], nbytes: float) -> float:
+    """Time of a collective from calibrated (bytes, seconds) points: alpha-beta between the two
+    measured sizes around nbytes (latency and bandwidth of that range), the end segments extended."""
+    i = next((k for k in range(1, len(points) - 1) if nbytes <= points[k][0]), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    per_byte = max((y1 - y0) / (x1 - x0), 0.0)
+    return max(y0 + (nbytes - x0) * per_byte, 0.0)
+
+
 # --- the estimate ------------------------------------------------------------------------------
 def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
+    """The layout's memory and step time. On a machine whose processes share cores (cpu-local),
+    a process computes faster while others wait (bubbles, communication): the rate follows the
+    average number computing at once, found by a few rounds of fixed-point iteration."""
+    e = _estimate(work, cluster, layout, 1.0)
+    if cluster.shared_cores:
+        world = layout.dp * layout.tp * layout.pp
+        all_busy = min(1.0, cluster.shared_cores / world)
+        for _ in range(4):  # a process that communicates keeps its core busy; one that waits does not
+            busy = e.compute_s + sum(e.comm_seconds.values())
+            active = max(1.0, world * min(1.0, busy / e.step_time_s))
+            e = _estimate(work, cluster, layout, min(1.0, cluster.shared_cores / active) / all_busy)
+    return e
+
+
+def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
     cfg, lay = work.model, layout
     t, p, d, v, b, s = lay.tp, lay.pp, lay.dp, lay.virtual_stages, lay.micro_batch, work.seq_len
-    h, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    h, V = cfg.d_model, cfg.vocab_size
     act_bytes = BYTES["bf16" if work.precision in ("bf16", "fp16") else "fp32"]
-    micro_batches = work.global_batch // (d * b)
-    params = cfg.num_params()
-    params_local = params / (t * p)  # balanced stages and an even tensor split
-    layers_local = L / p
-
-    # memory per device
-    states = model_state_bytes(params_local, lay.zero, d, "mixed" if act_bytes == 2 else "fp32")
-    optimizer = 0.0 if lay.offload == "cpu" else states.optimizer
-    per_layer = activation_bytes_per_layer(s, b, h, cfg.n_heads, t, lay.sequence_parallel,
-                                           lay.checkpointing, fused_attention=True) * act_bytes / 2
-    in_flight = _micro_batches_in_flight(lay, micro_batches)
-    logits = b * s * V / t * (act_bytes + 4)  # the head's output and the fp32 copy the loss takes
-    activations = per_layer * layers_local * in_flight + logits + b * s * h * act_bytes
-    buffers = _buffers(cfg, lay, params_local, act_bytes, states)
-    memory = {"weights": states.weights, "gradients": states.grads, "optimizer_states": optimizer,
-              "activations": activations, "buffers": buffers + cluster.runtime_bytes}
-    fits = sum(memory.values()) <= cluster.device.memory_bytes
-
-    # compute per micro-batch per device (forward, backward; recomputation in the backward)
+    precision = "mixed" if act_bytes == 2 else "fp32"
+    m = work.global_batch // (d * b)  # micro-batches per pipeline per step
     tokens = b * s
-    attention = 4 * L * h * s  # per token, forward: scores and values (PaLM's 12Lhs over 3 passes)
-    fwd = tokens * (2 * params + attention) / (t * p)
-    recompute = {"none": 0.0, "selective": tokens * attention / (t * p), "full": fwd}[lay.checkpointing]
     peak = cluster.device.peak_flops.get(work.precision, max(cluster.device.peak_flops.values()))
-    rate = peak * cluster.efficiency
-    t_fwd, t_bwd = fwd / rate, (2 * fwd + recompute) / rate
-
-    # tensor parallelism: per layer 2 all-reduces of b·s·h forward and 2 backward (+2 with full
-    # recomputation); sequence parallelism trades each for an all-gather + reduce-scatter
-    comm_bytes, comm_seconds = {}, {}
+    rate = peak * cluster.efficiency_at(tokens) * rate_scale
+    per_layer = activation_bytes_per_layer(s, b, h, cfg.n_heads, t, lay.sequence_parallel, lay.checkpointing,
+                                           fused_attention=True) * act_bytes / 2
+    attention_fwd = 4 * h * s  # per token per block: scores and values
     tp_msg = b * s * h * act_bytes
-    tp_per_layer_fwd = 2 * (2 if lay.sequence_parallel else 1)
-    ops_fwd = layers_local * tp_per_layer_fwd
-    ops_bwd = ops_fwd * (1.5 if lay.checkpointing == "full" else 1.0)
     tp_op = "all_gather" if lay.sequence_parallel else "all_reduce"
     one_tp = collective_seconds(cluster, tp_op, tp_msg, t, 1)
-    t_fwd += ops_fwd * one_tp
-    t_bwd += ops_bwd * one_tp
-    ring = (1 if lay.sequence_parallel else 2) * (t - 1) / t if t > 1 else 0.0
-    comm_bytes["tp"] = (ops_fwd + ops_bwd) * ring * tp_msg * micro_batches
-    comm_seconds["tp"] = (ops_fwd + ops_bwd) * one_tp * micro_batches
-
-    # data parallelism / ZeRO over dp ranks, stride tp
-    grad_bytes = params_local * (act_bytes if act_bytes == 2 else 4)
-    dp_total, dp_exposed, dp_bytes = _data_parallel(cluster, lay, grad_bytes, micro_batches, t_fwd, t_bwd,
-                                                     layers_local)
-    comm_bytes["dp"], comm_seconds["dp"] = dp_bytes, dp_total
-
-    # pipeline: b·s·h activations forward and gradients backward per micro-batch per boundary
+    tp_ops_per_block = 2 * (2 if lay.sequence_parallel else 1) * (2 + (1 if lay.checkpointing == "full" else 0))
     pp_msg = b * s * h * act_bytes / (t if lay.sequence_parallel else 1)
     one_p2p = collective_seconds(cluster, "send", pp_msg, p, t * d) if p > 1 else 0.0
-    boundaries = 2 * micro_batches * (v if p > 1 else 0)  # forward + backward, per chunk boundary
-    comm_bytes["pp"] = boundaries * pp_msg
-    comm_seconds["pp"] = boundaries * one_p2p
-    t_fwd += one_p2p * (v if p > 1 else 0)
-    t_bwd += one_p2p * (v if p > 1 else 0)
 
-    per_micro_batch = t_fwd + t_bwd
+    # each pipeline rank: its memory and its time for one micro-batch; the largest of each counts
+    worst_memory, worst = None, (0.0, 0.0, 0.0, 0.0, None)  # (time, fwd, bwd, compute, load)
+    for rank, load in enumerate(stage_loads(cfg, p, v, s)):
+        states = model_state_bytes(load.params / t, lay.zero, d, precision)
+        in_flight = _micro_batches_in_flight(lay, m, rank)
+        activations = per_layer * load.blocks * in_flight
+        activations += (b * s * h * act_bytes if load.first else 0) + (tokens * V / t * (act_bytes + 4) if load.last else 0)
+        memory = {"weights": states.weights, "gradients": states.grads,
+                  "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
+                  "activations": activations,
+                  "buffers": _buffers(lay, load, t, act_bytes) + cluster.runtime_bytes}
+        if worst_memory is None or sum(memory.values()) > sum(worst_memory[0].values()):
+            worst_memory = (memory, states)
+        fwd = tokens * load.flops_per_token / t
+        recompute = {"none": 0.0, "selective": tokens * attention_fwd * load.blocks / t, "full": fwd}[lay.checkpointing]
+        comm = load.blocks * tp_ops_per_block * one_tp + 2 * v * one_p2p * (p > 1)
+        if t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
+            comm += (load.first + load.last) * one_tp + 3 * load.last * collective_seconds(cluster, "all_reduce", b * s * 4, t, 1)
+        t_fwd = fwd / rate + comm / 2
+        t_bwd = (2 * fwd + recompute) / rate + comm / 2
+        if t_fwd + t_bwd > worst[0]:
+            worst = (t_fwd + t_bwd, t_fwd, t_bwd, (3 * fwd + recompute) / rate, load)
+    memory, states = worst_memory
+    per_micro_batch, t_fwd, t_bwd, compute_per_mb, load = worst
+
+    comm_bytes = {"tp": load.blocks * tp_ops_per_block * ((1 if lay.sequence_parallel else 2) * (t - 1) / t) * tp_msg * m,
+                  "pp": 2 * v * m * pp_msg * (p > 1)}
+    comm_seconds = {"tp": load.blocks * tp_ops_per_block * one_tp * m, "pp": 2 * v * m * one_p2p * (p > 1)}
+    grad_bytes = load.params / t * act_bytes
+    dp_total, dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, grad_bytes, m, t_fwd, t_bwd, load.blocks)
+    comm_seconds["dp"] = dp_total
+
     bubble_time = _bubble_time(lay, per_micro_batch)
-    busy = micro_batches * per_micro_batch
-    optimizer_s = _optimizer_seconds(cluster, lay, params_local, states)
-    step = busy + bubble_time + dp_exposed + optimizer_s
+    step = m * per_micro_batch + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, load.params / t)
     tokens_per_step = work.global_batch * s
-    hardware_flops = tokens_per_step * ((6 * params + 3 * attention) +
-                                        {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing])
-    model_flops = tokens_per_step * cfg.flops_per_token(s)
+    params = cfg.num_params()
+    recomputed = {"none": 0, "selective": cfg.n_layers * attention_fwd, "full": 2 * params + cfg.n_layers * attention_fwd}
+    hardware_flops = tokens_per_step * (6 * params + 3 * cfg.n_layers * attention_fwd + recomputed[lay.checkpointing])
     world = d * t * p
-    return Estimate(lay, fits, memory, comm_seconds, comm_bytes, compute_s=micro_batches * (fwd * 3 + recompute) / rate,
-                    bubble=bubble_time / step, step_time_s=step, tokens_per_s=tokens_per_step / step,
-                    tflops_per_device=hardware_flops / step / world / 1e12,
-                    mfu=model_flops / step / world / peak)
+    return Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes, memory, comm_seconds, comm_bytes,
+                    compute_s=m * compute_per_mb, bubble=bubble_time / step, step_time_s=step,
+                    tokens_per_s=tokens_per_step / step, tflops_per_device=hardware_flops / step / world / 1e12,
+                    mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / peak)
 
 
-def _micro_batches_in_flight(lay: Layout, m: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak (Narayanan et al. 2021)."""
+def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak (Narayanan et al.
+    2021): all m under GPipe; under 1F1B and ZB-H1 the warm-up's p - rank (the first stage's p);
+    interleaving adds a factor 1 + (p-1)/(p·v)."""
     if lay.pp == 1:
         return 1
     if lay.schedule == "gpipe":
         return m
-    in_flight = min(m, lay.pp)
+    in_flight = min(m, lay.pp - rank)
     if lay.virtual_stages > 1:
         in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)
     return in_flight
@@ -237,12 +311,12 @@ def _bubble_time(lay: Layout, per_micro_batch: float) -> float:
     return slots
 
 
-def _buffers(cfg: ModelConfig, lay: Layout, params_local: float, act_bytes: int, states) -> float:
-    """What the layout adds besides states and activations: ZeRO-3's two gathered units (one in
-    use, one prefetched) and ZeRO-2/3's staged gradients of one unit."""
+def _buffers(lay: Layout, load: StageLoad, t: int, act_bytes: int) -> float:
+    """What the layout adds besides states and activations: ZeRO-3's gathered units (one in use,
+    one prefetched) and one unit's staged gradients."""
     if lay.zero < 3:
         return 0.0
-    unit = params_local / max(1, cfg.n_layers / lay.pp) * act_bytes
+    unit = load.params / t / (load.blocks + load.first + load.last) * act_bytes
     return 3 * unit
 
 
@@ -252,6 +326,8 @@ def _data_parallel(cluster: Cluster, lay: Layout, grad_bytes: float, m: int, t_f
     d, stride = lay.dp, lay.tp
     if d == 1:
         return 0.0, 0.0, 0.0
+    if not cluster.overlap:  # nothing runs beside compute: every second is exposed
+        t_fwd = t_bwd = 0.0
     ring = (d - 1) / d
     if lay.zero == 3:  # all-gather forward, all-gather backward, reduce-scatter: every micro-batch,
         # one collective per unit (a block; the embedding; the head), each paying its latency
@@ -273,7 +349,7 @@ def _data_parallel(cluster: Cluster, lay: Layout, grad_bytes: float, m: int, t_f
     return total, exposed, 2 * ring * grad_bytes
 
 
-def _optimizer_seconds(cluster: Cluster, lay: Layout, params_local: float, states) -> float:
+def _optimizer_seconds(cluster: Cluster, lay: Layout, params_local: float) -> float:
     """Adam is memory-bound: it reads and writes its states and the weights once (about 16 bytes
     read + 16 written per parameter it updates). Offloaded, the gradients go to the host and the
     weights come back over PCIe, and the host does the update."""

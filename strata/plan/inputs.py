@@ -95,9 +95,11 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
     nearest = str(min(measured, key=lambda n: (abs(n - processes), n)))
     device = Device(CPU_LOCAL, int(profile["memory_bytes"] / processes), {"fp32": profile["matmul_flops"][nearest]},
                     profile["memory_bandwidth"], None)
-    collectives = {op: by_size for op, by_size in profile["collectives"].items()}
+    collectives = {op: {n: m["points"] for n, m in by_size.items()} for op, by_size in profile["collectives"].items()}
+    curve = () if efficiency else tuple(sorted((float(k), e) for k, e in profile["efficiency_by_tokens"].items()))
     return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0,
-                   efficiency or profile["efficiency"], collectives, profile.get("runtime_bytes", 0.0))
+                   efficiency or profile["efficiency"], collectives, profile.get("runtime_bytes", 0.0),
+                   curve, overlap=False, shared_cores=profile["cores"])
 
 
 def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str) -> Workload:
