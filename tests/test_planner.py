@@ -147,3 +147,27 @@ def test_plan_bad_input_gets_one_line(args, message, capsys):
     assert strata_main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+# --- calibration and --parallel auto --------------------------------------------------------------
+def test_calibrate_then_train_with_the_planners_layout(tmp_path):
+    """`strata calibrate` writes the cpu-local profile; `--parallel auto` runs the planner's best
+    layout for it, says which and why, and trains."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "strata", *args], env=env, capture_output=True,  # noqa: E731
+                                       text=True, timeout=300)
+    calibrated = run("calibrate", "--nproc", "2", "--model", "tiny")
+    assert calibrated.returncode == 0, calibrated.stdout + calibrated.stderr
+    profile = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(profile["matmul_flops"]) == {"1", "2"} and "2/2" in profile["collectives"]["all_reduce"]
+    trained = run("train", "--parallel", "auto", "--nproc", "2", "--model", "tiny", "--steps", "3",
+                  "--global-batch", "8", "--no-progress")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    chose = next(line for line in trained.stderr.splitlines() if line.startswith("--parallel auto chose"))
+    assert "for 2 x cpu-local" in chose and "per step" in chose and "of the step: compute" in chose, chose
+    assert "validation loss" in trained.stdout
+    refused = run("train", "--parallel", "auto", "--nproc", "2", "--model", "tiny", "--tp", "2")
+    assert refused.returncode == 2 and "--parallel auto chooses the layout; drop --tp" in refused.stderr

@@ -56,8 +56,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
             continue  # a layout the planner allows but this strata does not run
         reasons = explain(e, ranked, rejected, cluster)
         return chosen, [f"--parallel auto chose {lay.describe()} for {world_size} x {cluster.device.name}: "
-                        f"predicted {e.step_time_s:.3g} s per step, {e.memory_bytes_per_device / 2**20:,.0f} MiB per "
-                        f"device", *reasons[1:]]
+                        f"{reasons[0].split(': ', 2)[2]}", *reasons[1:]]
     raise ConfigError(f"--parallel auto: no layout of {world_size} x {cluster.device.name} fits this model")
 
 

@@ -146,6 +146,7 @@ def step_costs(model: str, rate: float, memory_bandwidth: float, seq_len: int = 
     from strata.model.presets import get_preset
     from strata.parallel.pipeline.stage import unit_costs
     cfg = get_preset(model)
+    seq_len = min(seq_len, cfg.max_seq_len)
     flops_per_token = 3 * sum(unit_costs(cfg, seq_len))
     optimizer = cfg.num_params() * 32 / memory_bandwidth
     by_tokens = {}

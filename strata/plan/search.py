@@ -93,8 +93,12 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
              f"{best.tflops_per_device:.0f} TFLOP/s per device ({best.mfu:.0%} MFU), "
              f"{best.memory_bytes_per_device / 1e9:.1f} GB of {cluster.device.memory_bytes / 1e9:.0f} GB per device; "
              f"{_shares(best)}"]
-    link = "NVLink" if cluster.device.nvlink_bandwidth and cluster.intra_bandwidth >= cluster.device.nvlink_bandwidth \
-        else f"{cluster.intra_bandwidth / 1e9:.0f} GB/s inside a node (no NVLink)"
+    if cluster.device.name == "cpu-local":
+        link = "gloo between the processes of this machine"
+    elif cluster.device.nvlink_bandwidth and cluster.intra_bandwidth >= cluster.device.nvlink_bandwidth:
+        link = "NVLink"
+    else:
+        link = f"{cluster.intra_bandwidth / 1e9:.0f} GB/s inside a node (no NVLink)"
     alternatives = {
         "without tensor parallelism (tp=1)": lambda lay: lay.tp == 1,
         "without pipeline parallelism (pp=1)": lambda lay: lay.pp == 1,
