@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     plan.add_argument("--precision", default="bf16", help="bf16 | fp16 (mixed precision, 16 bytes/parameter) | fp32")
+    plan.add_argument("--optimizer", default="adamw", help="adamw (two fp32 moments) | sgd (with momentum: one)")
     plan.add_argument("--layout", help="evaluate one layout instead of searching, e.g. dp=8,tp=8,pp=16,zero=1,mb=1,ckpt=full")
     plan.add_argument("--top", type=int, default=10, help="layouts to show")
     plan.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')

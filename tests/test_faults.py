@@ -73,6 +73,8 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_uninterrupted
     assert killed is not None, f"the run ended before step {kill_at}:\n{out[-2000:]}"
     assert job.returncode == 0, out[-3000:]
     assert "resuming from" in out, out[-3000:]  # the restarted ranks found the last checkpoint
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert {r["step"] for r in logged if r["kind"] == "train"} == set(range(1, 81))  # appended after the restart
     straight_out, _ = straight.communicate(timeout=300)
     assert straight.returncode == 0, straight_out[-3000:]
     expected, got = _final_params(tmp_path / "straight"), _final_params(tmp_path / "killed")

@@ -48,3 +48,8 @@ def test_device_table_has_the_cards_users_ask_about():
     assert get_device("RTX-4090").nvlink_bandwidth is None
     with pytest.raises(KeyError, match="valid"):
         get_device("TPU")
+
+
+def test_sgd_with_momentum_keeps_one_moment_instead_of_two():
+    assert model_state_bytes(1.0, optimizer="sgd").total == 12  # 2 + 2 + fp32 master 4 + momentum 4
+    assert model_state_bytes(1.0, precision="fp32", optimizer="sgd").total == 12  # 4 + 4 + 4

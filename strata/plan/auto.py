@@ -21,8 +21,11 @@ def local_cluster(processes: int) -> Cluster:
     """The processes of this job on this node: a GPU from the device table when there is one,
     else this CPU as `strata calibrate` measured it."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        match = next((d for d in DEVICES if d.split("-")[0].replace("RTX-", "RTX ") in name), None)
+        props = torch.cuda.get_device_properties(0)
+        name = props.name
+        # "NVIDIA A100-SXM4-80GB" -> the A100 entries, then the one whose memory is closest
+        family = [d for d in DEVICES.values() if d.name.split("-")[-1 if d.name.startswith("RTX") else 0] in name]
+        match = min(family, key=lambda d: abs(d.memory_bytes - props.total_memory)).name if family else None
         if match is None:
             raise ConfigError(f"--parallel auto: {name!r} is not in the planner's device table "
                               f"({', '.join(DEVICES)}); choose the layout by hand")

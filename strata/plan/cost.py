@@ -64,6 +64,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     precision: str = "bf16"  # bf16 | fp16: mixed precision (16 bytes/parameter); fp32
+    optimizer: str = "adamw"  # adamw | sgd (with momentum)
 
 
 @dataclass(frozen=True)
@@ -207,8 +208,8 @@ def measured_seconds(points: list[list[float]], nbytes: float) -> float:
 # --- the estimate ------------------------------------------------------------------------------
 def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     """The layout's memory and step time. On a machine whose processes share cores (cpu-local),
-    a process computes faster while others wait (bubbles, communication): the rate follows the
-    average number computing at once, found by a few rounds of fixed-point iteration."""
+    a process computes faster while others wait (pipeline bubbles): the rate follows the average
+    number of processes busy at once, found by a few rounds of fixed-point iteration."""
     e = _estimate(work, cluster, layout, 1.0)
     if cluster.shared_cores:
         world = layout.dp * layout.tp * layout.pp
@@ -241,46 +242,50 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     one_p2p = collective_seconds(cluster, "send", pp_msg, p, t * d) if p > 1 else 0.0
 
     # each pipeline rank: its memory and its time for one micro-batch; the largest of each counts
-    worst_memory, worst = None, (0.0, 0.0, 0.0, 0.0, None)  # (time, fwd, bwd, compute, load)
+    memory, worst = None, None
     for rank, load in enumerate(stage_loads(cfg, p, v, s)):
-        states = model_state_bytes(load.params / t, lay.zero, d, precision)
+        states = model_state_bytes(load.params / t, lay.zero, d, precision, work.optimizer)
         in_flight = _micro_batches_in_flight(lay, m, rank)
         activations = per_layer * load.blocks * in_flight
         activations += (b * s * h * act_bytes if load.first else 0) + (tokens * V / t * (act_bytes + 4) if load.last else 0)
-        memory = {"weights": states.weights, "gradients": states.grads,
-                  "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
-                  "activations": activations,
-                  "buffers": _buffers(lay, load, t, act_bytes) + cluster.runtime_bytes}
-        if worst_memory is None or sum(memory.values()) > sum(worst_memory[0].values()):
-            worst_memory = (memory, states)
+        rank_memory = {"weights": states.weights, "gradients": states.grads,
+                       "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
+                       "activations": activations,
+                       "buffers": _buffers(lay, load, t, act_bytes) + cluster.runtime_bytes}
+        if memory is None or sum(rank_memory.values()) > sum(memory.values()):
+            memory = rank_memory
         fwd = tokens * load.flops_per_token / t
         recompute = {"none": 0.0, "selective": tokens * attention_fwd * load.blocks / t, "full": fwd}[lay.checkpointing]
-        comm = load.blocks * tp_ops_per_block * one_tp + 2 * v * one_p2p * (p > 1)
+        tp_ops = load.blocks * tp_ops_per_block
+        tp_comm = tp_ops * one_tp
         if t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
-            comm += (load.first + load.last) * one_tp + 3 * load.last * collective_seconds(cluster, "all_reduce", b * s * 4, t, 1)
-        t_fwd = fwd / rate + comm / 2
-        t_bwd = (2 * fwd + recompute) / rate + comm / 2
-        if t_fwd + t_bwd > worst[0]:
-            worst = (t_fwd + t_bwd, t_fwd, t_bwd, (3 * fwd + recompute) / rate, load)
-    memory, states = worst_memory
-    per_micro_batch, t_fwd, t_bwd, compute_per_mb, load = worst
+            tp_ops += load.first + load.last
+            tp_comm += (load.first + load.last) * one_tp + \
+                3 * load.last * collective_seconds(cluster, "all_reduce", b * s * 4, t, 1)
+        pp_comm = 2 * v * one_p2p * (p > 1)
+        t_fwd = fwd / rate + (tp_comm + pp_comm) / 2
+        t_bwd = (2 * fwd + recompute) / rate + (tp_comm + pp_comm) / 2
+        if worst is None or t_fwd + t_bwd > worst["time"]:
+            worst = {"time": t_fwd + t_bwd, "fwd": t_fwd, "bwd": t_bwd, "compute": (3 * fwd + recompute) / rate,
+                     "tp_comm": tp_comm, "tp_ops": tp_ops, "load": load}
+    load, t_fwd, t_bwd = worst["load"], worst["fwd"], worst["bwd"]
 
-    comm_bytes = {"tp": load.blocks * tp_ops_per_block * ((1 if lay.sequence_parallel else 2) * (t - 1) / t) * tp_msg * m,
-                  "pp": 2 * v * m * pp_msg * (p > 1)}
-    comm_seconds = {"tp": load.blocks * tp_ops_per_block * one_tp * m, "pp": 2 * v * m * one_p2p * (p > 1)}
+    ring = (1 if lay.sequence_parallel else 2) * (t - 1) / t
+    comm_bytes = {"tp": worst["tp_ops"] * ring * tp_msg * m, "pp": 2 * v * m * pp_msg * (p > 1)}
+    comm_seconds = {"tp": worst["tp_comm"] * m, "pp": 2 * v * m * one_p2p * (p > 1)}
     grad_bytes = load.params / t * act_bytes
     dp_total, dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, grad_bytes, m, t_fwd, t_bwd, load.blocks)
     comm_seconds["dp"] = dp_total
 
-    bubble_time = _bubble_time(lay, per_micro_batch)
-    step = m * per_micro_batch + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, load.params / t)
+    bubble_time = _bubble_time(lay, worst["time"])
+    step = m * worst["time"] + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, load.params / t)
     tokens_per_step = work.global_batch * s
     params = cfg.num_params()
     recomputed = {"none": 0, "selective": cfg.n_layers * attention_fwd, "full": 2 * params + cfg.n_layers * attention_fwd}
     hardware_flops = tokens_per_step * (6 * params + 3 * cfg.n_layers * attention_fwd + recomputed[lay.checkpointing])
     world = d * t * p
     return Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes, memory, comm_seconds, comm_bytes,
-                    compute_s=m * compute_per_mb, bubble=bubble_time / step, step_time_s=step,
+                    compute_s=m * worst["compute"], bubble=bubble_time / step, step_time_s=step,
                     tokens_per_s=tokens_per_step / step, tflops_per_device=hardware_flops / step / world / 1e12,
                     mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / peak)
 

@@ -102,12 +102,15 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
                    curve, overlap=False, shared_cores=profile["cores"])
 
 
-def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str) -> Workload:
+def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str,
+             optimizer: str = "adamw") -> Workload:
     if precision not in ("bf16", "fp16", "fp32"):
         raise ConfigError(f"--precision {precision}: valid: bf16, fp16, fp32")
+    if optimizer not in ("adamw", "sgd"):
+        raise ConfigError(f"--optimizer {optimizer}: valid: adamw, sgd (with momentum)")
     seq_len = seq_len or model.max_seq_len
     if not 1 <= seq_len <= model.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len}: must be between 1 and the model's {model.max_seq_len}")
     if global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch}: must be >= 1")
-    return Workload(model, global_batch, seq_len, precision)
+    return Workload(model, global_batch, seq_len, precision, optimizer)

@@ -21,12 +21,18 @@ class ModelStates:
         return self.weights + self.grads + self.optimizer
 
 
-def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed") -> ModelStates:
-    """Bytes per device of Adam's model states under ZeRO stage `zero` over `dp` ranks:
+# Optimizer states per parameter: Adam keeps two fp32 moments, SGD with momentum one.
+MOMENT_BYTES = {"adamw": 8, "sgd": 4}
+
+
+def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed",
+                      optimizer: str = "adamw") -> ModelStates:
+    """Bytes per device of the model states under ZeRO stage `zero` over `dp` ranks:
     ZeRO-1 shards the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero stage {zero}: valid 0, 1, 2, 3")
     w, g, o = (b * params for b in STATE_BYTES[precision])
+    o -= (MOMENT_BYTES["adamw"] - MOMENT_BYTES[optimizer]) * params
     return ModelStates(w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, o / dp if zero >= 1 else o)
 
 

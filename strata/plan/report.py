@@ -80,7 +80,7 @@ def chart(estimates: list[Estimate], path: str, title: str) -> None:
 
 def run_plan(args) -> int:
     model = resolve_model(args.model)
-    work = workload(model, args.global_batch, args.seq_len, args.precision)
+    work = workload(model, args.global_batch, args.seq_len, args.precision, args.optimizer)
     cluster = build_cluster(args.device, args.nodes, args.gpus_per_node, args.intra, args.network,
                             args.nics_per_node, args.profile, args.efficiency)
     if args.layout:

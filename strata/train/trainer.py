@@ -293,7 +293,7 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
     checkpoint, and with keep_state the full final parameters (gathered, on every rank)."""
     run = setup(cfg)
     is_main = run.rank == 0
-    writer = m.MetricsWriter(cfg.metrics, is_main, append=bool(cfg.resume))
+    writer = m.MetricsWriter(cfg.metrics, is_main, append=run.start_step > 0)  # a resumed run adds to its file
     peak = cfg.peak_flops or m.peak_flops(run.device, AUTOCAST_DTYPE.get(cfg.dtype, PARAM_DTYPE[cfg.dtype]))
     seq_len = run.train_data.seq_len
     tokens_per_step = cfg.global_batch * seq_len
