@@ -90,7 +90,7 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
     """Plain sentences: what the winner spends its step on, and why each obvious alternative
     (no tensor parallelism, no pipeline, pure data parallelism, ZeRO-3, TP across nodes) loses."""
     lines = [f"best: {best.layout.describe()}: {_duration(best.step_time_s)} per step, "
-             f"{best.tflops_per_device:.0f} TFLOP/s per device ({best.mfu:.0%} MFU), "
+             f"{_rate(best.tflops_per_device)} per device ({best.mfu:.0%} MFU), "
              f"{best.memory_bytes_per_device / 1e9:.1f} GB of {cluster.device.memory_bytes / 1e9:.0f} GB per device; "
              f"{_shares(best)}"]
     if cluster.device.name == "cpu-local":
@@ -133,6 +133,10 @@ def _shares(e: Estimate) -> str:
     if e.bubble > 0:
         parts.append(f"pipeline bubble {e.bubble:.0%}")
     return "of the step: " + ", ".join(parts)
+
+
+def _rate(tflops: float) -> str:
+    return f"{tflops:.0f} TFLOP/s" if tflops >= 10 else f"{tflops * 1e3:.0f} GFLOP/s" if tflops < 1 else f"{tflops:.1f} TFLOP/s"
 
 
 def _duration(seconds: float) -> str:
