@@ -122,6 +122,31 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", help="calibration profile for cpu-local (default: the one `strata calibrate` wrote)")
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s the compute reaches (default 0.63; cpu-local: calibrated)")
 
+    bench = sub.add_parser("bench", help="benchmarks: collectives")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    bc = bench_sub.add_parser("comm", help="collective bandwidth per operation and size, like nccl-tests")
+    bc.add_argument("--nproc", type=int, default=2, help="start N local ranks (not under torchrun)")
+    bc.add_argument("--ops", default=",".join(("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+                                               "sendrecv")), help="comma-separated operations")
+    bc.add_argument("--min-bytes", default="1K", help="smallest message, e.g. 1K")
+    bc.add_argument("--max-bytes", default="64M", help="largest message, e.g. 64M")
+    bc.add_argument("--factor", type=int, default=4, help="size step between messages")
+    bc.add_argument("--iters", type=int, default=10, help="calls timed per size")
+    bc.add_argument("--dim", help="run on one mesh dimension's groups: dp | tp | pp (with --tp/--pp)")
+    bc.add_argument("--tp", type=int, default=1)
+    bc.add_argument("--pp", type=int, default=1)
+    bc.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    bc.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may take")
+    bc.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+
+    launch = sub.add_parser("launch", help="start this node's ranks of a multi-node job from a hostfile")
+    launch.add_argument("--hostfile", required=True, help="DeepSpeed-style: one 'HOST slots=N' per line; the first is the master")
+    launch.add_argument("--master-port", type=int, default=29500)
+    launch.add_argument("--node-rank", type=int, help="this node's rank (default: found from its addresses)")
+    launch.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    launch.add_argument("strata_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="the strata command to run, e.g. -- train --model small")
+
     cal = sub.add_parser("calibrate", help="measure this machine for the planner's cpu-local device")
     cal.add_argument("--nproc", type=int, default=4, help="measure groups of 1, 2, 4, ... up to N processes")
     cal.add_argument("--model", default="small", help="the preset whose training step sets the efficiency")
@@ -179,6 +204,12 @@ def _dispatch(args, argv) -> int:
         if args.top < 1:
             raise ConfigError(f"--top {args.top}: must be >= 1")
         return run_plan(args)
+    if args.command == "launch":
+        from strata.distributed.hostfile import launch
+        command = args.strata_args[1:] if args.strata_args[:1] == ["--"] else args.strata_args
+        return launch(args.hostfile, command, args.master_port, args.node_rank, args.dry_run)
+    if args.command == "bench":
+        return _bench_comm(args, argv)
     if args.command == "calibrate":
         from strata.plan import calibrate
         if args.worker:
@@ -204,6 +235,31 @@ def _dispatch(args, argv) -> int:
     if args.command == "schedule":
         return _schedule(args)
     raise AssertionError(args.command)
+
+
+def _bench_comm(args, argv) -> int:
+    from strata.distributed.commbench import OPS, parse_size, run
+    try:
+        args.min_bytes, args.max_bytes = parse_size(args.min_bytes), parse_size(args.max_bytes)
+    except ValueError as e:
+        raise ConfigError(f"--min-bytes/--max-bytes: {e}") from None
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    bad = [op for op in args.ops if op not in OPS]
+    checks = [(not bad, f"--ops {','.join(bad)}: valid: {', '.join(OPS)}"),
+              (args.min_bytes <= args.max_bytes, f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}"),
+              (args.factor >= 2, f"--factor {args.factor}: must be >= 2"),
+              (args.iters >= 1, f"--iters {args.iters}: must be >= 1"),
+              (args.nproc >= 2, f"--nproc {args.nproc}: a collective needs 2 or more ranks"),
+              (args.dim in (None, "dp", "tp", "pp"), f"--dim {args.dim}: valid: dp, tp, pp"),
+              (args.nproc % (args.tp * args.pp) == 0,
+               f"--tp {args.tp} x --pp {args.pp} does not divide --nproc {args.nproc}")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if "LOCAL_RANK" not in os.environ:
+        from strata.distributed.launch import launch_local
+        return launch_local(args.nproc, argv)
+    return run(args)
 
 
 def _schedule(args) -> int:

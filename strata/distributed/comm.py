@@ -176,6 +176,13 @@ def all_gather(output, input, group, group_name: str, async_op: bool = False):
                   lambda: dist.all_gather_single(output, input, group=group, async_op=async_op), async_op, group)
 
 
+def all_to_all(output, input, group, group_name: str, async_op: bool = False):
+    """Slice j of this rank's `input` goes to rank j, which puts it at slice r (this rank's) of `output`."""
+    n = dist.get_world_size(group)
+    return _issue("all_to_all", group_name, (n - 1) / n * _nbytes(input),
+                  lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op, group)
+
+
 def broadcast(tensor, src_group_rank: int, group, group_name: str) -> None:
     _issue("broadcast", group_name, _nbytes(tensor),
            lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank), False, group)

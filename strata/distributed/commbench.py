@@ -1,0 +1,118 @@
+"""`strata bench comm`: collective bandwidth like nccl-tests, through strata's own comm layer.
+
+For each operation and message size: the time of one call (iterations back to back after a
+warm-up, the slowest rank's mean), the algorithm bandwidth size / time and the bus bandwidth,
+which scales it by what each rank must move so that every operation is comparable with the link
+(nccl-tests' PERFORMANCE.md): all-reduce 2(n-1)/n, all-gather, reduce-scatter and all-to-all
+(n-1)/n, broadcast and send/recv 1. `size` is the whole buffer: all-gather's output,
+reduce-scatter's input."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from strata.distributed import comm
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "broadcast": lambda n: 1.0, "sendrecv": lambda n: 1.0}
+OPS = tuple(BUS_FACTOR)
+
+
+def parse_size(text: str) -> int:
+    """'64M', '1K', '4096' -> bytes (powers of 1024)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B")
+    scale = units.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in units else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (use e.g. 4096, 64K, 16M, 1G)") from None
+    if value < 4:
+        raise ValueError(f"{text!r}: at least 4 bytes")
+    return value
+
+
+def sizes_between(low: int, high: int, factor: int = 2) -> list[int]:
+    sizes, size = [], low
+    while size <= high:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def _call(op: str, group, name: str, full: torch.Tensor, shard: torch.Tensor):
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if op == "all_reduce":
+        comm.all_reduce(full, group, name)
+    elif op == "all_gather":
+        comm.all_gather(full, shard, group, name)
+    elif op == "reduce_scatter":
+        comm.reduce_scatter(shard, full, group, name)
+    elif op == "all_to_all":
+        comm.all_to_all(shard.new_empty(full.numel()), full, group, name)
+    elif op == "broadcast":
+        comm.broadcast(full, 0, group, name)
+    else:  # a ring of send/recv pairs: each rank sends to the next and receives from the previous
+        nxt, prv = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
+        for work in comm.send_recv([(full, nxt, 0)], [(shard.new_empty(full.numel()), prv, 0)], group, name):
+            work.wait()
+
+
+def measure(op: str, nbytes: int, group=None, name: str = "world", iters: int = 10, warmup: int = 2) -> dict:
+    """One row: op, bytes, seconds per call, algorithm and bus bandwidth (bytes/s)."""
+    n = dist.get_world_size(group)
+    elements = max(n, nbytes // 4 // n * n)  # divisible by the group size
+    full = torch.ones(elements)
+    shard = torch.ones(elements // n)
+    for _ in range(warmup):
+        _call(op, group, name, full, shard)
+    comm.barrier(group, name)
+    started = time.perf_counter()
+    for _ in range(iters):
+        _call(op, group, name, full, shard)
+    elapsed = torch.tensor([(time.perf_counter() - started) / iters], dtype=torch.float64)
+    comm.all_reduce(elapsed, group, name, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    seconds = elapsed.item()
+    size = elements * 4
+    return {"op": op, "bytes": size, "ranks": n, "time_s": seconds, "algbw": size / seconds,
+            "busbw": size / seconds * BUS_FACTOR[op](n)}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| op | ranks | size | time (us) | algbw (GB/s) | busbw (GB/s) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['op']} | {r['ranks']} | {_human(r['bytes'])} | {r['time_s'] * 1e6:,.1f} "
+                   f"| {r['algbw'] / 1e9:.3f} | {r['busbw'] / 1e9:.3f} |")
+    return "\n".join(out)
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def run(args) -> int:
+    """The body of `strata bench comm` on each rank (launched by torchrun)."""
+    from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+    device = pick_device(args.device)
+    _, world, _ = init_distributed(device, args.timeout)
+    if world < 2:
+        raise ValueError("needs 2 or more ranks")
+    group, name = dist.group.WORLD, "world"
+    if args.dim:
+        dims = ParallelDims(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp)
+        group, name = dims.build_mesh(device.type)[args.dim].get_group(), args.dim
+    rows = [measure(op, size, group, name, args.iters) for op in args.ops
+            for size in sizes_between(args.min_bytes, args.max_bytes, args.factor)]
+    if dist.get_rank() == 0:
+        print(json.dumps({"rows": rows}, indent=1) if args.json else table(rows), flush=True)
+    dist.destroy_process_group()
+    return 0
