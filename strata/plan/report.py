@@ -88,7 +88,8 @@ def run_plan(args) -> int:
         reason = refusal(e)
         if reason:
             e.notes.append(f"refused: {reason}")
-        shown, ranked, rejected = [e], [e] if e.fits and not reason else [], [] if e.fits and not reason else [e]
+        runs = e.fits and not reason
+        shown, ranked, rejected = [e], [e] if runs else [], [] if runs else [e]
     else:
         ranked, rejected = search(work, cluster, offload=not args.no_offload)
         if not ranked:
