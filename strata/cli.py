@@ -147,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("strata_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the strata command to run, e.g. -- train --model small")
 
+    doc = sub.add_parser("doctor", help="check this node (and a hostfile's) for what breaks multi-node training")
+    doc.add_argument("--hostfile", help="check every host: resolves, not loopback, reachable; and the socket interface")
+    doc.add_argument("--bandwidth", action="store_true",
+                     help="(launched on every node) measure the inter-node bandwidth and check the planned layout")
+    doc.add_argument("--bandwidth-bytes", default="16M", help="all-reduce size for --bandwidth")
+    doc.add_argument("--model", help="with --bandwidth: the model the job will train (preset, checkpoint, config.json)")
+    doc.add_argument("--layout", help="with --bandwidth: the planned layout, e.g. dp=2 (default: data parallel)")
+    doc.add_argument("--device", default="A100-80G", help="the planned job's device (from the planner's table)")
+    doc.add_argument("--global-batch", type=int, default=8)
+    doc.add_argument("--seq-len", type=int)
+    doc.add_argument("--precision", default="bf16")
+
     cal = sub.add_parser("calibrate", help="measure this machine for the planner's cpu-local device")
     cal.add_argument("--nproc", type=int, default=4, help="measure groups of 1, 2, 4, ... up to N processes")
     cal.add_argument("--model", default="small", help="the preset whose training step sets the efficiency")
@@ -208,6 +220,18 @@ def _dispatch(args, argv) -> int:
         from strata.distributed.hostfile import launch
         command = args.strata_args[1:] if args.strata_args[:1] == ["--"] else args.strata_args
         return launch(args.hostfile, command, args.master_port, args.node_rank, args.dry_run)
+    if args.command == "doctor":
+        from strata.distributed.commbench import parse_size
+        from strata.distributed.doctor import run
+        try:
+            args.bandwidth_bytes = parse_size(args.bandwidth_bytes)
+        except ValueError as e:
+            raise ConfigError(f"--bandwidth-bytes: {e}") from None
+        if args.model and not args.bandwidth:
+            raise ConfigError("--model: only with --bandwidth (the planned layout is checked against the measured link)")
+        if args.bandwidth and "LOCAL_RANK" not in os.environ:
+            raise ConfigError("--bandwidth: run it on every node through `strata launch --hostfile H -- doctor --bandwidth`")
+        return run(args)
     if args.command == "bench":
         return _bench_comm(args, argv)
     if args.command == "calibrate":

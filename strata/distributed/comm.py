@@ -27,13 +27,33 @@ ARRIVAL_GRACE_S = 1.5
 
 
 class CommCounter:
-    """Bytes sent per rank, keyed by (operation, group name)."""
+    """Bytes sent per rank, and the seconds during which at least one collective of the kind was
+    in flight (from its launch until its wait() returned; overlapping ones count once), keyed by
+    (operation, group name)."""
 
     def __init__(self):
         self.bytes_sent: dict[tuple[str, str], float] = defaultdict(float)
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self._in_flight: dict[tuple[str, str], int] = defaultdict(int)
+        self._busy_since: dict[tuple[str, str], float] = {}
 
     def add(self, op: str, group_name: str, nbytes: float) -> None:
         self.bytes_sent[(op, group_name)] += nbytes
+
+    def started(self, op: str, group_name: str) -> None:
+        key = (op, group_name)
+        if self._in_flight[key] == 0:
+            self._busy_since[key] = time.perf_counter()
+        self._in_flight[key] += 1
+
+    def finished(self, op: str, group_name: str) -> None:
+        key = (op, group_name)
+        self._in_flight[key] -= 1
+        if self._in_flight[key] == 0:
+            self.seconds[key] += time.perf_counter() - self._busy_since.pop(key)
+
+    def seconds_by_op(self) -> dict[str, float]:
+        return {f"{op}/{group}": s for (op, group), s in self.seconds.items()}
 
     def total(self, op: str | None = None) -> float:
         return sum(v for (o, _), v in self.bytes_sent.items() if op is None or o == op)
@@ -42,7 +62,11 @@ class CommCounter:
         return {f"{op}/{group}": nbytes for (op, group), nbytes in self.bytes_sent.items()}
 
     def reset(self) -> None:
+        """A new step: counts start from zero (collectives still in flight keep their start)."""
         self.bytes_sent.clear()
+        self.seconds.clear()
+        for key in self._busy_since:
+            self._busy_since[key] = time.perf_counter()
 
 
 # One counter per process, like a logger: the trainer reads and resets it once per step.
@@ -127,11 +151,15 @@ def _store():
 class _Pending:
     """An async collective: wait() re-raises a failure with the operation, group and missing ranks."""
 
-    def __init__(self, work, op: str, group_name: str, group=None, seq: int | None = None):
+    def __init__(self, work, op: str, group_name: str, group=None, seq: int | None = None, timed: bool = False):
         self.work, self.op, self.group_name, self.group, self.seq = work, op, group_name, group, seq
+        self.timed = timed  # counted in flight until the first wait() returns
 
     def wait(self) -> None:
         _run(self.op, self.group_name, self.work.wait, self.group, self.seq)
+        if self.timed:
+            counter.finished(self.op, self.group_name)
+            self.timed = False
 
 
 def _run(op: str, group_name: str, call, group=None, seq: int | None = None):
@@ -148,8 +176,16 @@ def _run(op: str, group_name: str, call, group=None, seq: int | None = None):
 def _issue(op: str, group_name: str, nbytes: float, call, async_op: bool, group=None):
     counter.add(op, group_name, nbytes)
     seq = arrivals.enter(op, group_name)
-    work = _run(op, group_name, call, group, seq)
-    return _Pending(work, op, group_name, group, seq) if async_op else None
+    counter.started(op, group_name)
+    try:
+        work = _run(op, group_name, call, group, seq)
+    except BaseException:
+        counter.finished(op, group_name)
+        raise
+    if async_op:
+        return _Pending(work, op, group_name, group, seq, timed=True)
+    counter.finished(op, group_name)
+    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -13,6 +13,10 @@ from strata.plan.cost import Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device
 
 CPU_LOCAL = "cpu-local"
+# What TCP/IP delivers of an Ethernet link's line rate with a 1500-byte MTU: 1448 payload bytes per
+# 1538 on the wire (headers, preamble, gap), the transport gloo and NCCL's socket backend use.
+# InfiniBand's rates (RDMA) are data rates already.
+TCP_GOODPUT = 1448 / 1538
 
 
 def resolve_model(spec: str) -> ModelConfig:
@@ -67,8 +71,9 @@ def build_cluster(device: str, nodes: int, per_node: int, intra: str | None, net
         raise ConfigError(f"--device {device}: valid: {', '.join([*DEVICES, CPU_LOCAL])}")
     dev = DEVICES[device]
     intra = intra or ("nvlink" if dev.nvlink_bandwidth else "pcie")
+    goodput = 1.0 if network.startswith("ib-") else TCP_GOODPUT
     cluster = Cluster(dev, nodes, per_node, bandwidth(intra, "--intra", dev),
-                      bandwidth(network, "--network") * nics_per_node)
+                      bandwidth(network, "--network") * nics_per_node * goodput)
     if efficiency is not None:
         cluster = Cluster(**{**cluster.__dict__, "efficiency": efficiency})
     return cluster

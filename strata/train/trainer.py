@@ -322,7 +322,7 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
                       "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / (peak * run.world_size),
                       "step_time_s": elapsed, "model_state_bytes": sum(states.values()),
                       "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
-                      "comm_bytes_by_op": comm.counter.by_op(),
+                      "comm_bytes_by_op": comm.counter.by_op(), "comm_seconds_by_op": comm.counter.seconds_by_op(),
                       "peak_mem_bytes": m.peak_memory_bytes(run.device)}
             if cfg.offload == "disk":
                 record["model_state_breakdown"] = {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
