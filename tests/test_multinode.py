@@ -139,6 +139,7 @@ def test_doctor_finds_a_link_too_slow_for_the_planned_layout(two_nodes, tmp_path
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for ns, _ in two_nodes]
     out = [job.communicate(timeout=300)[0] for job in jobs][0]
+    assert any(x.startswith("ok   clocks: the ranks' clocks agree") for x in out.splitlines()), out
     bandwidth = next(x for x in out.splitlines() if x.startswith("ok   bandwidth"))
     assert "bus bandwidth 0.00" in bandwidth, bandwidth  # about 0.001 GB/s: 10 Mbit/s
     planned = next(x for x in out.splitlines() if "planned layout" in x)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,20 @@ def check_interface(master_ip: str, multi_node: bool) -> Finding:
     return Finding("ok", "socket interface", f"{interface} ({mine}): this host's name resolves to it")
 
 
+def check_clocks(world: int, tolerance_s: float = 1.0) -> Finding:
+    """The ranks' wall clocks, read together after a barrier: logs, traces and timeouts compare
+    them, so nodes whose clocks disagree by seconds mislead."""
+    dist.barrier()
+    clocks = torch.zeros(world, dtype=torch.float64)
+    clocks[dist.get_rank()] = time.time()
+    dist.all_reduce(clocks)
+    spread = (clocks.max() - clocks.min()).item()
+    if spread > tolerance_s:
+        return Finding("FAIL", "clocks", f"the ranks' clocks differ by {spread:.1f} s",
+                       "synchronise the nodes' clocks (chrony or systemd-timesyncd)")
+    return Finding("ok", "clocks", f"the ranks' clocks agree within {spread * 1e3:.0f} ms")
+
+
 def check_bandwidth(args) -> list[Finding]:
     """On every rank of a launched job: the measured inter-node bus bandwidth, and the planned
     layout's step under it."""
@@ -135,9 +150,10 @@ def check_bandwidth(args) -> list[Finding]:
     init_distributed(pick_device("cpu"), 120)
     world = dist.get_world_size()
     nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    found = [check_clocks(world)]
     row = measure("all_reduce", args.bandwidth_bytes, dist.group.WORLD, "world", iters=3)
     busbw = row["busbw"]
-    found = [Finding("ok", "bandwidth", f"all-reduce of {row['bytes'] / 2**20:.0f} MiB over {world} ranks on {nodes} "
+    found += [Finding("ok", "bandwidth", f"all-reduce of {row['bytes'] / 2**20:.0f} MiB over {world} ranks on {nodes} "
                                         f"nodes: bus bandwidth {busbw / 1e9:.3f} GB/s")]
     if args.model:
         work = workload(resolve_model(args.model), args.global_batch, args.seq_len, args.precision)
