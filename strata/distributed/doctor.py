@@ -1,5 +1,5 @@
 """`strata doctor`: find what breaks multi-node training before a job is launched. Each check ends
-in `ok`, `warn` or `FAIL` with one line, and every problem with the one-line fix.
+in `ok` or `FAIL` with one line, and every problem with the one-line fix.
 
 Alone it checks this node: torch and its backends, devices, the rendezvous address; with
 `--hostfile`, every host (resolves, not to loopback, reachable) and the socket interface gloo and
@@ -27,7 +27,7 @@ SLOW_LINK_SHARE = 0.5
 
 @dataclass
 class Finding:
-    status: str  # ok | warn | FAIL
+    status: str  # ok | FAIL
     check: str
     detail: str
     fix: str = ""
