@@ -67,7 +67,7 @@ def main() -> None:
                 measured = measure(layout, nproc, args.steps, out_dir)
                 results.append((layout, predicted, measured))
                 time_err = predicted.step_time_s / measured["step_time_s"] - 1
-                mem_pred = predicted.memory_bytes_per_device - cluster.runtime_bytes
+                mem_pred = predicted.memory_bytes_per_device
                 mem_err = mem_pred / measured["memory"] - 1
                 worst_time, worst_memory = max(worst_time, abs(time_err)), max(worst_memory, abs(mem_err))
                 rows.append(f"| {nproc} | {layout.describe()} | {predicted.step_time_s:.3f} | {measured['step_time_s']:.3f} "

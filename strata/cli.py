@@ -277,6 +277,10 @@ def _bench_comm(args, argv) -> int:
               (args.dim in (None, "dp", "tp", "pp"), f"--dim {args.dim}: valid: dp, tp, pp"),
               (args.nproc % (args.tp * args.pp) == 0,
                f"--tp {args.tp} x --pp {args.pp} does not divide --nproc {args.nproc}")]
+    if args.dim and not bad and args.nproc % (args.tp * args.pp) == 0:
+        size = {"tp": args.tp, "pp": args.pp, "dp": args.nproc // (args.tp * args.pp)}.get(args.dim, 2)
+        checks.append((size >= 2, f"--dim {args.dim}: its groups have {size} rank; set --{args.dim} 2 or more"
+                                  if args.dim != "dp" else f"--dim dp: dp is 1 with --tp {args.tp} --pp {args.pp}"))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

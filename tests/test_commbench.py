@@ -64,6 +64,7 @@ def test_the_command_prints_every_operation_as_json():
     (["--max-bytes", "lots"], "is not a size"),
     (["--min-bytes", "1M", "--max-bytes", "1K"], "is above --max-bytes"),
     (["--nproc", "1"], "needs 2 or more ranks"),
+    (["--dim", "tp"], "--dim tp: its groups have 1 rank"),
 ])
 def test_bad_input_gets_one_line(args, message, capsys):
     assert strata_main(["bench", "comm", *args]) == 2

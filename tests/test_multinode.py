@@ -28,7 +28,7 @@ def _sh(*args):
 
 @pytest.fixture
 def two_nodes():
-    """(namespace, address) of two nodes joined by a veth pair."""
+    """(namespace, address, veth device) of two nodes joined by a veth pair."""
     tag = f"{os.getpid() % 100000}"
     nodes = [(f"strata-a{tag}", "10.231.7.1", f"sva{tag}"), (f"strata-b{tag}", "10.231.7.2", f"svb{tag}")]
     try:
@@ -40,10 +40,17 @@ def two_nodes():
             _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
             _sh("ip", "-n", ns, "link", "set", dev, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        yield [(ns, ip) for ns, ip, _ in nodes]
+        yield nodes
     finally:
         for ns, _, _ in nodes:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _shape(two_nodes, rate: str, burst: str) -> None:
+    """Limit both directions of the link with a token bucket (tc tbf)."""
+    for ns, _, dev in two_nodes:
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+            "burst", burst, "latency", "100ms")
 
 
 def _losses(path):
@@ -53,7 +60,7 @@ def _losses(path):
 @needs_netns
 def test_two_nodes_through_strata_launch_train_like_one_node(two_nodes, tmp_path):
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip in two_nodes))
+    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip, _ in two_nodes))
     env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
     env["OMP_NUM_THREADS"] = "1"
     port = str(free_port())
@@ -61,7 +68,7 @@ def test_two_nodes_through_strata_launch_train_like_one_node(two_nodes, tmp_path
                               str(hostfile), "--master-port", port, "--", *TRAIN, "--metrics",
                               str(tmp_path / f"node{i}.jsonl")],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i, (ns, _) in enumerate(two_nodes)]
+            for i, (ns, _, _) in enumerate(two_nodes)]
     outputs = [job.communicate(timeout=300)[0] for job in jobs]
     for job, out in zip(jobs, outputs):
         assert job.returncode == 0, out[-3000:]
@@ -109,7 +116,7 @@ def test_doctor_names_a_loopback_host_with_its_fix(tmp_path):
 @needs_netns
 def test_doctor_catches_an_unset_socket_interface_across_namespaces(two_nodes, tmp_path):
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip in two_nodes))
+    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip, _ in two_nodes))
     env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
     unset = _strata_in(two_nodes[1][0], "doctor", "--hostfile", hostfile, env=env)
     assert unset.returncode == 1, unset.stdout + unset.stderr
@@ -122,14 +129,9 @@ def test_doctor_catches_an_unset_socket_interface_across_namespaces(two_nodes, t
 
 @needs_netns
 def test_doctor_finds_a_link_too_slow_for_the_planned_layout(two_nodes, tmp_path):
-    for ns, _ in two_nodes:  # 10 Mbit/s each way
-        links = subprocess.run(["ip", "-n", ns, "-o", "link"], capture_output=True, text=True).stdout
-        veth = next(part.split("@")[0].strip() for part in (line.split(": ")[1] for line in links.splitlines())
-                    if part.startswith("sv"))
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "10mbit",
-            "burst", "32kb", "latency", "100ms")
+    _shape(two_nodes, "10mbit", "32kb")
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip in two_nodes))
+    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip, _ in two_nodes))
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch", "--hostfile",
@@ -137,7 +139,7 @@ def test_doctor_finds_a_link_too_slow_for_the_planned_layout(two_nodes, tmp_path
                               "--bandwidth-bytes", "1M", "--model", "llama-7b", "--layout", "dp=2,zero=3",
                               "--global-batch", "8", "--seq-len", "2048"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for ns, _ in two_nodes]
+            for ns, _, _ in two_nodes]
     out = [job.communicate(timeout=300)[0] for job in jobs][0]
     assert any(x.startswith("ok   clocks: the ranks' clocks agree") for x in out.splitlines()), out
     bandwidth = next(x for x in out.splitlines() if x.startswith("ok   bandwidth"))
@@ -155,13 +157,9 @@ def test_over_a_1_gbit_link_the_all_reduce_time_is_what_the_planner_predicts(two
     from strata.model.presets import get_preset
     from strata.plan.cost import Layout, estimate
     from strata.plan.inputs import build_cluster, workload
-    for ns, _ in two_nodes:
-        links = subprocess.run(["ip", "-n", ns, "-o", "link"], capture_output=True, text=True).stdout
-        veth = next(p.split("@")[0] for p in (line.split(": ")[1] for line in links.splitlines()) if p.startswith("sv"))
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "1gbit",
-            "burst", "512kb", "latency", "50ms")
+    _shape(two_nodes, "1gbit", "512kb")
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip in two_nodes))
+    hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip, _ in two_nodes))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = str(free_port())
     args = ["train", "--model", "small", "--seq-len", "16", "--micro-batch", "1", "--steps", "4", "--no-progress",
@@ -169,7 +167,7 @@ def test_over_a_1_gbit_link_the_all_reduce_time_is_what_the_planner_predicts(two
     jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch", "--hostfile",
                               str(hostfile), "--master-port", port, "--", *args, "--metrics", str(tmp_path / f"n{i}.jsonl")],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i, (ns, _) in enumerate(two_nodes)]
+            for i, (ns, _, _) in enumerate(two_nodes)]
     outputs = [job.communicate(timeout=300)[0] for job in jobs]
     assert all(job.returncode == 0 for job in jobs), outputs[0][-3000:]
     records = [r for r in map(json.loads, open(tmp_path / "n0.jsonl")) if r["kind"] == "train"]

@@ -31,7 +31,6 @@ class Cluster:
     efficiency: float = 0.63  # fraction of peak FLOP/s a step's compute reaches (calibrated for cpu-local)
     # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate)
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
-    runtime_bytes: float = 0.0  # what a process holds before the model (calibrated; 0 on GPUs)
 
     # cpu-local: the efficiency measured against the tokens in a micro-batch (the rows of every
     # matmul): small micro-batches run below the large ones' rate. Empty: `efficiency` throughout.
@@ -251,7 +250,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         rank_memory = {"weights": states.weights, "gradients": states.grads,
                        "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
                        "activations": activations,
-                       "buffers": _buffers(lay, load, t, act_bytes) + cluster.runtime_bytes}
+                       "buffers": _buffers(lay, load, t, act_bytes)}
         if memory is None or sum(rank_memory.values()) > sum(memory.values()):
             memory = rank_memory
         fwd = tokens * load.flops_per_token / t

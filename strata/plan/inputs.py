@@ -103,7 +103,7 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
     collectives = {op: {n: m["points"] for n, m in by_size.items()} for op, by_size in profile["collectives"].items()}
     curve = () if efficiency else tuple(sorted((float(k), e) for k, e in profile["efficiency_by_tokens"].items()))
     return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0,
-                   efficiency or profile["efficiency"], collectives, profile.get("runtime_bytes", 0.0),
+                   efficiency or profile["efficiency"], collectives,
                    curve, overlap=False, shared_cores=profile["cores"])
 
 
