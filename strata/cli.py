@@ -10,6 +10,8 @@ import sys
 from dataclasses import fields
 
 from strata.config import ConfigError, TrainConfig, load_toml, make_config, validate
+from strata.infer.flags import add_bench_flags as add_bench_generate_flags
+from strata.infer.flags import add_flags as add_generate_flags
 
 TRAIN_HELP = {
     "model": "model preset (tiny, small, gpt2-124m, llama-7b, ...)",
@@ -83,17 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--val-fraction", type=float, default=0.05)
 
-    gen = sub.add_parser("generate", help="sample from a checkpoint")
-    gen.add_argument("--checkpoint", required=True)
-    prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text (needs the tokenizer saved with the checkpoint)")
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    gen.add_argument("--max-new-tokens", type=int, default=100)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--tp", type=int, default=1, help="split the model over N processes (tensor parallel)")
+    add_generate_flags(sub.add_parser("generate", help="sample from a checkpoint: one process, --tp N, --pp N"))
 
     conv = sub.add_parser("convert", help="Hugging Face <-> strata checkpoints (LLaMA and GPT-2 families)")
     direction = conv.add_mutually_exclusive_group(required=True)
@@ -120,9 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--chart", help="PNG of the memory breakdown of the layouts shown")
     plan.add_argument("--no-offload", action="store_true", help="leave optimizer offload out of the search")
     plan.add_argument("--profile", help="calibration profile for cpu-local (default: the one `strata calibrate` wrote)")
+    plan.add_argument("--inference", action="store_true",
+                      help="serving instead of training: weights + KV cache, and the time per output token, per tp x pp")
+    plan.add_argument("--batch", type=int, default=1, help="--inference: sequences decoded together")
+    plan.add_argument("--context", type=int, help="--inference: tokens per sequence so far, prompt + answer "
+                                                  "(default: the model's context)")
+    plan.add_argument("--per-layer-us", type=float, help="--inference: overhead per layer and token "
+                                                         "(default: calibrated, else 60)")
+    plan.add_argument("--per-token-us", type=float, help="--inference: overhead per token (default: calibrated, else 200)")
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s the compute reaches (default 0.63; cpu-local: calibrated)")
 
-    bench = sub.add_parser("bench", help="benchmarks: collectives")
+    bench = sub.add_parser("bench", help="benchmarks: collectives, generation latency")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
     bc = bench_sub.add_parser("comm", help="collective bandwidth per operation and size, like nccl-tests")
     bc.add_argument("--nproc", type=int, default=2, help="start N local ranks (not under torchrun)")
@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--device", default="auto", help="auto | cpu | cuda")
     bc.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may take")
     bc.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+
+    add_bench_generate_flags(bench_sub.add_parser("generate", help="generation latency against answer length "
+                                                                   "(TTFT, TPOT, a fit, a plot; --compare with transformers)"))
 
     launch = sub.add_parser("launch", help="start this node's ranks of a multi-node job from a hostfile")
     launch.add_argument("--hostfile", required=True, help="DeepSpeed-style: one 'HOST slots=N' per line; the first is the master")
@@ -163,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--nproc", type=int, default=4, help="measure groups of 1, 2, 4, ... up to N processes")
     cal.add_argument("--model", default="small", help="the preset whose training step sets the efficiency")
     cal.add_argument("--out", help="profile file (default: ~/.cache/strata/calibration.json)")
+    cal.add_argument("--inference", action="store_true",
+                     help="measure what `plan --inference` needs instead: memory bandwidth and decode overheads")
+    cal.add_argument("--device", default="cpu", help="with --inference: cpu | cuda | auto")
     cal.add_argument("--worker", help=argparse.SUPPRESS)
 
     plot = sub.add_parser("plot", help="draw the loss curve of a metrics file, or a pipeline trace")
@@ -215,6 +221,9 @@ def _dispatch(args, argv) -> int:
         from strata.plan.report import run_plan
         if args.top < 1:
             raise ConfigError(f"--top {args.top}: must be >= 1")
+        if args.inference:
+            from strata.plan.report import run_serving_plan
+            return run_serving_plan(args)
         return run_plan(args)
     if args.command == "launch":
         from strata.distributed.hostfile import launch
@@ -232,6 +241,9 @@ def _dispatch(args, argv) -> int:
         if args.bandwidth and "LOCAL_RANK" not in os.environ:
             raise ConfigError("--bandwidth: run it on every node through `strata launch --hostfile H -- doctor --bandwidth`")
         return run(args)
+    if args.command == "bench" and args.bench_command == "generate":
+        from strata.infer.bench import run_bench
+        return run_bench(args)
     if args.command == "bench":
         return _bench_comm(args, argv)
     if args.command == "calibrate":
@@ -241,6 +253,11 @@ def _dispatch(args, argv) -> int:
             return 0
         from strata.model.presets import PRESETS
         from strata.plan.inputs import default_profile_path
+        if args.inference:
+            if args.device not in ("cpu", "cuda", "auto"):
+                raise ConfigError(f"--device {args.device}: valid: cpu, cuda, auto")
+            calibrate.calibrate_inference(args.device, args.out or default_profile_path())
+            return 0
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
         if args.model not in PRESETS:

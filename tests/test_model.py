@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from strata.infer.generate import generate
-from strata.infer.kv_cache import make_caches
+from strata.infer.generate import Sampling, generate
+from strata.infer.kv_cache import KVCache
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS, get_preset
 from strata.model.transformer import build_model, initial_value
@@ -76,9 +76,9 @@ def test_kv_cache_decoding_equals_full_recomputation(arch):
     tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(tokens)
-        caches = make_caches(model, batch=2, max_len=20)
-        pieces = [model(tokens[:, :7], caches=caches)]  # prefill 7, then one at a time
-        pieces += [model(tokens[:, i:i + 1], caches=caches) for i in range(7, 20)]
+        cache = KVCache(model, batch=2, max_len=20)
+        pieces = [model(tokens[:, :7], cache=cache)]  # prefill 7, then one at a time
+        pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(7, 20)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -86,7 +86,7 @@ def test_greedy_generation_equals_argmax_of_full_forward():
     cfg = get_preset("tiny")
     model = build_model(cfg, dtype=torch.float64, seed=2)
     prompt = torch.tensor([[1, 2, 3, 4]])
-    produced = torch.cat(list(generate(model, prompt, max_new_tokens=10, temperature=0)))
+    produced = torch.cat(list(generate(model, prompt.tolist(), max_new_tokens=10)))
     sequence = prompt[0].tolist()
     with torch.no_grad():
         for _ in range(10):  # the slow way: recompute everything for each new token
@@ -97,7 +97,8 @@ def test_greedy_generation_equals_argmax_of_full_forward():
 def test_sampling_is_seeded_and_respects_top_k():
     model = build_model(get_preset("tiny"), seed=2)
     prompt = torch.tensor([[5, 6]])
-    run = lambda seed, **kw: torch.cat(list(generate(model, prompt, 12, temperature=1.0, seed=seed, **kw))).tolist()
+    run = lambda seed, **kw: torch.cat(list(generate(model, prompt.tolist(), 12,  # noqa: E731
+                                                     Sampling(temperature=1.0, seed=seed, **kw)))).tolist()
     assert run(7) == run(7)
     assert run(7) != run(8)
     with torch.no_grad():

@@ -258,19 +258,27 @@ def convert_to_hf(checkpoint: str, out: str) -> str:
     loads with from_pretrained."""
     path, manifest, reader = store.open_checkpoint(checkpoint)
     cfg = ModelConfig.from_dict(manifest["model_config"])
-    original = manifest.get("hf", {})
     with reader:
         tensors = shards.read_full(reader)
+    tokenizer = os.path.join(path, "tokenizer.json")
+    return save_hf(tensors, cfg, out, manifest.get("hf", {}), tokenizer if os.path.isfile(tokenizer) else None)
+
+
+def save_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, original: dict | None = None,
+            tokenizer: str | None = None) -> str:
+    """Write strata's logical tensors as a Hugging Face model directory (original: what a
+    conversion from Hugging Face recorded: its config, tensor names and dtype)."""
+    original = original or {}
     hf_tensors = tensors_to_hf(tensors, cfg, original.get("keys"))
     if "dtype" in original:  # the dtype the model came in
         hf_tensors = {k: v.to(getattr(torch, original["dtype"])) for k, v in hf_tensors.items()}
     os.makedirs(out, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf_tensors.items()}, os.path.join(out, "model.safetensors"),
+    save_file({k: v.detach().contiguous() for k, v in hf_tensors.items()}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config_from_model(cfg, original.get("config")), f, indent=2)
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        shutil.copy(os.path.join(path, "tokenizer.json"), out)
+    if tokenizer is not None:
+        shutil.copy(tokenizer, out)
     return out
 
 

@@ -240,10 +240,12 @@ def load_pieces(reader: ShardReader, pieces: list[LocalPiece], optimizer) -> boo
     return True
 
 
-def read_full(reader: ShardReader) -> dict[str, torch.Tensor]:
-    """Every logical parameter, whole (for generation and conversion)."""
+def read_full(reader: ShardReader, names=None) -> dict[str, torch.Tensor]:
+    """Every logical parameter (or those of `names` the checkpoint has), whole (for generation
+    and conversion)."""
+    wanted = reader.names() if names is None else [n for n in reader.names() if n in set(names)]
     return {name: reader.read("param", name, Region.whole(reader.shape(name))).view(reader.shape(name))
-            for name in reader.names()}
+            for name in wanted}
 
 
 # --- random streams -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`strata generate`: load a checkpoint, encode the prompt, stream the sampled text."""
+"""`strata generate`: load a checkpoint (whole, tensor-parallel, or one pipeline stage per rank),
+encode the prompts, and stream the answers."""
 
 from __future__ import annotations
 
@@ -11,27 +12,34 @@ import torch.distributed as dist
 from strata.checkpoint import store
 from strata.checkpoint.shards import read_full
 from strata.config import ConfigError, check_tensor_parallel
-from strata.infer.generate import generate
+from strata.infer.generate import FINISHED, Sampling, check_length, generate
 from strata.model.config import ModelConfig
 from strata.model.transformer import build_model
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs, slice_tensor_parallel
 
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-def load_for_inference(checkpoint: str, device="cpu", tp_group=None):
-    """(model, tokenizer or None) from a checkpoint directory or a save directory; with a tp
-    group, the model split across its ranks (tensor-parallel inference)."""
+
+def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None, dtype=None):
+    """(model, tokenizer or None) from a checkpoint directory or a save directory. With a tp
+    group, every layer is split across its ranks; with stage = (pipeline layout, pp rank), only
+    that stage's layers are built and read."""
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
     path, state, reader = store.open_checkpoint(checkpoint)
     model_cfg = ModelConfig.from_dict(state["model_config"])
-    dtype = torch.float64 if state["config"]["dtype"] == "fp64" else torch.float32
+    if dtype is None:
+        dtype = torch.float64 if state["config"]["dtype"] == "fp64" else torch.float32
     model = build_model(model_cfg, seed=None)
-    if tp_group is not None:
+    if tp_group is not None:  # before the stage is cut, as training does (on the meta device: free)
         check_tensor_parallel(model_cfg, dist.get_world_size(tp_group))
         apply_tensor_parallel(model, tp_group)
+    if stage is not None:
+        from strata.parallel.pipeline.stage import keep_stage
+        keep_stage(model, *stage)
     model = model.to_empty(device=device).to(dtype)
     with reader:
-        tensors = read_full(reader)
+        tensors = read_full(reader, model.state_dict().keys())
     if tp_group is not None:
         tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -47,70 +55,193 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None):
     return model, tokenizer
 
 
+class StopStrings:
+    """stop(row, answer ids): the answer's text contains a stop string, or its last token is the
+    end-of-text token. Decodes only the answer's tail: enough tokens for the longest stop string."""
+
+    def __init__(self, tokenizer, stops: list[str], end_of_text: int | None):
+        self.tokenizer, self.stops, self.end_of_text = tokenizer, stops, end_of_text
+        self.tail = 4 * max((len(s) for s in stops), default=0) + 2  # a character is at most 4 bytes
+
+    def __call__(self, row: int, answer: list[int]) -> bool:
+        if answer[-1] == self.end_of_text:
+            return True
+        if not self.stops:
+            return False
+        text = self.tokenizer.decode(answer[-self.tail:])
+        return any(s in text for s in self.stops)
+
+    def cut(self, answer: list[int]) -> str:
+        """The answer's text, up to its first stop string or its end-of-text token."""
+        if self.end_of_text in answer:
+            answer = answer[:answer.index(self.end_of_text)]
+        text = self.tokenizer.decode(answer)
+        for s in self.stops:
+            if s in text:
+                text = text[:text.index(s)]
+        return text
+
+
+class Printer:
+    """Writes answers as they grow: a single request streams token by token (holding back text
+    that may be the start of a stop string, and half a multi-byte character); a batch prints each
+    request, prompt and answer, once all have finished."""
+
+    def __init__(self, prompts_text: list[str], tokenizer, stops: StopStrings | None, out):
+        self.prompts, self.tokenizer, self.stops, self.out = prompts_text, tokenizer, stops, out
+        self.answers: list[list[int]] = [[] for _ in prompts_text]
+        self.printed = ""
+        if len(prompts_text) == 1:
+            self.out.write(prompts_text[0])
+
+    def add(self, rows: range, next_ids: torch.Tensor) -> None:
+        for row, token in zip(rows, next_ids.tolist()):
+            if token != FINISHED:
+                self.answers[row].append(token)
+        if len(self.prompts) == 1:
+            self._stream()
+
+    def _text(self, row: int) -> str:
+        if self.tokenizer is None:
+            return "".join(f" {t}" for t in self.answers[row])
+        return self.stops.cut(self.answers[row])
+
+    def _stream(self) -> None:
+        text = self._text(0)
+        if self.tokenizer is not None:
+            text = text.rstrip("\ufffd")  # a character split across tokens: wait for the rest
+            for s in self.stops.stops:  # hold back what may be the start of a stop string
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        text = text[:-k]
+                        break
+        if len(text) > len(self.printed):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+    def finish(self) -> None:
+        if len(self.prompts) == 1:
+            rest = self._text(0)
+            self.out.write(rest[len(self.printed):] + "\n")
+        else:
+            for row, prompt in enumerate(self.prompts):
+                self.out.write(prompt + self._text(row) + "\n")
+        self.out.flush()
+
+
 def run_generate(args, argv: list[str]) -> int:
-    """Generate on one process, or on --tp N processes (launched here unless torchrun did)."""
-    if args.tp < 1:
-        raise ConfigError(f"--tp {args.tp}: must be >= 1")
+    """Generate on one process, or on tp x pp processes (started here unless torchrun did)."""
+    _check_flags(args)
+    world = args.tp * args.pp
+    if args.nproc is not None and args.nproc != world:
+        raise ConfigError(f"--nproc {args.nproc}: generation runs on tp x pp = {args.tp} x {args.pp} = {world} "
+                          f"processes; set --nproc {world}")
     launched = "LOCAL_RANK" in os.environ
-    if args.tp > 1 and not launched:
+    if world > 1 and not launched:
         if not os.path.isdir(args.checkpoint):
             raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory")
-        check_tensor_parallel(ModelConfig.from_dict(store.read_state(args.checkpoint)["model_config"]), args.tp)
+        model_cfg = ModelConfig.from_dict(store.read_state(args.checkpoint)["model_config"])
+        check_tensor_parallel(model_cfg, args.tp)
+        _check_pipeline(model_cfg, args)
         from strata.distributed.launch import launch_local
-        return launch_local(args.tp, argv)
-    tp_group, rank = None, 0
-    if launched and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
-        _, world, _ = init_distributed(pick_device("cpu"), timeout_s=300)
-        if world != args.tp:
-            raise ConfigError(f"--tp {args.tp}: launched with {world} processes; they must be equal")
-        tp_group = ParallelDims(tp=world).build_mesh("cpu")["tp"].get_group()
-        rank = dist.get_rank()
+        return launch_local(world, argv)
+    if not launched or int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return _generate(args, tp_group=None, stage=None, peers=None)
+    from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+    _, size, _ = init_distributed(pick_device(args.device), timeout_s=args.timeout)
     try:
-        return _generate(args, tp_group, rank)
+        if size != world:
+            raise ConfigError(f"--tp {args.tp} x --pp {args.pp}: launched with {size} processes; they must be equal")
+        dims = ParallelDims(tp=args.tp, pp=args.pp)
+        mesh = dims.build_mesh(pick_device(args.device).type)
+        where = dims.coordinates(dist.get_rank())
+        tp_group = mesh["tp"].get_group() if args.tp > 1 else None
+        stage, peers = None, None
+        if args.pp > 1:
+            model_cfg = ModelConfig.from_dict(store.read_state(args.checkpoint)["model_config"])
+            stage = (_check_pipeline(model_cfg, args), where["pp"])
+            peers = [dims.rank_at(s, 0, where["tp"]) for s in range(args.pp)]
+        return _generate(args, tp_group, stage, peers)
     finally:
-        if tp_group is not None:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
-def _generate(args, tp_group, rank: int) -> int:
-    for name in ("max_new_tokens", "top_k"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1]")
-    model, tokenizer = load_for_inference(args.checkpoint, tp_group=tp_group)
+def _check_flags(args) -> None:
+    requests = len(args.prompt or args.prompt_ids)
+    checks = [(args.tp >= 1, f"--tp {args.tp}: must be >= 1"), (args.pp >= 1, f"--pp {args.pp}: must be >= 1"),
+              (args.max_new_tokens is None or args.max_new_tokens >= 1,
+               f"--max-new-tokens {args.max_new_tokens}: must be >= 1"),
+              (args.micro_batches is None or args.pp > 1,
+               "--micro-batches: only with --pp (requests in flight through the pipeline stages)"),
+              (args.micro_batches is None or 1 <= args.micro_batches <= requests,
+               f"--micro-batches {args.micro_batches}: must be between 1 and the {requests} prompts")]
+    problems = [message for ok, message in checks if not ok] + _sampling(args).problems()
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def _sampling(args) -> Sampling:
+    return Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+
+
+def _check_pipeline(model_cfg: ModelConfig, args):
+    from strata.parallel.pipeline.stage import make_layout
+    return make_layout(model_cfg, args.pp, 1, model_cfg.max_seq_len)
+
+
+def _generate(args, tp_group, stage, peers) -> int:
+    sampling = _sampling(args)
+    from strata.distributed.mesh import pick_device
+    model, tokenizer = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage,
+                                          DTYPES.get(args.dtype))
+    prompts, texts = _encode_prompts(args, tokenizer, model.cfg.vocab_size)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = max(min(100, model.cfg.max_seq_len - max(map(len, prompts))), 1)
+    try:
+        check_length(prompts, args.max_new_tokens, model.cfg.max_seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    stops = None
+    if tokenizer is not None:
+        from strata.data.tokenizer import END_OF_TEXT
+        stops = StopStrings(tokenizer, args.stop, tokenizer.token_to_id(END_OF_TEXT))
+    elif args.stop:
+        raise ConfigError(f"--stop {args.stop[0]!r}: the checkpoint has no tokenizer.json to find text with")
+
+    pp_rank, pp = (stage[1], args.pp) if stage is not None else (0, 1)
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    printing = pp_rank == pp - 1 and tp_rank == 0  # whoever samples prints: the last stage's first tp rank
+    printer = Printer(texts, tokenizer, stops, sys.stdout if printing else open(os.devnull, "w"))
+    if stage is None:
+        for next_ids in generate(model, prompts, args.max_new_tokens, sampling, stops):
+            printer.add(range(len(prompts)), next_ids)
+    else:
+        from strata.infer.pipeline import generate_pipelined
+        micro_batches = args.micro_batches or min(pp, len(prompts))
+        for rows, next_ids in generate_pipelined(model, prompts, args.max_new_tokens, sampling, stops,
+                                                 micro_batches, pp_rank, pp, peers):
+            printer.add(rows, next_ids)
+    printer.finish()
+    return 0
+
+
+def _encode_prompts(args, tokenizer, vocab: int) -> tuple[list[list[int]], list[str]]:
+    """(token ids, text to print) per request."""
     if args.prompt is not None:
         if tokenizer is None:
             raise ConfigError(f"--prompt: checkpoint {args.checkpoint} has no tokenizer.json "
                               f"(trained on synthetic data); use --prompt-ids 1,2,3")
-        ids = tokenizer.encode(args.prompt).ids
+        prompts, texts = [tokenizer.encode(p).ids for p in args.prompt], list(args.prompt)
     else:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--prompt-ids {args.prompt_ids}: want comma-separated integers") from None
-    vocab = model.cfg.vocab_size
-    if not ids or any(not 0 <= i < vocab for i in ids):
-        raise ConfigError(f"prompt ids {ids[:8]}: want at least one id, each in [0, {vocab})")
-
-    out = sys.stdout if rank == 0 else open(os.devnull, "w")  # every rank computes, rank 0 prints
-    out.write(args.prompt if args.prompt is not None else " ".join(map(str, ids)))
-    generated: list[int] = []
-    printed = ""
-    for next_ids in generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature,
-                             args.top_k, args.top_p, args.seed):
-        generated.append(int(next_ids[0]))
-        if tokenizer is None:
-            out.write(f" {generated[-1]}")
-        else:  # decode the whole answer each time: a multi-byte character may span tokens
-            text = tokenizer.decode(generated)
-            if not text.endswith("\ufffd"):
-                out.write(text[len(printed):])
-                printed = text
-        out.flush()
-    out.write("\n")
-    return 0
+        prompts = []
+        for given in args.prompt_ids:
+            try:
+                prompts.append([int(x) for x in given.split(",") if x.strip()])
+            except ValueError:
+                raise ConfigError(f"--prompt-ids {given}: want comma-separated integers") from None
+        texts = [" ".join(map(str, p)) for p in prompts]
+    for ids in prompts:
+        if not ids or any(not 0 <= i < vocab for i in ids):
+            raise ConfigError(f"prompt ids {ids[:8]}: want at least one id, each in [0, {vocab})")
+    return prompts, texts

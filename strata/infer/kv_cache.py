@@ -1,4 +1,10 @@
-"""A preallocated key/value cache: one per transformer block, filled as tokens are generated."""
+"""The key/value cache: every block's keys and values for a batch of sequences, preallocated for
+the longest answer, filled in place as tokens are generated.
+
+Prompts of different lengths are left-padded to one length (the slots before a row's prompt are
+padding): every row then writes its next token to the same slot, so one forward serves the whole
+batch. A row's position is its slot minus its padding; attention never lets a real token see a
+padding slot (`attention_bias`)."""
 
 from __future__ import annotations
 
@@ -6,32 +12,62 @@ import torch
 
 
 class LayerKVCache:
-    """Keys and values of one attention layer, (batch, kv_heads, max_len, head_dim), written in
-    place; `pos` is how many positions are filled."""
+    """One block's view of the cache: writes this forward's keys and values at the cache's fill
+    position and returns everything filled so far."""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        self.keys = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.pos = 0
+    def __init__(self, cache: "KVCache", index: int):
+        self.cache, self.index = cache, index
+
+    @property
+    def pos(self) -> int:
+        return self.cache.pos
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.pos + k.shape[2]
-        if end > self.keys.shape[2]:
-            raise ValueError(f"KV cache holds {self.keys.shape[2]} positions; asked for {end}")
-        self.keys[:, :, self.pos:end] = k
-        self.values[:, :, self.pos:end] = v
-        self.pos = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        start, end = self.cache.pos, self.cache.pos + k.shape[2]
+        keys, values = self.cache.keys[self.index], self.cache.values[self.index]
+        if end > keys.shape[2]:
+            raise ValueError(f"KV cache holds {keys.shape[2]} positions; asked for {end}")
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
 
 
-def make_caches(model, batch: int, max_len: int) -> list[LayerKVCache]:
-    """One cache per block, sized from the block's own projections (so a tensor-parallel block
-    holding a slice of the KV heads gets a cache of that slice)."""
-    caches = []
-    for block in model.blocks.values():
-        attn = block.attn
-        weight = attn.wk.weight
-        with torch.no_grad():  # the projection's own output width, whatever layer implements it
-            kv_heads = attn.wk(weight.new_zeros(1, 1, weight.shape[1])).shape[-1] // attn.head_dim
-        caches.append(LayerKVCache(batch, kv_heads, max_len, attn.head_dim, weight.dtype, weight.device))
-    return caches
+class KVCache:
+    """Keys and values of each block a model (or a pipeline stage) holds, (batch, kv_heads,
+    max_len, head_dim) each. `pos` is the number of slots filled; `pad[row]` the padding slots
+    before row's prompt (None: no row is padded)."""
+
+    def __init__(self, model, batch: int, max_len: int, pad: torch.Tensor | None = None):
+        self.keys, self.values = [], []
+        for block in model.blocks.values():
+            attn = block.attn
+            weight = attn.wk.weight
+            with torch.no_grad():  # the projection's own output width, whatever layer implements it
+                kv_heads = attn.wk(weight.new_zeros(1, 1, weight.shape[1])).shape[-1] // attn.head_dim
+            shape = (batch, kv_heads, max_len, attn.head_dim)
+            self.keys.append(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+            self.values.append(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+        self.layers = [LayerKVCache(self, i) for i in range(len(self.keys))]
+        self.max_len, self.pos = max_len, 0
+        self.pad = pad if pad is not None and bool(pad.any()) else None
+
+    def __getitem__(self, i: int) -> LayerKVCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def advance(self, n: int) -> None:
+        """n more slots are filled (called by the model once every block has written them)."""
+        self.pos += n
+
+    def positions(self, n: int) -> torch.Tensor | None:
+        """(batch, n) positions of the next n slots of each row; None when no row is padded (the
+        positions are then pos .. pos + n - 1 for every row)."""
+        if self.pad is None:
+            return None
+        slots = torch.arange(self.pos, self.pos + n, device=self.pad.device)
+        return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

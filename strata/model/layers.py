@@ -62,41 +62,51 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x, rope=None, alibi=None, cache=None):
-        """x: (batch, seq, d_model). rope: (cos, sin) from this position on. alibi: per-head slopes.
-        cache: a per-layer KV cache with `.pos` and `.update(k, v) -> (keys, values)`."""
+    def forward(self, x, rope=None, bias=None, cache=None):
+        """x: (batch, seq, d_model). rope: (cos, sin) from this position on, (positions, head_dim),
+        or per row (batch, 1, seq, head_dim). bias: the additive mask from `attention_bias`, or
+        None for plain causal attention. cache: a per-layer KV cache with
+        `.update(k, v) -> (keys, values)`."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
-            cos, sin = rope[0][:seq], rope[1][:seq]
+            cos, sin = rope[0][..., :seq, :], rope[1][..., :seq, :]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        start = 0
         if cache is not None:
-            start = cache.pos
             k, v = cache.update(k, v)
-        mask = None
-        if alibi is not None or start > 0:
-            mask = _attention_bias(seq, k.shape[2], start, alibi, q.dtype, q.device)
-        out = self.core(q, k, v, mask)
+        out = self.core(q, k, v, bias if bias is None else bias.to(q.dtype))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def core(self, q, k, v, mask):
-        """softmax(q kᵀ/√d + mask) v: the "core attention" that selective checkpointing recomputes."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+    def core(self, q, k, v, bias):
+        """softmax(q kᵀ/√d + bias) v: the "core attention" that selective checkpointing recomputes.
+        Without a bias, causal (a single query sees every key)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None and q.shape[2] > 1,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _attention_bias(q_len, k_len, start, alibi, dtype, device):
-    """Additive mask: -inf above the causal diagonal (queries start at position `start`), plus the
-    ALiBi distance penalty when given."""
-    q_pos = torch.arange(start, start + q_len, device=device)[:, None]
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    bias = torch.zeros(q_len, k_len, dtype=dtype, device=device)
+def attention_bias(q_len: int, start: int, pad: torch.Tensor | None, alibi: torch.Tensor | None,
+                   dtype, device) -> torch.Tensor | None:
+    """The additive mask for queries at slots start .. start + q_len - 1 over keys at slots
+    0 .. start + q_len - 1: -inf above the causal diagonal and, for a real query, on its row's
+    padding slots (pad[row] left-padding slots, in generation); plus ALiBi's distance penalty
+    (slot distances equal position distances: padding is a shift). None when plain causal
+    attention does it: no padding, no ALiBi, and a fresh sequence or a single query."""
+    if pad is None and alibi is None and (start == 0 or q_len == 1):
+        return None
+    k_len = start + q_len
+    q_slot = torch.arange(start, k_len, device=device)[:, None]
+    k_slot = torch.arange(k_len, device=device)[None, :]
+    hidden = k_slot > q_slot  # (q, k)
+    if pad is not None:  # a padding query may see earlier padding, so its row stays finite
+        k_padding = k_slot < pad[:, None, None]  # (batch, 1, k)
+        q_real = q_slot >= pad[:, None, None]  # (batch, q, 1)
+        hidden = (hidden | (k_padding & q_real))[:, None]  # (batch, 1, q, k)
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device)
     if alibi is not None:
-        bias = alibi.to(dtype)[:, None, None] * (k_pos - q_pos).to(dtype)
-    return bias.masked_fill(k_pos > q_pos, float("-inf"))
+        bias = bias + alibi.to(dtype)[:, None, None] * (k_slot - q_slot).to(dtype)
+    return bias.masked_fill(hidden, float("-inf"))
 
 
 # --- feed-forward --------------------------------------------------------------------------------
@@ -142,6 +152,6 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
 
-    def forward(self, x, rope=None, alibi=None, cache=None):
-        x = x + self.attn(self.attn_norm(x), rope, alibi, cache)
+    def forward(self, x, rope=None, bias=None, cache=None):
+        x = x + self.attn(self.attn_norm(x), rope, bias, cache)
         return x + self.mlp(self.mlp_norm(x))

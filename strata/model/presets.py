@@ -22,6 +22,11 @@ PRESETS: dict[str, ModelConfig] = {
                              max_seq_len=1024, **_GPT),
     "gpt2-1.5b": ModelConfig(vocab_size=50257, n_layers=48, d_model=1600, n_heads=25, d_ff=6400,
                              max_seq_len=1024, **_GPT),
+    # Wang & Komatsuzaki 2021 (GPT-J): a 6B model for the serving planner. Its attention and MLP
+    # read the same input in parallel, which changes no cost the planner counts.
+    "gpt-j-6b": ModelConfig(vocab_size=50400, n_layers=28, d_model=4096, n_heads=16, d_ff=16384,
+                            max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu",
+                            tie_embeddings=False, bias=True),
     # Touvron et al. 2023 (LLaMA) and LLaMA 2 (70B: grouped-query attention with 8 KV heads).
     "llama-7b": ModelConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, d_ff=11008,
                             max_seq_len=2048, norm_eps=1e-6, **_LLAMA),

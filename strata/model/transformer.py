@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.model.config import ModelConfig
-from strata.model.layers import Block, CrossEntropy, alibi_slopes, make_norm, rope_tables
+from strata.model.layers import Block, CrossEntropy, alibi_slopes, attention_bias, make_norm, rope_tables
 
 INIT_STD = 0.02  # GPT-2's initialisation; residual output projections are scaled by 1/sqrt(2L)
 _RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.w_out.weight")
@@ -72,30 +72,40 @@ class Transformer(nn.Module):
             self.alibi = alibi_slopes(cfg.n_heads).to(device, dtype)
 
     # --- forward ----------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, caches=None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
+                last_only: bool = False):
         """tokens: (batch, seq) ids, or hidden states (batch, seq, d_model) from an earlier
-        pipeline stage. With targets, returns the mean cross-entropy; without, the logits; a stage
-        without the final norm returns its hidden states. caches: one KV cache per block
-        (generation), or None."""
-        start = caches[0].pos if caches is not None else 0
-        h = tokens if tokens.is_floating_point() else self.to_blocks(self.embed_tokens(tokens, start))
+        pipeline stage. With targets, returns the mean cross-entropy; without, the logits (of the
+        last position only with last_only, as generation wants); a stage without the final norm
+        returns its hidden states. cache: the KV cache of generation (strata.infer.kv_cache), or
+        None."""
+        start = cache.pos if cache is not None else 0
+        seq = tokens.shape[1]
+        positions = cache.positions(seq) if cache is not None else None  # per row, when rows are padded
+        h = tokens if tokens.is_floating_point() else self.to_blocks(self.embed_tokens(tokens, start, positions))
         rope = None
         if self.cfg.position == "rope":  # from this position on; attention takes what it needs
-            rope = (self.rope_cos[start:], self.rope_sin[start:])
+            rope = (self.rope_cos[start:], self.rope_sin[start:]) if positions is None else \
+                (self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         alibi = self.alibi if self.cfg.position == "alibi" else None
+        bias = attention_bias(seq, start, cache.pad if cache is not None else None, alibi, h.dtype, h.device)
         for i, block in enumerate(self.blocks.values()):
-            h = block(h, rope, alibi, caches[i] if caches is not None else None)
+            h = block(h, rope, bias, cache[i] if cache is not None else None)
+        if cache is not None:
+            cache.advance(seq)
         if self.final_norm is None:
             return h
-        logits = self.output(h)
+        logits = self.output(h[:, -1:] if last_only else h)
         if targets is None:
             return self.gather_logits(logits)
         return self.criterion(logits, targets)
 
-    def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(tokens)
         if self.pos_embed is not None:
-            h = h + self.pos_embed(torch.arange(start, start + tokens.shape[1], device=tokens.device))
+            if positions is None:
+                positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+            h = h + self.pos_embed(positions)
         if self.embed_norm is not None:
             h = self.embed_norm(h)
         return h

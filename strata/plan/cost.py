@@ -46,15 +46,18 @@ class Cluster:
 
     def efficiency_at(self, tokens: float) -> float:
         """The efficiency for micro-batches of `tokens` tokens, interpolated in log(tokens)."""
-        curve = self.efficiency_curve
-        if not curve:
-            return self.efficiency
-        if tokens <= curve[0][0]:
-            return curve[0][1]
-        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-            if tokens <= x1:
-                return y0 + math.log(tokens / x0) / math.log(x1 / x0) * (y1 - y0)
-        return curve[-1][1]
+        return log_interpolate(self.efficiency_curve, tokens) if self.efficiency_curve else self.efficiency
+
+
+def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at x on a measured curve of (x, y) points sorted by x: linear in log(x) between points,
+    the end values beyond them."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return curve[-1][1]
 
 
 @dataclass(frozen=True)

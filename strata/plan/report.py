@@ -116,3 +116,91 @@ def run_plan(args) -> int:
         if not args.json:
             print(f"\nwrote {args.chart}")
     return 0
+
+
+# --- serving: strata plan --inference ----------------------------------------------------------
+def serving_table(estimates: list) -> str:
+    rows = ["| device | layout | fits | GB/device: weights + KV cache | memory ms | compute ms | overhead ms "
+            "| tp comm ms | pp comm ms | ms/token | tokens/s |", "|" + "---|" * 11]
+    for name, e in estimates:
+        rows.append(f"| {name} | {e.describe()} | {'yes' if e.fits else 'no'} | {e.memory_bytes / 1e9:.1f} = "
+                    f"{e.weight_bytes / 1e9:.1f} + {e.kv_cache_bytes / 1e9:.2f} | {e.memory_s * 1e3:.2f} "
+                    f"| {e.compute_s * 1e3:.2f} | {e.overhead_s * 1e3:.2f} | {e.tp_comm_s * 1e3:.3f} "
+                    f"| {e.pp_comm_s * 1e3:.3f} | {e.token_latency_s * 1e3:.2f} | {e.tokens_per_s:,.1f} |")
+    return "\n".join(rows)
+
+
+def run_serving_plan(args) -> int:
+    """Memory and time per output token of serving a model, per device (comma-separated) and tp x pp."""
+    from strata.plan.hardware import DEVICES, Device
+    from strata.plan.inference import BYTES, Overheads, Serving, serving_layouts
+    from strata.plan.inputs import CPU_LOCAL, bandwidth, default_profile_path, load_profile
+    model = resolve_model(args.model)
+    context = args.context or model.max_seq_len
+    checks = [(args.batch >= 1, f"--batch {args.batch}: must be >= 1"),
+              (1 <= context <= model.max_seq_len, f"--context {context}: must be between 1 and the model's "
+                                                   f"{model.max_seq_len}"),
+              (args.precision in BYTES, f"--precision {args.precision}: valid for --inference: {', '.join(BYTES)}"),
+              (args.nodes == 1, f"--nodes {args.nodes}: --inference plans the devices of one node "
+                                f"(set --gpus-per-node)"),
+              (args.gpus_per_node >= 1, f"--gpus-per-node {args.gpus_per_node}: must be >= 1")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    names = [n.strip() for n in args.device.split(",") if n.strip()]
+    profile = None
+    if args.profile or CPU_LOCAL in names:
+        profile = load_profile(args.profile).get("inference")
+        if profile is None:
+            raise ConfigError(f"--profile {args.profile or default_profile_path()}: no inference calibration in it; "
+                              f"run `strata calibrate --inference` first")
+    overheads = Overheads()
+    if profile is not None:
+        overheads = Overheads(profile["per_layer_s"], profile["per_token_s"], f"calibrated on {profile['device']}")
+    if args.per_layer_us is not None or args.per_token_us is not None:
+        overheads = Overheads(overheads.per_layer_s if args.per_layer_us is None else args.per_layer_us * 1e-6,
+                              overheads.per_token_s if args.per_token_us is None else args.per_token_us * 1e-6, "given")
+    work = Serving(model, args.batch, context, args.precision)
+    shown, best = [], {}
+    for name in names:
+        read_bandwidth = ()
+        if name == CPU_LOCAL:
+            read_bandwidth = tuple(sorted((float(b), bw) for b, bw in profile["decode_bandwidth"].items()))
+            device = Device(CPU_LOCAL, 8 * 2**30 if "memory_bytes" not in profile else profile["memory_bytes"],
+                            {args.precision: profile["matmul_flops"]}, profile["memory_bandwidth"], None)
+            link = 1e9  # processes on one machine: shared memory (TP is not worth it on one CPU)
+        elif name in DEVICES:
+            device = DEVICES[name]
+            link = bandwidth(args.intra or ("nvlink" if device.nvlink_bandwidth else "pcie"), "--intra", device)
+        else:
+            raise ConfigError(f"--device {name}: valid: {', '.join([*DEVICES, CPU_LOCAL])}")
+        ranked = serving_layouts(work, device, args.gpus_per_node, link, 5e-6, overheads,
+                                 args.efficiency or (0.63 if name != CPU_LOCAL else 1.0), read_bandwidth)
+        if ranked[0].fits:
+            best[name] = ranked[0]
+        shown += [(name, e) for e in ranked[:args.top]]
+    if args.json:
+        print(json.dumps({"model": args.model, "batch": args.batch, "context": context, "precision": args.precision,
+                          "overheads": overheads.__dict__,
+                          "layouts": [{"device": n, **e.to_json()} for n, e in shown]}, indent=1))
+        return 0
+    print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) serving in {args.precision}, batch {args.batch}, "
+          f"{context} tokens of context, on up to {args.gpus_per_node} device(s) each; overheads "
+          f"{overheads.per_layer_s * 1e6:.0f} us per layer + {overheads.per_token_s * 1e6:.0f} us per token "
+          f"({overheads.source})\n")
+    print(serving_table(shown))
+    print()
+    for name in names:
+        if name not in best:
+            print(f"{name}: no layout on {args.gpus_per_node} device(s) holds the weights and the KV cache")
+            continue
+        e = best[name]
+        print(f"{name}: {e.describe()} serves it fastest: {e.token_latency_s * 1e3:.2f} ms per output token "
+              f"({e.memory_bytes / 1e9:.1f} GB per device)")
+    if len(best) > 1:
+        first, *others = [n for n in names if n in best]
+        for name in others:
+            ratio = best[name].token_latency_s / best[first].token_latency_s
+            print(f"{name} takes {ratio:.2f}x the time per token of {first} "
+                  f"({'slower' if ratio > 1 else 'faster'} by {abs(ratio - 1):.0%})")
+    return 0

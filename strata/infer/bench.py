@@ -1,0 +1,287 @@
+"""`strata bench generate`: how latency grows with the answer's length.
+
+For each prompt, answer length and batch size, generate exactly that many tokens R times (no stop
+strings, no end-of-text), timing the whole answer, the first token (prefill + one sample) and the
+tokens after it. With --compare, transformers' `generate` runs the same weights (written as a
+Hugging Face model directory, as `strata convert --to-hf` does) on the same prompts, alternating
+run by run with strata so that a noisy machine slows both alike. A least-squares line of latency
+against answer length, per engine and batch, says what a token (and 100 characters) costs."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from strata.config import ConfigError
+from strata.infer.generate import Sampling, check_length, generate
+
+DEFAULT_TEXT_PROMPTS = ["ROMEO:", "To be, or not to be, that is the question:"]
+DEFAULT_ID_PROMPT_LENGTHS = (4, 32)
+
+
+@dataclass
+class Run:
+    engine: str
+    batch: int
+    prompt: str
+    tokens: int  # answer tokens per request
+    chars: int | None  # the first request's answer, decoded (None without a tokenizer)
+    latency: float  # seconds for the whole batch's answers
+    ttft: float  # seconds to the first token
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first."""
+        return (self.latency - self.ttft) / max(self.tokens - 1, 1)
+
+
+@dataclass
+class Fit:
+    engine: str
+    batch: int
+    per_token: float  # seconds per answer token (the slope)
+    fixed: float  # seconds (the intercept: prefill and set-up)
+    r2: float
+    per_100_chars: float | None  # the slope of latency against characters, x 100
+
+
+def time_strata(model, prompt: list[int], batch: int, tokens: int) -> tuple[float, float, list[int]]:
+    """(latency, time to first token, the first request's answer)."""
+    answer, first = [], None
+    start = time.perf_counter()
+    for next_ids in generate(model, [prompt] * batch, tokens, Sampling()):
+        if first is None:
+            first = time.perf_counter()
+        answer.append(int(next_ids[0]))
+    return time.perf_counter() - start, first - start, answer
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first generated token arrives (its first
+    put() is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def time_transformers(hf_model, prompt: list[int], batch: int, tokens: int) -> tuple[float, float, list[int]]:
+    ids = torch.tensor([prompt] * batch, device=hf_model.device)
+    clock = _FirstTokenClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                min_new_tokens=tokens, do_sample=False, streamer=clock, pad_token_id=0)
+    latency = time.perf_counter() - start
+    return latency, clock.first - start, out[0, len(prompt):].tolist()
+
+
+def load_transformers(model, tokenizer_file: str | None, directory: str):
+    """The same weights as transformers' AutoModelForCausalLM (through a Hugging Face directory)."""
+    from transformers import AutoModelForCausalLM
+
+    from strata.checkpoint.hf import save_hf
+    tensors = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    save_hf(tensors, model.cfg, directory, None, tokenizer_file)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+
+
+def least_squares(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """(slope, intercept, R²) of y = slope x + intercept."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    slope = sxy / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    total = sum((y - my) ** 2 for y in ys)
+    residual = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys))
+    return slope, intercept, 1 - residual / total if total else 1.0
+
+
+def fits(runs: list[Run]) -> list[Fit]:
+    out = []
+    for engine, batch in dict.fromkeys((r.engine, r.batch) for r in runs):
+        mine = [r for r in runs if (r.engine, r.batch) == (engine, batch)]
+        slope, intercept, r2 = least_squares([r.tokens for r in mine], [r.latency for r in mine])
+        per_100 = None
+        if all(r.chars for r in mine) and len({r.chars for r in mine}) > 1:
+            per_100 = 100 * least_squares([r.chars for r in mine], [r.latency for r in mine])[0]
+        out.append(Fit(engine, batch, slope, intercept, r2, per_100))
+    return out
+
+
+def table(runs: list[Run]) -> list[dict]:
+    """One row per (engine, batch, prompt, length): the means over its runs."""
+    rows = []
+    for key in dict.fromkeys((r.engine, r.batch, r.prompt, r.tokens) for r in runs):
+        mine = [r for r in runs if (r.engine, r.batch, r.prompt, r.tokens) == key]
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        latency, ttft, tpot = mean([r.latency for r in mine]), mean([r.ttft for r in mine]), mean([r.tpot for r in mine])
+        chars = mean([r.chars for r in mine]) if all(r.chars is not None for r in mine) else None
+        rows.append({"engine": key[0], "batch": key[1], "prompt": key[2], "runs": len(mine), "tokens": key[3],
+                     "chars": chars, "latency_s": latency, "ttft_s": ttft, "tpot_ms": 1000 * tpot,
+                     "decode_tokens_per_s": key[1] / tpot, "s_per_100_chars": 100 * latency / chars if chars else None})
+    return rows
+
+
+def print_report(rows: list[dict], fitted: list[Fit]) -> None:
+    header = (f"{'engine':<13}{'batch':>6}  {'prompt':<24}{'runs':>5}{'tokens':>7}{'chars':>7}{'latency s':>11}"
+              f"{'TTFT s':>9}{'TPOT ms':>9}{'decode tok/s':>14}{'s/100 chars':>13}")
+    print(header)
+    for r in rows:
+        prompt = r["prompt"] if len(r["prompt"]) <= 22 else r["prompt"][:21] + "…"
+        chars = f"{r['chars']:.0f}" if r["chars"] is not None else "-"
+        per_100 = f"{r['s_per_100_chars']:.3f}" if r["s_per_100_chars"] is not None else "-"
+        print(f"{r['engine']:<13}{r['batch']:>6}  {prompt:<24}{r['runs']:>5}{r['tokens']:>7}{chars:>7}"
+              f"{r['latency_s']:>11.3f}{r['ttft_s']:>9.3f}{r['tpot_ms']:>9.2f}{r['decode_tokens_per_s']:>14.1f}{per_100:>13}")
+    print()
+    for f in fitted:
+        chars = f"; {f.per_100_chars:.3f} s per 100 characters" if f.per_100_chars is not None else ""
+        print(f"{f.engine} batch {f.batch}: latency = {f.fixed:.3f} s + {1000 * f.per_token:.2f} ms x answer tokens "
+              f"(R² {f.r2:.4f}){chars}")
+    engines = sorted({r["engine"] for r in rows})
+    if len(engines) == 2:
+        for batch in sorted({r["batch"] for r in rows}):
+            speed = {e: _mean_decode(rows, e, batch) for e in engines}
+            print(f"batch {batch}: decode tokens/s strata {speed['strata']:.1f}, transformers "
+                  f"{speed['transformers']:.1f} (strata/transformers {speed['strata'] / speed['transformers']:.2f})")
+
+
+def _mean_decode(rows: list[dict], engine: str, batch: int) -> float:
+    """Answer tokens over decode seconds, summed over the rows (the longer answers weigh more)."""
+    mine = [r for r in rows if r["engine"] == engine and r["batch"] == batch]
+    return sum(r["batch"] * (r["tokens"] - 1) for r in mine) / sum((r["latency_s"] - r["ttft_s"]) for r in mine)
+
+
+def plot(runs: list[Run], fitted: list[Fit], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for f in fitted:
+        mine = [r for r in runs if (r.engine, r.batch) == (f.engine, f.batch)]
+        xs = [r.tokens for r in mine]
+        points = ax.scatter(xs, [r.latency for r in mine], s=12, alpha=0.6)
+        line = [0, max(xs)]
+        ax.plot(line, [f.fixed + f.per_token * x for x in line], color=points.get_facecolor()[0],
+                label=f"{f.engine}, batch {f.batch}: {1000 * f.per_token:.1f} ms/token, R² {f.r2:.3f}")
+    ax.set_xlabel("answer length (tokens)")
+    ax.set_ylabel("latency (s)")
+    ax.set_title("generation latency against answer length")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: want comma-separated integers, e.g. 16,32,64") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} {text}: want one or more integers >= 1")
+    return values
+
+
+def run_bench(args) -> int:
+    from strata.infer.cli import DTYPES, load_for_inference
+    from strata.model.presets import PRESETS
+    from strata.model.transformer import build_model
+    lengths, batches = _int_list(args.lengths, "--lengths"), _int_list(args.batch, "--batch")
+    if args.runs < 1:
+        raise ConfigError(f"--runs {args.runs}: must be >= 1")
+    if (args.checkpoint is None) == (args.model is None):
+        raise ConfigError("give --checkpoint CKPT or --model PRESET (random weights), one of them")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    tokenizer, tokenizer_file = None, None
+    dtype = DTYPES.get(args.dtype)
+    if args.checkpoint:
+        model, tokenizer = load_for_inference(args.checkpoint, args.device, dtype=dtype)
+        from strata.checkpoint.store import resolve
+        tokenizer_file = os.path.join(resolve(args.checkpoint), "tokenizer.json")
+    else:
+        if args.model not in PRESETS:
+            raise ConfigError(f"--model {args.model}: unknown preset; valid: {', '.join(PRESETS)}")
+        model = build_model(PRESETS[args.model], args.device, dtype or torch.float32, seed=0).eval()
+    prompts = _prompts(args, tokenizer, model.cfg.vocab_size)
+    try:
+        check_length(list(prompts.values()), max(lengths), model.cfg.max_seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("--max-new-tokens", "--lengths")) from None
+
+    engines = {"strata": lambda p, b, n: time_strata(model, p, b, n)}
+    with tempfile.TemporaryDirectory() as hf_dir:
+        if args.compare:
+            hf_model = load_transformers(model, tokenizer_file if tokenizer else None, hf_dir)
+            engines["transformers"] = lambda p, b, n: time_transformers(hf_model, p, b, n)
+        first_prompt = next(iter(prompts.values()))
+        for timer in engines.values():  # warm-up: first calls pay for allocation and kernel choice
+            timer(first_prompt, max(batches), 4)
+        runs, same = [], True
+        for batch in batches:
+            for name, prompt in prompts.items():
+                for tokens in lengths:
+                    for _ in range(args.runs):
+                        answers = []
+                        for engine, timer in engines.items():  # alternate: noise hits both alike
+                            latency, ttft, answer = timer(prompt, batch, tokens)
+                            chars = len(tokenizer.decode(answer)) if tokenizer is not None else None
+                            runs.append(Run(engine, batch, name, len(answer), chars, latency, ttft))
+                            answers.append(answer)
+                        same &= all(a == answers[0] for a in answers)
+    rows, fitted = table(runs), fits(runs)
+    if args.json:
+        print(json.dumps({"rows": rows, "fits": [asdict(f) for f in fitted], "same_answers": same,
+                          "runs": [asdict(r) for r in runs]}, indent=1))
+    else:
+        print_report(rows, fitted)
+        if args.compare:
+            print(f"greedy answers {'identical' if same else 'DIFFER'} between the engines")
+    if args.plot:
+        plot(runs, fitted, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _prompts(args, tokenizer, vocab: int) -> dict[str, list[int]]:
+    """name -> token ids."""
+    if args.prompt:
+        if tokenizer is None:
+            raise ConfigError("--prompt: no tokenizer (a --model preset, or a checkpoint without tokenizer.json); "
+                              "use --prompt-ids")
+        return {text: tokenizer.encode(text).ids for text in args.prompt}
+    if args.prompt_ids:
+        out = {}
+        for given in args.prompt_ids:
+            try:
+                ids = [int(x) for x in given.split(",") if x.strip()]
+            except ValueError:
+                raise ConfigError(f"--prompt-ids {given}: want comma-separated integers") from None
+            if not ids or any(not 0 <= i < vocab for i in ids):
+                raise ConfigError(f"--prompt-ids {given}: want at least one id, each in [0, {vocab})")
+            out[f"ids x{len(ids)}: {given}"] = ids
+        return out
+    if tokenizer is not None:
+        return {text: tokenizer.encode(text).ids for text in DEFAULT_TEXT_PROMPTS}
+    generator = torch.Generator().manual_seed(0)
+    return {f"{n} random ids": torch.randint(1, vocab, (n,), generator=generator).tolist()
+            for n in DEFAULT_ID_PROMPT_LENGTHS}

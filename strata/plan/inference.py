@@ -1,0 +1,169 @@
+"""The serving side of the planner (`strata plan --inference`): the memory a model needs to
+generate (weights + KV cache) and the time of one decode step, for each tensor × pipeline layout
+on the given devices. Every term is in docs/cost-model.md ("Inference").
+
+Decoding a token for a batch of b sequences reads every weight once, plus the KV cache so far, and
+does only 2 FLOPs per weight and sequence: at small b it is bound by memory bandwidth, not by
+compute (the roofline takes the larger of the two). What it costs beyond that is a per-layer
+overhead (kernel launches, Python, synchronisation: a constant per layer and token that
+`strata calibrate --inference` measures on the user's own device) and, with tensor parallelism,
+two all-reduces of b × d activations per layer. Pipeline stages run one after another for one
+token; with the batch split into p micro-batches in flight every stage is busy, which raises
+tokens/s but not the latency of a token."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from strata.model.config import ModelConfig
+from strata.plan.cost import log_interpolate
+from strata.plan.hardware import Device
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+# Without calibration: eager PyTorch launches about a dozen kernels per transformer layer per
+# token (norms, four projections, attention, MLP, residual adds), at a few microseconds each
+# (CUDA's launch overhead). `strata calibrate --inference` replaces these with measured values.
+DEFAULT_PER_LAYER_S = 60e-6
+DEFAULT_PER_TOKEN_S = 200e-6  # embedding, sampling, the host loop: once per token
+DEFAULT_EFFICIENCY = 0.63  # of peak FLOP/s, as in training (docs/cost-model.md)
+
+
+@dataclass(frozen=True)
+class Serving:
+    model: ModelConfig
+    batch: int = 1  # sequences decoded together
+    context: int = 0  # tokens in each sequence so far (prompt + answer): the KV cache read per step
+    precision: str = "fp16"  # of weights, activations and the KV cache
+
+
+@dataclass(frozen=True)
+class Overheads:
+    per_layer_s: float = DEFAULT_PER_LAYER_S
+    per_token_s: float = DEFAULT_PER_TOKEN_S
+    source: str = "default: eager PyTorch's launch overhead, uncalibrated"
+
+
+@dataclass
+class ServingEstimate:
+    tp: int
+    pp: int
+    fits: bool
+    weight_bytes: float  # per device (the largest stage)
+    kv_cache_bytes: float  # per device, for the whole batch at `context` tokens
+    memory_s: float  # the bytes read per token over the memory bandwidth, summed over stages
+    compute_s: float  # the FLOPs per token over the effective FLOP/s, summed over stages
+    overhead_s: float  # per-layer and per-token overheads
+    tp_comm_s: float
+    pp_comm_s: float
+    token_latency_s: float  # one decode step of the batch (time per output token)
+    tokens_per_s: float  # output tokens per second, the batch together (pp: micro-batches in flight)
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.weight_bytes + self.kv_cache_bytes
+
+    def describe(self) -> str:
+        return f"tp={self.tp},pp={self.pp}"
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "devices": self.devices, "memory_bytes": self.memory_bytes}
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(per block, embedding (+ positions), head (+ final norm; the embedding again when tied))."""
+    one = dataclasses.replace(cfg, n_layers=1).num_params()
+    block = dataclasses.replace(cfg, n_layers=2).num_params() - one
+    final_norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    own_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model + int(cfg.bias) * cfg.vocab_size
+    embed = one - block - final_norm - own_head
+    head = (own_head or cfg.vocab_size * cfg.d_model) + final_norm
+    return block, embed, head
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, context: int, precision: str, tp: int = 1, layers: int | None = None) -> float:
+    """Keys and values: 2 x layers x batch x context x kv_heads x head_dim x bytes. Tensor
+    parallelism splits the KV heads (and keeps one each when there are fewer heads than ranks)."""
+    kv_heads = max(cfg.kv_heads / tp, 1)
+    layers = cfg.n_layers if layers is None else layers
+    return 2 * layers * batch * context * kv_heads * cfg.head_dim * BYTES[precision]
+
+
+def stage_blocks(n_layers: int, pp: int) -> list[int]:
+    """Blocks per stage, as even as they can be."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (s < extra) for s in range(pp)]
+
+
+def estimate_serving(work: Serving, device: Device, tp: int, pp: int, link_bandwidth: float,
+                     link_latency: float, overheads: Overheads, efficiency: float = DEFAULT_EFFICIENCY,
+                     read_bandwidth: tuple[tuple[float, float], ...] = ()) -> ServingEstimate:
+    """read_bandwidth: (batch, bytes/s) measured by `strata calibrate --inference` (the rate a
+    linear layer streams its weight at for that many tokens); without it, the datasheet's."""
+    cfg, b, nbytes = work.model, work.batch, BYTES[work.precision]
+    block, embed, head = parameter_counts(cfg)
+    blocks = stage_blocks(cfg.n_layers, pp)
+    micro = b / pp  # the batch split into pp micro-batches in flight
+    bandwidth = log_interpolate(read_bandwidth, micro) if read_bandwidth else device.memory_bandwidth
+    peak = device.peak_flops.get(work.precision, device.peak_flops.get("fp16", max(device.peak_flops.values())))
+    flops_rate = peak * efficiency
+    weight, memory_s, compute_s, overhead_s, tp_comm_s = [], 0.0, 0.0, 0.0, 0.0
+    for s, layers in enumerate(blocks):
+        held = layers * block + (embed if s == 0 else 0) + (head if s == pp - 1 else 0)
+        if pp == 1 and cfg.tie_embeddings:  # one matrix is both (a later last stage keeps a copy)
+            held -= cfg.vocab_size * cfg.d_model
+        weight.append(held * nbytes / tp)
+        # Read per token: the blocks and the head (the embedding lookup reads b rows only).
+        read = (layers * block + (head if s == pp - 1 else 0)) * nbytes / tp \
+            + kv_cache_bytes(cfg, micro, work.context, work.precision, tp, layers)
+        flops = 2 * (layers * block + (head if s == pp - 1 else 0)) / tp * micro \
+            + 4 * layers * micro * work.context * cfg.d_model / tp  # attention over the cache
+        memory_s += read / bandwidth
+        compute_s += flops / flops_rate
+        overhead_s += layers * overheads.per_layer_s
+        if tp > 1:  # two all-reduces of micro x d activations per layer
+            tp_comm_s += layers * 2 * small_all_reduce_s(micro * cfg.d_model * nbytes, tp, link_bandwidth, link_latency)
+    overhead_s += overheads.per_token_s
+    pp_comm_s = (pp - 1) * (link_latency + micro * cfg.d_model * nbytes / link_bandwidth)
+    # The roofline, over the stages a token passes one after another: the larger of reading the
+    # bytes and doing the FLOPs. With pp micro-batches in flight, each stage reads its weights
+    # once per micro-batch, so a round of the whole batch takes as long as one token's latency.
+    latency = max(memory_s, compute_s) + overhead_s + tp_comm_s + pp_comm_s
+    kv = kv_cache_bytes(cfg, b, work.context, work.precision, tp, max(blocks))
+    fits = max(weight) + kv <= device.memory_bytes
+    return ServingEstimate(tp, pp, fits, max(weight), kv, memory_s, compute_s, overhead_s, tp_comm_s, pp_comm_s,
+                           latency, b / latency)
+
+
+def small_all_reduce_s(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """An all-reduce of a few kilobytes: latency-bound, so collective libraries use tree or
+    recursive-doubling algorithms, 2 log2(n) steps (not the ring's 2(n - 1)); the bytes still
+    cross the link 2(n - 1)/n times."""
+    return 2 * math.ceil(math.log2(ranks)) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def serving_layouts(work: Serving, device: Device, devices: int, link_bandwidth: float, link_latency: float,
+                    overheads: Overheads, efficiency: float = DEFAULT_EFFICIENCY,
+                    read_bandwidth: tuple[tuple[float, float], ...] = ()) -> list[ServingEstimate]:
+    """Every tp x pp on up to `devices` devices (tp dividing the heads), those that fit first,
+    then by the latency of a token."""
+    cfg = work.model
+    out = []
+    for tp in _powers_of_two(devices):
+        if cfg.n_heads % tp or (cfg.kv_heads % tp and tp % cfg.kv_heads) or cfg.d_ff % tp:
+            continue
+        for pp in _powers_of_two(devices // tp):
+            if pp > cfg.n_layers:
+                continue
+            out.append(estimate_serving(work, device, tp, pp, link_bandwidth, link_latency, overheads, efficiency,
+                                        read_bandwidth))
+    return sorted(out, key=lambda e: (not e.fits, e.token_latency_s, e.devices))
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
