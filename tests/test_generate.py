@@ -147,8 +147,8 @@ def test_least_squares_recovers_a_line_and_its_fit():
 
 
 def test_bench_generate_against_transformers(tmp_path):
-    result = strata("bench", "generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--prompt-ids", "9", "--lengths", "4,16,48",
-                    "--runs", 2, "--batch", "1,3",
+    result = strata("bench", "generate", "--model", "small", "--prompt-ids", "1,2,3", "--prompt-ids", "9",
+                    "--lengths", "4,16,48", "--runs", 2, "--batch", "1,3",
                     "--compare", "--json", "--plot", tmp_path / "latency.png", "--threads", 1)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

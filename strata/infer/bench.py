@@ -91,12 +91,14 @@ def time_transformers(hf_model, prompt: list[int], batch: int, tokens: int) -> t
 def load_transformers(model, tokenizer_file: str | None, directory: str):
     """The same weights as transformers' AutoModelForCausalLM (through a Hugging Face directory)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
     from strata.checkpoint.hf import save_hf
     tensors = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     save_hf(tensors, model.cfg, directory, None, tokenizer_file)
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
+    logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -214,15 +215,20 @@ def _generate(args, tp_group, stage, peers) -> int:
     printing = pp_rank == pp - 1 and tp_rank == 0  # whoever samples prints: the last stage's first tp rank
     printer = Printer(texts, tokenizer, stops, sys.stdout if printing else open(os.devnull, "w"))
     if stage is None:
-        for next_ids in generate(model, prompts, args.max_new_tokens, sampling, stops):
-            printer.add(range(len(prompts)), next_ids)
+        steps = ((range(len(prompts)), ids) for ids in generate(model, prompts, args.max_new_tokens, sampling, stops))
     else:
         from strata.infer.pipeline import generate_pipelined
         micro_batches = args.micro_batches or min(pp, len(prompts))
-        for rows, next_ids in generate_pipelined(model, prompts, args.max_new_tokens, sampling, stops,
-                                                 micro_batches, pp_rank, pp, peers):
-            printer.add(rows, next_ids)
+        steps = generate_pipelined(model, prompts, args.max_new_tokens, sampling, stops, micro_batches, pp_rank, pp, peers)
+    started, first = time.perf_counter(), None
+    for rows, next_ids in steps:
+        first = first or time.perf_counter()
+        printer.add(rows, next_ids)
     printer.finish()
+    if args.timing and printing:
+        seconds, tokens = time.perf_counter() - started, sum(map(len, printer.answers))
+        print(f"{len(prompts)} request(s), {tokens} answer tokens in {seconds:.3f} s: first token after "
+              f"{first - started:.3f} s, {tokens / seconds:.1f} tokens/s", file=sys.stderr)
     return 0
 
 

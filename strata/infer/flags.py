@@ -27,6 +27,8 @@ def add_flags(gen) -> None:
     gen.add_argument("--dtype", choices=("fp32", "fp64", "bf16", "fp16"), help="compute dtype (default: the checkpoint's)")
     gen.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may take")
+    gen.add_argument("--timing", action="store_true",
+                     help="print to stderr: time to the first token, answer tokens, tokens/s")
 
 
 def add_bench_flags(bench) -> None:
