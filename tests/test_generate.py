@@ -132,9 +132,13 @@ def test_pipeline_and_tensor_parallel_generation_equal_one_process(checkpoint, t
                                   "context; at most 63"),
     (["--repetition-penalty", "0"], "--repetition-penalty 0.0: must be > 0"),
     (["--pp", "5"], "--pp 5 x --virtual-stages 1 = 5 chunks, but the model has only 2 layers"),
+    (["--pp", "2", "--max-new-tokens", "64"], "--max-new-tokens 64 after a 1-token prompt"),  # before launching
+    (["--tp", "2", "--prompt-ids", "300"], "prompt ids [300]: want at least one id, each in [0, 250)"),
+    (["--tp", "2", "--prompt", "hi"], "has no tokenizer.json (trained on synthetic data); use --prompt-ids"),
 ])
 def test_bad_generation_flags_are_one_line(checkpoint, args, needle):
-    result = strata("generate", "--checkpoint", checkpoint, "--prompt-ids", "1", *args)
+    prompt = [] if "--prompt" in args or "--prompt-ids" in args else ["--prompt-ids", "1"]
+    result = strata("generate", "--checkpoint", checkpoint, *prompt, *args)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert needle in result.stderr
 

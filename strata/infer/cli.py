@@ -3,9 +3,11 @@ encode the prompts, and stream the answers."""
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,12 +50,16 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None,
         raise ConfigError(f"checkpoint {path}: does not match its model config "
                           f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
     model.reset_buffers()
-    tokenizer = None
-    tokenizer_file = os.path.join(path, "tokenizer.json")
-    if os.path.isfile(tokenizer_file):
-        from strata.data.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(tokenizer_file)
-    return model, tokenizer
+    return model, _tokenizer(path)
+
+
+def _tokenizer(checkpoint_path: str):
+    """The tokenizer saved with a checkpoint, or None (a model trained on synthetic data)."""
+    tokenizer_file = os.path.join(checkpoint_path, "tokenizer.json")
+    if not os.path.isfile(tokenizer_file):
+        return None
+    from strata.data.tokenizer import load_tokenizer
+    return load_tokenizer(tokenizer_file)
 
 
 class StopStrings:
@@ -140,15 +146,11 @@ def run_generate(args, argv: list[str]) -> int:
                           f"processes; set --nproc {world}")
     launched = "LOCAL_RANK" in os.environ
     if world > 1 and not launched:
-        if not os.path.isdir(args.checkpoint):
-            raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory")
-        model_cfg = ModelConfig.from_dict(store.read_state(args.checkpoint)["model_config"])
-        check_tensor_parallel(model_cfg, args.tp)
-        _check_pipeline(model_cfg, args)
+        _requests(args)  # every check that can fail on input, once, before any process starts
         from strata.distributed.launch import launch_local
         return launch_local(world, argv)
     if not launched or int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return _generate(args, tp_group=None, stage=None, peers=None)
+        return _generate(args, _requests(args), tp_group=None, stage=None, peers=None)
     from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
     _, size, _ = init_distributed(pick_device(args.device), timeout_s=args.timeout)
     try:
@@ -158,12 +160,11 @@ def run_generate(args, argv: list[str]) -> int:
         mesh = dims.build_mesh(pick_device(args.device).type)
         where = dims.coordinates(dist.get_rank())
         tp_group = mesh["tp"].get_group() if args.tp > 1 else None
-        stage, peers = None, None
+        requests, stage, peers = _requests(args), None, None
         if args.pp > 1:
-            model_cfg = ModelConfig.from_dict(store.read_state(args.checkpoint)["model_config"])
-            stage = (_check_pipeline(model_cfg, args), where["pp"])
+            stage = (requests.layout, where["pp"])
             peers = [dims.rank_at(s, 0, where["tp"]) for s in range(args.pp)]
-        return _generate(args, tp_group, stage, peers)
+        return _generate(args, requests, tp_group, stage, peers)
     finally:
         dist.destroy_process_group()
 
@@ -186,21 +187,35 @@ def _sampling(args) -> Sampling:
     return Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
 
 
-def _check_pipeline(model_cfg: ModelConfig, args):
-    from strata.parallel.pipeline.stage import make_layout
-    return make_layout(model_cfg, args.pp, 1, model_cfg.max_seq_len)
+@dataclass
+class Requests:
+    """What the command line asks for, checked against the checkpoint."""
+    prompts: list[list[int]]
+    texts: list[str]  # what to print for each prompt
+    tokenizer: object
+    stops: StopStrings | None
+    layout: object  # the pipeline layout with --pp, else None
 
 
-def _generate(args, tp_group, stage, peers) -> int:
-    sampling = _sampling(args)
-    from strata.distributed.mesh import pick_device
-    model, tokenizer = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage,
-                                          DTYPES.get(args.dtype))
-    prompts, texts = _encode_prompts(args, tokenizer, model.cfg.vocab_size)
+def _requests(args) -> Requests:
+    """Read the checkpoint's model config and tokenizer, encode the prompts, and check everything
+    that depends on them (tp and pp against the model, ids against the vocabulary, the answer
+    against the context). Sets the default --max-new-tokens."""
+    if not os.path.isdir(args.checkpoint):
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory")
+    path = store.resolve(args.checkpoint)
+    cfg = ModelConfig.from_dict(store.read_state(path)["model_config"])
+    check_tensor_parallel(cfg, args.tp)
+    layout = None
+    if args.pp > 1:
+        from strata.parallel.pipeline.stage import make_layout
+        layout = make_layout(cfg, args.pp, 1, cfg.max_seq_len)
+    tokenizer = _tokenizer(path)
+    prompts, texts = _encode_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens is None:
-        args.max_new_tokens = max(min(100, model.cfg.max_seq_len - max(map(len, prompts))), 1)
+        args.max_new_tokens = max(min(100, cfg.max_seq_len - max(map(len, prompts))), 1)
     try:
-        check_length(prompts, args.max_new_tokens, model.cfg.max_seq_len)
+        check_length(prompts, args.max_new_tokens, cfg.max_seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     stops = None
@@ -209,11 +224,19 @@ def _generate(args, tp_group, stage, peers) -> int:
         stops = StopStrings(tokenizer, args.stop, tokenizer.token_to_id(END_OF_TEXT))
     elif args.stop:
         raise ConfigError(f"--stop {args.stop[0]!r}: the checkpoint has no tokenizer.json to find text with")
+    return Requests(prompts, texts, tokenizer, stops, layout)
+
+
+def _generate(args, requests: Requests, tp_group, stage, peers) -> int:
+    sampling = _sampling(args)
+    prompts, texts, tokenizer, stops = requests.prompts, requests.texts, requests.tokenizer, requests.stops
+    from strata.distributed.mesh import pick_device
+    model, _ = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage, DTYPES.get(args.dtype))
 
     pp_rank, pp = (stage[1], args.pp) if stage is not None else (0, 1)
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     printing = pp_rank == pp - 1 and tp_rank == 0  # whoever samples prints: the last stage's first tp rank
-    printer = Printer(texts, tokenizer, stops, sys.stdout if printing else open(os.devnull, "w"))
+    printer = Printer(texts, tokenizer, stops, sys.stdout if printing else io.StringIO())
     if stage is None:
         steps = ((range(len(prompts)), ids) for ids in generate(model, prompts, args.max_new_tokens, sampling, stops))
     else:
