@@ -262,7 +262,6 @@ def inference_overheads(device: torch.device, dtype=torch.float32) -> dict:
     from strata.infer.bench import least_squares
     from strata.model.presets import get_preset
     from strata.model.transformer import build_model
-    from strata.plan.inference import parameter_counts
     size = torch.tensor([], dtype=dtype).element_size()
     widths, layers = ((128, 512, 1024) if device.type == "cpu" else (128, 1024, 2048)), (1, 2, 4)
     layer_bytes, layer_seconds, fixed = [], [], []
@@ -272,10 +271,10 @@ def inference_overheads(device: torch.device, dtype=torch.float32) -> dict:
         seconds = [decode_seconds(build_model(dataclasses.replace(cfg, n_layers=n), device, dtype, seed=0))
                    for n in layers]
         slope, intercept, _ = least_squares(list(layers), seconds)
-        block, _, head = parameter_counts(cfg)
+        block = dataclasses.replace(cfg, n_layers=2).num_params() - dataclasses.replace(cfg, n_layers=1).num_params()
         layer_bytes.append(block * size)
         layer_seconds.append(slope)
-        fixed.append(intercept - head * size / 1e12)  # the head of a narrow model: next to nothing
+        fixed.append(intercept)
     inverse_bandwidth, per_layer, r2 = least_squares(layer_bytes, layer_seconds)
     bandwidth = 1 / inverse_bandwidth if inverse_bandwidth > 0 else float("inf")
     by_batch = decode_bandwidth(device, dtype)
@@ -283,6 +282,8 @@ def inference_overheads(device: torch.device, dtype=torch.float32) -> dict:
             "dtype": str(dtype).removeprefix("torch."), "memory_bandwidth": bandwidth,
             "decode_bandwidth": {b: bandwidth * bw / by_batch["1"] for b, bw in by_batch.items()},
             "matmul_flops": device_matmul_rate(device, dtype),
+            "memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+            else _total_memory(),
             "per_layer_s": max(per_layer, 0.0), "per_token_s": max(fixed[0], 0.0), "fit_r2": r2,
             "points": {str(w): {"layer_bytes": nb, "layer_s": t} for w, nb, t in zip(widths, layer_bytes, layer_seconds)}}
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
-from strata.plan.cost import log_interpolate
+from strata.plan.cost import log_interpolate, stage_loads
 from strata.plan.hardware import Device
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -50,8 +50,8 @@ class ServingEstimate:
     tp: int
     pp: int
     fits: bool
-    weight_bytes: float  # per device (the largest stage)
-    kv_cache_bytes: float  # per device, for the whole batch at `context` tokens
+    weight_bytes: float  # per device, on the stage that holds the most
+    kv_cache_bytes: float  # per device on that stage, for the whole batch at `context` tokens
     memory_s: float  # the bytes read per token over the memory bandwidth, summed over stages
     compute_s: float  # the FLOPs per token over the effective FLOP/s, summed over stages
     overhead_s: float  # per-layer and per-token overheads
@@ -75,17 +75,6 @@ class ServingEstimate:
         return {**dataclasses.asdict(self), "devices": self.devices, "memory_bytes": self.memory_bytes}
 
 
-def parameter_counts(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(per block, embedding (+ positions), head (+ final norm; the embedding again when tied))."""
-    one = dataclasses.replace(cfg, n_layers=1).num_params()
-    block = dataclasses.replace(cfg, n_layers=2).num_params() - one
-    final_norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    own_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model + int(cfg.bias) * cfg.vocab_size
-    embed = one - block - final_norm - own_head
-    head = (own_head or cfg.vocab_size * cfg.d_model) + final_norm
-    return block, embed, head
-
-
 def kv_cache_bytes(cfg: ModelConfig, batch: int, context: int, precision: str, tp: int = 1, layers: int | None = None) -> float:
     """Keys and values: 2 x layers x batch x context x kv_heads x head_dim x bytes. Tensor
     parallelism splits the KV heads (and keeps one each when there are fewer heads than ranks)."""
@@ -94,50 +83,38 @@ def kv_cache_bytes(cfg: ModelConfig, batch: int, context: int, precision: str, t
     return 2 * layers * batch * context * kv_heads * cfg.head_dim * BYTES[precision]
 
 
-def stage_blocks(n_layers: int, pp: int) -> list[int]:
-    """Blocks per stage, as even as they can be."""
-    base, extra = divmod(n_layers, pp)
-    return [base + (s < extra) for s in range(pp)]
-
-
 def estimate_serving(work: Serving, device: Device, tp: int, pp: int, link_bandwidth: float,
                      link_latency: float, overheads: Overheads, efficiency: float = DEFAULT_EFFICIENCY,
                      read_bandwidth: tuple[tuple[float, float], ...] = ()) -> ServingEstimate:
     """read_bandwidth: (batch, bytes/s) measured by `strata calibrate --inference` (the rate a
     linear layer streams its weight at for that many tokens); without it, the datasheet's."""
     cfg, b, nbytes = work.model, work.batch, BYTES[work.precision]
-    block, embed, head = parameter_counts(cfg)
-    blocks = stage_blocks(cfg.n_layers, pp)
-    micro = b / pp  # the batch split into pp micro-batches in flight
+    micro = b / min(pp, b)  # the batch split into up to pp micro-batches in flight
     bandwidth = log_interpolate(read_bandwidth, micro) if read_bandwidth else device.memory_bandwidth
     peak = device.peak_flops.get(work.precision, device.peak_flops.get("fp16", max(device.peak_flops.values())))
     flops_rate = peak * efficiency
-    weight, memory_s, compute_s, overhead_s, tp_comm_s = [], 0.0, 0.0, 0.0, 0.0
-    for s, layers in enumerate(blocks):
-        held = layers * block + (embed if s == 0 else 0) + (head if s == pp - 1 else 0)
-        if pp == 1 and cfg.tie_embeddings:  # one matrix is both (a later last stage keeps a copy)
-            held -= cfg.vocab_size * cfg.d_model
-        weight.append(held * nbytes / tp)
-        # Read per token: the blocks and the head (the embedding lookup reads b rows only).
-        read = (layers * block + (head if s == pp - 1 else 0)) * nbytes / tp \
-            + kv_cache_bytes(cfg, micro, work.context, work.precision, tp, layers)
-        flops = 2 * (layers * block + (head if s == pp - 1 else 0)) / tp * micro \
-            + 4 * layers * micro * work.context * cfg.d_model / tp  # attention over the cache
-        memory_s += read / bandwidth
-        compute_s += flops / flops_rate
-        overhead_s += layers * overheads.per_layer_s
+    # The embedding table is only looked up (b rows), unless it is also the head.
+    lookup = cfg.vocab_size * cfg.d_model + (cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0)
+    memory, memory_s, compute_s, overhead_s, tp_comm_s = [], 0.0, 0.0, 0.0, 0.0
+    for load in stage_loads(cfg, pp, 1, max(work.context, 1)):  # strata's own pipeline cut
+        kv = kv_cache_bytes(cfg, b, work.context, work.precision, tp, load.blocks)
+        memory.append((load.params * nbytes / tp, kv))
+        read = load.params - (lookup if load.first and not (load.last and cfg.tie_embeddings) else 0)
+        memory_s += (read * nbytes / tp + kv * micro / b) / bandwidth  # a micro-batch's share of the cache
+        compute_s += (2 * read / tp + 4 * load.blocks * work.context * cfg.d_model / tp) * micro / flops_rate
+        overhead_s += load.blocks * overheads.per_layer_s
         if tp > 1:  # two all-reduces of micro x d activations per layer
-            tp_comm_s += layers * 2 * small_all_reduce_s(micro * cfg.d_model * nbytes, tp, link_bandwidth, link_latency)
+            tp_comm_s += load.blocks * 2 * small_all_reduce_s(micro * cfg.d_model * nbytes, tp, link_bandwidth,
+                                                              link_latency)
     overhead_s += overheads.per_token_s
     pp_comm_s = (pp - 1) * (link_latency + micro * cfg.d_model * nbytes / link_bandwidth)
     # The roofline, over the stages a token passes one after another: the larger of reading the
-    # bytes and doing the FLOPs. With pp micro-batches in flight, each stage reads its weights
-    # once per micro-batch, so a round of the whole batch takes as long as one token's latency.
+    # bytes and doing the FLOPs. With m micro-batches in flight, each stage reads its weights once
+    # per micro-batch, so a round of the whole batch takes as long as one token's latency.
     latency = max(memory_s, compute_s) + overhead_s + tp_comm_s + pp_comm_s
-    kv = kv_cache_bytes(cfg, b, work.context, work.precision, tp, max(blocks))
-    fits = max(weight) + kv <= device.memory_bytes
-    return ServingEstimate(tp, pp, fits, max(weight), kv, memory_s, compute_s, overhead_s, tp_comm_s, pp_comm_s,
-                           latency, b / latency)
+    weights, kv = max(memory, key=sum)
+    return ServingEstimate(tp, pp, weights + kv <= device.memory_bytes, weights, kv, memory_s, compute_s, overhead_s,
+                           tp_comm_s, pp_comm_s, latency, b / latency)
 
 
 def small_all_reduce_s(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:

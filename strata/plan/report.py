@@ -166,8 +166,8 @@ def run_serving_plan(args) -> int:
         read_bandwidth = ()
         if name == CPU_LOCAL:
             read_bandwidth = tuple(sorted((float(b), bw) for b, bw in profile["decode_bandwidth"].items()))
-            device = Device(CPU_LOCAL, 8 * 2**30 if "memory_bytes" not in profile else profile["memory_bytes"],
-                            {args.precision: profile["matmul_flops"]}, profile["memory_bandwidth"], None)
+            device = Device(CPU_LOCAL, profile["memory_bytes"], {args.precision: profile["matmul_flops"]},
+                            profile["memory_bandwidth"], None)
             link = 1e9  # processes on one machine: shared memory (TP is not worth it on one CPU)
         elif name in DEVICES:
             device = DEVICES[name]
