@@ -3,6 +3,8 @@ parsing the command line does not import torch)."""
 
 from __future__ import annotations
 
+DTYPE_NAMES = ("fp32", "fp64", "bf16", "fp16")
+
 
 def add_flags(gen) -> None:
     gen.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a save directory (its latest)")
@@ -24,7 +26,7 @@ def add_flags(gen) -> None:
     gen.add_argument("--pp", type=int, default=1, help="place the layers on N processes (pipeline stages)")
     gen.add_argument("--micro-batches", type=int, help="with --pp: requests in flight at once, in groups "
                                                        "(default: min(pp, prompts))")
-    gen.add_argument("--dtype", choices=("fp32", "fp64", "bf16", "fp16"), help="compute dtype (default: the checkpoint's)")
+    gen.add_argument("--dtype", choices=DTYPE_NAMES, help="compute dtype (default: the checkpoint's)")
     gen.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may take")
     gen.add_argument("--timing", action="store_true",
@@ -46,6 +48,6 @@ def add_bench_flags(bench) -> None:
                        help="also run transformers' generate on the same weights, alternating run by run")
     bench.add_argument("--plot", help="PNG of latency against answer length, with the fitted lines")
     bench.add_argument("--json", action="store_true", help='print {"rows", "fits", "runs"}')
-    bench.add_argument("--dtype", choices=("fp32", "fp64", "bf16", "fp16"), help="compute dtype (default: the checkpoint's)")
+    bench.add_argument("--dtype", choices=DTYPE_NAMES, help="compute dtype (default: the checkpoint's)")
     bench.add_argument("--device", default="cpu", help="cpu | cuda")
     bench.add_argument("--threads", type=int, help="torch compute threads (default: torch's)")

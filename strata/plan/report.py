@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from strata.config import ConfigError
 from strata.plan.cost import Estimate, Layout, estimate
@@ -150,6 +151,9 @@ def run_serving_plan(args) -> int:
     names = [n.strip() for n in args.device.split(",") if n.strip()]
     profile = None
     if args.profile or CPU_LOCAL in names:
+        if not os.path.isfile(args.profile or default_profile_path()):
+            raise ConfigError(f"--profile {args.profile or default_profile_path()}: no such file; "
+                              f"run `strata calibrate --inference` first")
         profile = load_profile(args.profile).get("inference")
         if profile is None:
             raise ConfigError(f"--profile {args.profile or default_profile_path()}: no inference calibration in it; "
