@@ -118,6 +118,9 @@ def test_pipeline_and_tensor_parallel_generation_equal_one_process(checkpoint, t
     single = _generate(checkpoint, "--temperature", temperature)
     assert len(single) == 4 and all(len(line.split()) >= 14 for line in single)
     assert _generate(checkpoint, "--temperature", temperature, "--pp", 2) == single
+    timed = strata("generate", "--checkpoint", checkpoint, "--prompt-ids", "1,2", "--max-new-tokens", 5,
+                   "--temperature", temperature, "--pp", 2, "--timing")
+    assert "1 request(s), 5 answer tokens in" in timed.stderr and "tokens/s" in timed.stderr, timed.stderr
     if temperature == "0":
         assert _generate(checkpoint, "--pp", 2, "--micro-batches", 1, "--temperature", 0) == single
         assert _generate(checkpoint, "--tp", 2, "--pp", 2, "--temperature", 0) == single

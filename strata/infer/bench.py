@@ -272,16 +272,9 @@ def _prompts(args, tokenizer, vocab: int) -> dict[str, list[int]]:
                               "use --prompt-ids")
         return {text: tokenizer.encode(text).ids for text in args.prompt}
     if args.prompt_ids:
-        out = {}
-        for given in args.prompt_ids:
-            try:
-                ids = [int(x) for x in given.split(",") if x.strip()]
-            except ValueError:
-                raise ConfigError(f"--prompt-ids {given}: want comma-separated integers") from None
-            if not ids or any(not 0 <= i < vocab for i in ids):
-                raise ConfigError(f"--prompt-ids {given}: want at least one id, each in [0, {vocab})")
-            out[f"ids x{len(ids)}: {given}"] = ids
-        return out
+        from strata.infer.cli import parse_prompt_ids
+        return {f"ids x{len(ids)}: {given}": ids
+                for given in args.prompt_ids for ids in [parse_prompt_ids(given, vocab)]}
     if tokenizer is not None:
         return {text: tokenizer.encode(text).ids for text in DEFAULT_TEXT_PROMPTS}
     generator = torch.Generator().manual_seed(0)

@@ -257,20 +257,24 @@ def _generate(args, requests: Requests, tp_group, stage, peers) -> int:
 
 def _encode_prompts(args, tokenizer, vocab: int) -> tuple[list[list[int]], list[str]]:
     """(token ids, text to print) per request."""
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise ConfigError(f"--prompt: checkpoint {args.checkpoint} has no tokenizer.json "
-                              f"(trained on synthetic data); use --prompt-ids 1,2,3")
-        prompts, texts = [tokenizer.encode(p).ids for p in args.prompt], list(args.prompt)
-    else:
-        prompts = []
-        for given in args.prompt_ids:
-            try:
-                prompts.append([int(x) for x in given.split(",") if x.strip()])
-            except ValueError:
-                raise ConfigError(f"--prompt-ids {given}: want comma-separated integers") from None
-        texts = [" ".join(map(str, p)) for p in prompts]
-    for ids in prompts:
-        if not ids or any(not 0 <= i < vocab for i in ids):
-            raise ConfigError(f"prompt ids {ids[:8]}: want at least one id, each in [0, {vocab})")
-    return prompts, texts
+    if args.prompt is None:
+        prompts = [parse_prompt_ids(given, vocab) for given in args.prompt_ids]
+        return prompts, [" ".join(map(str, p)) for p in prompts]
+    if tokenizer is None:
+        raise ConfigError(f"--prompt: checkpoint {args.checkpoint} has no tokenizer.json "
+                          f"(trained on synthetic data); use --prompt-ids 1,2,3")
+    prompts = [tokenizer.encode(p).ids for p in args.prompt]
+    if not all(prompts):
+        raise ConfigError("--prompt '': a prompt must encode to at least one token")
+    return prompts, list(args.prompt)
+
+
+def parse_prompt_ids(given: str, vocab: int) -> list[int]:
+    """'1,2,3' -> [1, 2, 3], each id checked against the vocabulary."""
+    try:
+        ids = [int(x) for x in given.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {given}: want comma-separated integers") from None
+    if not ids or any(not 0 <= i < vocab for i in ids):
+        raise ConfigError(f"prompt ids {ids[:8]}: want at least one id, each in [0, {vocab})")
+    return ids
