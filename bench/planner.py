@@ -22,8 +22,9 @@ import sys
 import tempfile
 
 from strata.model.presets import get_preset
-from strata.plan.cost import Layout, estimate
+from strata.plan.cost import estimate
 from strata.plan.inputs import cpu_local_cluster, load_profile, workload
+from strata.rules.layout import Layout
 
 SEQ, MICRO, GLOBAL = 128, 4, 16
 LAYOUTS = {  # nproc: layouts (zero-bubble and interleaved are left to the pipeline benchmark)

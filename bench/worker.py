@@ -46,8 +46,13 @@ def run_dtensor_tp(cfg, rank, world, sequence_parallel):
     sequence parallelism torchtitan's plan (SequenceParallel norms, PrepareModuleInput gathers)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     model = build_model(get_preset(cfg.model), seed=0)
     mesh = init_device_mesh("cpu", (world,))
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -127,7 +132,9 @@ def run_torch_pipeline(schedule, cfg, rank, world, micro_batches):
     the peer does not do for you)."""
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from strata.parallel.pipeline.stage import chunk_views, keep_stage, make_layout
+
+    from strata.parallel.pipeline.stage import chunk_views, keep_stage
+    from strata.rules.pipeline_cut import make_layout
     model_cfg = get_preset(cfg.model)
     layout = make_layout(model_cfg, world, PIPELINE_V[schedule], cfg.seq_len)
     model = build_model(model_cfg, seed=0)

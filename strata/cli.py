@@ -9,9 +9,14 @@ import os
 import sys
 from dataclasses import fields
 
-from strata.config import ConfigError, TrainConfig, load_toml, make_config, validate
+from strata.config import TrainConfig, load_toml, make_config
+from strata.errors import CollectiveError, ConfigError, StrataError, as_flag
+from strata.files import check_image_file, check_output_file
 from strata.infer.flags import add_bench_flags as add_bench_generate_flags
 from strata.infer.flags import add_flags as add_generate_flags
+from strata.rules.devices import check_device
+from strata.rules.layout import Layout, check_schedule
+from strata.rules.schedules import MAX_SIMULATED_ACTIONS, SCHEDULES, build
 
 TRAIN_HELP = {
     "model": "model preset (tiny, small, gpt2-124m, llama-7b, ...)",
@@ -20,6 +25,7 @@ TRAIN_HELP = {
     "dtype": "fp32 | fp64 | bf16 | fp16 (bf16, fp16: autocast with fp32 master weights; fp16 with loss scaling)",
     "loss_scale": "fp16: initial dynamic loss scale",
     "loss_scale_window": "fp16: good steps in a row before the loss scale doubles",
+    "min_loss_scale": "fp16: gradients that overflow at this loss scale stop the run (exit code 1)",
     "micro_batch": "sequences per forward/backward on one rank",
     "global_batch": "sequences per optimizer step, all ranks together",
     "nproc": "start N local processes (through torch.distributed.run)",
@@ -189,7 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return _dispatch(args, argv)
-    except ConfigError as e:
+    except CollectiveError as e:  # the run failed (not the input): one line, and the launcher is told who hung
+        from strata.distributed.launch import report_failure
+        print(f"strata: error: {e}", file=sys.stderr)
+        report_failure(e)
+        return 1
+    except ConfigError as e:  # a field, named as the flag that sets it
+        print(f"strata: error: {e.render(as_flag)}", file=sys.stderr)
+        return 2
+    except StrataError as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -197,7 +211,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+# Files a command writes, by command: (flag, is a picture). Checked before any work, so a typo in
+# a directory costs one line, not a finished computation.
+OUTPUT_FILES = {"plan": ("chart", True), "plot": ("out", True), "schedule": ("out", True), "bench": ("plot", True),
+                "calibrate": ("out", False)}
+
+
+def _check_outputs(args) -> None:
+    name, picture = OUTPUT_FILES.get(args.command, (None, False))
+    if name is not None and getattr(args, name, None) is not None:
+        (check_image_file if picture else check_output_file)(getattr(args, name), name)
+
+
 def _dispatch(args, argv) -> int:
+    _check_outputs(args)
     if args.command == "train":
         return _train(args, argv)
     if args.command == "data":
@@ -226,18 +253,10 @@ def _dispatch(args, argv) -> int:
             return run_serving_plan(args)
         return run_plan(args)
     if args.command == "launch":
-        from strata.distributed.hostfile import launch
-        command = args.strata_args[1:] if args.strata_args[:1] == ["--"] else args.strata_args
-        return launch(args.hostfile, command, args.master_port, args.node_rank, args.dry_run)
+        return _launch(args)
     if args.command == "doctor":
-        from strata.distributed.commbench import parse_size
         from strata.distributed.doctor import run
-        try:
-            args.bandwidth_bytes = parse_size(args.bandwidth_bytes)
-        except ValueError as e:
-            raise ConfigError(f"--bandwidth-bytes: {e}") from None
-        if args.model and not args.bandwidth:
-            raise ConfigError("--model: only with --bandwidth (the planned layout is checked against the measured link)")
+        _check_doctor_flags(args)
         if args.bandwidth and "LOCAL_RANK" not in os.environ:
             raise ConfigError("--bandwidth: run it on every node through `strata launch --hostfile H -- doctor --bandwidth`")
         return run(args)
@@ -254,17 +273,21 @@ def _dispatch(args, argv) -> int:
         from strata.model.presets import PRESETS
         from strata.plan.inputs import default_profile_path
         if args.inference:
-            if args.device not in ("cpu", "cuda", "auto"):
-                raise ConfigError(f"--device {args.device}: valid: cpu, cuda, auto")
+            check_device(args.device)
             calibrate.calibrate_inference(args.device, args.out or default_profile_path())
             return 0
-        if args.nproc < 1:
-            raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+        most = CALIBRATE_PROCESSES_PER_CORE * len(os.sched_getaffinity(0))
+        if not 1 <= args.nproc <= most:
+            raise ConfigError(f"--nproc {args.nproc}: must be between 1 and {most} ({CALIBRATE_PROCESSES_PER_CORE} "
+                              f"processes per core of this machine)")
         if args.model not in PRESETS:
             raise ConfigError(f"--model {args.model}: unknown preset; valid: {', '.join(PRESETS)}")
         calibrate.calibrate(args.nproc, args.model, args.out or default_profile_path())
         return 0
     if args.command == "plot":
+        if not os.path.isfile(args.metrics):
+            raise ConfigError(f"{args.metrics}: {'is a directory' if os.path.isdir(args.metrics) else 'no such file'}; "
+                              f"want a metrics file (--metrics) or a pipeline trace (--trace)")
         from strata.parallel.pipeline.timeline import is_trace, plot_schedule, read_trace
         from strata.train.plot import plot_losses
         if is_trace(args.metrics):
@@ -278,6 +301,54 @@ def _dispatch(args, argv) -> int:
     raise AssertionError(args.command)
 
 
+def _check_doctor_flags(args) -> None:
+    """The planned job's flags go with --bandwidth, and are checked as `strata plan` checks them."""
+    from strata.distributed.commbench import parse_size
+    from strata.plan.hardware import DEVICES
+    try:
+        args.bandwidth_bytes = parse_size(args.bandwidth_bytes)
+    except ValueError as e:
+        raise ConfigError(f"--bandwidth-bytes: {e}") from None
+    planned = {"model": args.model, "layout": args.layout, "device": args.device != "A100-80G",
+               "global_batch": args.global_batch != 8, "seq_len": args.seq_len, "precision": args.precision != "bf16"}
+    given = [name for name, value in planned.items() if value]
+    if given and not args.bandwidth:
+        raise ConfigError(f"--{given[0].replace('_', '-')}: only with --bandwidth (the planned layout is checked "
+                          f"against the measured link)")
+    if args.device not in DEVICES:
+        raise ConfigError(f"--device {args.device}: valid: {', '.join(DEVICES)}")
+    if args.global_batch < 1:
+        raise ConfigError(f"--global-batch {args.global_batch}: must be >= 1")
+
+
+LAUNCHED_COMMANDS = ("train", "doctor", "bench")
+# `strata calibrate` measures groups of up to --nproc processes sharing this machine's cores; past a
+# few per core it only measures the scheduler.
+CALIBRATE_PROCESSES_PER_CORE = 4  # what runs on the ranks of a multi-node job
+
+
+def _launch(args) -> int:
+    """Every check of the command the nodes will run, made here, before torchrun starts them."""
+    from strata.distributed.hostfile import parse_hostfile
+    from strata.distributed.launch import launch_hostfile
+    command = args.strata_args[1:] if args.strata_args[:1] == ["--"] else args.strata_args
+    if not 1 <= args.master_port <= 65535:
+        raise ConfigError(f"--master-port {args.master_port}: valid 1-65535")
+    if not command:
+        raise ConfigError("strata launch: give the strata command to run after the flags, e.g. "
+                          "`strata launch --hostfile hosts -- train --model small`")
+    launched = build_parser().parse_args(command)
+    if launched.command not in LAUNCHED_COMMANDS or (launched.command == "bench" and launched.bench_command != "comm"):
+        raise ConfigError(f"strata launch -- {command[0]}: runs train, doctor or bench comm on every node")
+    hosts = parse_hostfile(args.hostfile)
+    if launched.command == "train":
+        _checked_train(launched, command, len(hosts) * hosts[0].slots, in_a_rank=False)
+    if launched.command == "doctor":
+        _check_doctor_flags(launched)
+    return launch_hostfile(args.hostfile, command, args.master_port, args.node_rank, args.dry_run,
+                           env=ranks_checked() if launched.command == "train" else None)
+
+
 def _bench_comm(args, argv) -> int:
     from strata.distributed.commbench import OPS, parse_size, run
     try:
@@ -286,21 +357,25 @@ def _bench_comm(args, argv) -> int:
         raise ConfigError(f"--min-bytes/--max-bytes: {e}") from None
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     bad = [op for op in args.ops if op not in OPS]
-    checks = [(not bad, f"--ops {','.join(bad)}: valid: {', '.join(OPS)}"),
+    checks = [(args.ops, f"--ops {','.join(args.ops)!r}: give at least one of {', '.join(OPS)}"),
+              (not bad, f"--ops {','.join(bad)}: valid: {', '.join(OPS)}"),
+              (args.tp >= 1 and args.pp >= 1, f"--tp {args.tp}, --pp {args.pp}: must be >= 1"),
+              (0 < args.timeout < float("inf"), f"--timeout {args.timeout}: must be > 0 seconds"),
               (args.min_bytes <= args.max_bytes, f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}"),
               (args.factor >= 2, f"--factor {args.factor}: must be >= 2"),
               (args.iters >= 1, f"--iters {args.iters}: must be >= 1"),
               (args.nproc >= 2, f"--nproc {args.nproc}: a collective needs 2 or more ranks"),
               (args.dim in (None, "dp", "tp", "pp"), f"--dim {args.dim}: valid: dp, tp, pp"),
-              (args.nproc % (args.tp * args.pp) == 0,
+              (min(args.tp, args.pp) < 1 or args.nproc % (args.tp * args.pp) == 0,
                f"--tp {args.tp} x --pp {args.pp} does not divide --nproc {args.nproc}")]
-    if args.dim and not bad and args.nproc % (args.tp * args.pp) == 0:
+    if args.dim and not bad and args.tp >= 1 and args.pp >= 1 and args.nproc % (args.tp * args.pp) == 0:
         size = {"tp": args.tp, "pp": args.pp, "dp": args.nproc // (args.tp * args.pp)}.get(args.dim, 2)
         checks.append((size >= 2, f"--dim {args.dim}: its groups have {size} rank; set --{args.dim} 2 or more"
                                   if args.dim != "dp" else f"--dim dp: dp is 1 with --tp {args.tp} --pp {args.pp}"))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    check_device(args.device)
     if "LOCAL_RANK" not in os.environ:
         from strata.distributed.launch import launch_local
         return launch_local(args.nproc, argv)
@@ -308,16 +383,20 @@ def _bench_comm(args, argv) -> int:
 
 
 def _schedule(args) -> int:
-    from strata.parallel.pipeline.schedules import SCHEDULES, build
     from strata.parallel.pipeline.timeline import idle_fractions, plot_schedule, simulated
-    if args.schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule {args.schedule}: valid: {', '.join(SCHEDULES)}")
     for name in ("pp", "micro_batches", "virtual_stages"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    check_schedule(Layout(pp=args.pp, virtual_stages=args.virtual_stages, schedule=args.schedule))
+    actions = 3 * args.pp * args.virtual_stages * args.micro_batches
+    if actions > MAX_SIMULATED_ACTIONS:
+        raise ConfigError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} x --micro-batches "
+                          f"{args.micro_batches}: about {actions:,} actions, more than the {MAX_SIMULATED_ACTIONS:,} "
+                          f"simulated here")
+    spec = SCHEDULES[args.schedule]
+    v = args.virtual_stages
     # unit costs per stage: F 1, B 2 (split 1 + 1 under zero-bubble); a chunk does 1/v of a stage
-    cost = {"F": 1 / v, "B": (1 if args.schedule == "zb" else 2) / v, "W": 1 / v}
+    cost = {"F": 1 / v, "B": (1 if spec.splits_backward else 2) / v, "W": 1 / v}
     ranks = simulated(build(args.schedule, args.pp, args.micro_batches, v), args.pp * v, cost)
     idle = idle_fractions(ranks)
     print(f"{args.schedule}, pp {args.pp}, {args.micro_batches} micro-batches, virtual stages {v}: idle per rank "
@@ -328,29 +407,50 @@ def _schedule(args) -> int:
     return 0
 
 
-def _train(args, argv) -> int:
+def _checked_train(args, argv: list[str], world_size: int | None, in_a_rank: bool) -> tuple[TrainConfig, list[str]]:
+    """The run's config, every setting and file checked (in the process that starts the ranks, so
+    a problem is one line), and the argv the ranks get (with --parallel auto's choice). The world
+    size is the launched one, or --nproc's."""
+    from strata.train.preflight import DONE, checked_model, model_shape, preflight
     flag_values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     cfg = make_config(load_toml(args.config) if args.config else {}, flag_values)
-    launched_by_torchrun = "LOCAL_RANK" in os.environ
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched_by_torchrun else cfg.nproc
-    argv = ["train", *argv[1:]] if argv[:1] == ["train"] else argv
+    world_size = world_size or cfg.nproc
+    checked_already = DONE in os.environ
     if cfg.parallel == "auto":
-        from strata.config import check_checkpoint_flags, model_shape
+        from strata.config import check_run_settings
         from strata.plan.auto import as_flags, choose
-        check_checkpoint_flags(cfg)
+        check_run_settings(cfg)
         cfg, reasons = choose(cfg, world_size, model_shape(cfg))
-        if int(os.environ.get("RANK", 0)) == 0:
+        if int(os.environ.get("RANK", 0)) == 0 and not checked_already:
             print("\n".join(reasons), file=sys.stderr, flush=True)
         argv = [*argv, *as_flags(cfg)]
-    validate(cfg, world_size)  # before any process exists
+    checked_model(cfg, world_size)
+    if not in_a_rank:  # the files, once; the ranks are told so (ranks_checked() in their environment)
+        for note in preflight(cfg):
+            print(note, file=sys.stderr, flush=True)
+    return cfg, argv
+
+
+def ranks_checked() -> dict[str, str]:
+    """What the launcher adds to the ranks' environment once it has checked the run's files."""
+    from strata.train.preflight import DONE
+    return {DONE: "1"}
+
+
+def _train(args, argv) -> int:
+    launched_by_torchrun = "LOCAL_RANK" in os.environ
+    argv = ["train", *argv[1:]] if argv[:1] == ["train"] else argv
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched_by_torchrun else None
+    cfg, argv = _checked_train(args, argv, world_size, launched_by_torchrun)
     if cfg.nproc > 1 and not launched_by_torchrun:
         from strata.distributed.launch import launch_local
-        return launch_local(cfg.nproc, argv, cfg.max_restarts)
+        return launch_local(cfg.nproc, argv, cfg.max_restarts, env=ranks_checked())
     from strata.train.trainer import train
     try:
-        summary = train(cfg)
+        summary = train(cfg, checked=not launched_by_torchrun)
     except FloatingPointError as e:  # reported, not a traceback: the checkpoints written so far are intact
-        print(f"strata: error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # every rank stops alike: one line says it
+            print(f"strata: error: {e}", file=sys.stderr)
         return 1
     if summary["val_losses"] and int(os.environ.get("RANK", 0)) == 0:
         first, last = summary["val_losses"][0], summary["val_losses"][-1]

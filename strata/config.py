@@ -3,17 +3,18 @@ and validated once, up front, before any process group exists."""
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import asdict, dataclass, fields
 
+from strata.errors import ConfigError
+from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
+from strata.rules.devices import check_device
+from strata.rules.layout import Layout, check_layout
 
 DTYPES = ("fp32", "fp64", "bf16", "fp16")
-
-
-class ConfigError(ValueError):
-    """A bad setting. The CLI prints it as one line and exits with code 2."""
 
 
 @dataclass
@@ -40,6 +41,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000  # fp16: good steps in a row before the scale doubles
+    min_loss_scale: float = 1.0  # fp16: an overflow at this scale stops the run
     # layout
     parallel: str = "manual"  # manual: the flags below; auto: the planner chooses them
     nproc: int = 1
@@ -88,7 +90,9 @@ def load_toml(path: str) -> dict:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path}: is a directory; want a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
     valid = TrainConfig.keys()
     out = {}
@@ -126,140 +130,97 @@ def make_config(file_values: dict, flag_values: dict, source: str = "--config") 
     return cfg
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Check every setting against the others and the world size; raise ConfigError on the first
-    problem with a message that names the value and what would be valid."""
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
+def _need(ok: bool, field: str, value, reason: str) -> None:
+    if not ok:
+        raise ConfigError(reason, field, value)
 
-    need(cfg.model in PRESETS, f"--model {cfg.model}: unknown preset; valid: {', '.join(PRESETS)}")
-    need(cfg.n_layers is None or cfg.n_layers >= 1, f"--n-layers {cfg.n_layers}: must be >= 1")
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
+    """Check every setting against the others, the world size and the model (the shape the run
+    builds: see strata/train/preflight.model_shape); raise ConfigError naming the first bad field,
+    its value and what would be valid. Pure: no file is read."""
+    check_run_settings(cfg)
+    _need(cfg.nproc == 1 or world_size == cfg.nproc, "nproc", cfg.nproc,
+          f"does not match the {world_size} processes launched")
+    seq_len = sequence_length(cfg, model)
+    _need(world_size % (cfg.tp * cfg.pp) == 0, "tp", cfg.tp,
+          f"tp x pp = {cfg.tp * cfg.pp} does not divide the world size {world_size}")
+    check_layout(model, layout_of(cfg, world_size), world_size, seq_len, global_batch_size(cfg, world_size))
+    dp = data_parallel_size(cfg, world_size)
+    _need(cfg.reduce_dtype == "fp32" or dp > 1, "reduce_dtype", cfg.reduce_dtype,
+          "sets the dtype of data-parallel reductions, and dp is 1")
+    _need(cfg.pp > 1 or not cfg.trace, "trace", cfg.trace, "only with pp 2 or more")
+
+
+def check_run_settings(cfg: TrainConfig) -> None:
+    """Every setting on its own (ranges, names), and the ones that only make sense together."""
+    _need(cfg.model in PRESETS, "model", cfg.model, f"unknown preset; valid: {', '.join(PRESETS)}")
+    _need(cfg.n_layers is None or cfg.n_layers >= 1, "n_layers", cfg.n_layers, "must be >= 1")
     check_checkpoint_flags(cfg)
-    need(cfg.parallel in ("manual", "auto"), f"--parallel {cfg.parallel}: valid: manual, auto")
-    model = model_shape(cfg)
-    need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: valid: {', '.join(DTYPES)}")
-    need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")),
-         f"--data {cfg.data}: no meta.json there; run `strata data prepare --out {cfg.data}` "
-         f"first, or use --data synthetic")
-    need(cfg.device in ("auto", "cpu", "cuda"), f"--device {cfg.device}: valid: auto, cpu, cuda")
-    for name in ("steps", "micro_batch", "nproc", "tp", "pp", "virtual_stages", "eval_batches"):
-        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 1")
+    _need(cfg.parallel in ("manual", "auto"), "parallel", cfg.parallel, "valid: manual, auto")
+    _need(cfg.dtype in DTYPES, "dtype", cfg.dtype, f"valid: {', '.join(DTYPES)}")
+    _need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")), "data", cfg.data,
+          f"no meta.json there; run `strata data prepare --out {cfg.data}` first, or use --data synthetic")
+    check_device(cfg.device)
+    for name in ("steps", "micro_batch", "nproc", "tp", "pp", "virtual_stages", "eval_batches", "loss_scale_window"):
+        _need(getattr(cfg, name) >= 1, name, getattr(cfg, name), "must be >= 1")
     for name in ("warmup_steps", "save_every", "eval_every"):
-        need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
-    need(cfg.lr > 0, f"--lr {cfg.lr}: must be > 0")
-    need(0 <= cfg.min_lr <= cfg.lr, f"--min-lr {cfg.min_lr}: must be between 0 and --lr {cfg.lr}")
-    need(cfg.loss_scale > 0, f"--loss-scale {cfg.loss_scale}: must be > 0")
-    need(cfg.loss_scale_window >= 1, f"--loss-scale-window {cfg.loss_scale_window}: must be >= 1")
-    need(cfg.grad_clip >= 0, f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 disables clipping)")
-    need(cfg.timeout > 0, f"--timeout {cfg.timeout}: must be > 0 seconds")
-    seq_len = cfg.seq_len or model.max_seq_len
-    need(1 <= seq_len <= model.max_seq_len,
-         f"--seq-len {seq_len}: must be between 1 and the model's max_seq_len {model.max_seq_len}")
-
-    # layout: the product of the degrees is the world size
-    need(cfg.zero in (0, 1, 2, 3), f"--zero {cfg.zero}: valid: 0, 1, 2, 3")
-    need(world_size % (cfg.tp * cfg.pp) == 0,
-         f"--tp {cfg.tp} x --pp {cfg.pp} = {cfg.tp * cfg.pp} does not divide the world size {world_size}")
-    dp = cfg.dp if cfg.dp is not None else world_size // (cfg.tp * cfg.pp)
-    need(dp >= 1, f"--dp {dp}: must be >= 1")
-    need(dp * cfg.tp * cfg.pp == world_size,
-         f"--dp {dp} x --tp {cfg.tp} x --pp {cfg.pp} = {dp * cfg.tp * cfg.pp}, "
-         f"but the world size is {world_size}; the product must equal it")
-    check_tensor_parallel(model, cfg.tp)
-    need(not cfg.sequence_parallel or cfg.tp > 1, "--sequence-parallel: needs --tp 2 or more")
-    need(not cfg.sequence_parallel or seq_len % cfg.tp == 0,
-         f"--sequence-parallel: --seq-len {seq_len} must be a multiple of --tp {cfg.tp}")
-    need(cfg.vocab_size is None or cfg.vocab_size >= 2, f"--vocab-size {cfg.vocab_size}: must be >= 2")
-    need(cfg.vocab_size is None or cfg.data == "synthetic",
-         f"--vocab-size {cfg.vocab_size}: only for --data synthetic; a data set brings its tokenizer's")
-    check_pipeline(cfg, model, seq_len)
-    from strata.memory.checkpointing import parse
-    parse(cfg.checkpointing)
-    need(cfg.offload in ("none", "disk", "cpu"), f"--offload {cfg.offload}: valid: none, disk, cpu")
-    need(cfg.offload_dir is None or cfg.offload == "disk", f"--offload-dir {cfg.offload_dir}: only with --offload disk")
-
-    # batch: global = micro x accumulation x dp
-    need(cfg.global_batch is None or cfg.global_batch >= 1, f"--global-batch {cfg.global_batch}: must be >= 1")
-    need(cfg.global_batch is None or cfg.global_batch % (cfg.micro_batch * dp) == 0,
-         f"--global-batch {cfg.global_batch}: must be a multiple of --micro-batch {cfg.micro_batch} "
-         f"x dp {dp} = {cfg.micro_batch * dp}")
-
-    # what this version can run (the degrees above are already checked)
-    need(cfg.zero == 0 or dp > 1,
-         f"--zero {cfg.zero}: ZeRO shards states across data-parallel ranks, and dp is 1; "
-         f"use --zero 0, or --nproc N with dp > 1")
-    need(cfg.reduce_dtype in ("fp32", "bf16"), f"--reduce-dtype {cfg.reduce_dtype}: valid: fp32, bf16")
-    need(cfg.reduce_dtype == "fp32" or dp > 1,
-         f"--reduce-dtype {cfg.reduce_dtype}: sets the dtype of data-parallel reductions, and dp is 1")
-    need(cfg.reduce_dtype == "fp32" or cfg.dtype != "fp64", "--reduce-dtype bf16: not with --dtype fp64")
-    need(cfg.bucket_mb > 0, f"--bucket-mb {cfg.bucket_mb}: must be > 0")
-    need(cfg.nproc == 1 or world_size == cfg.nproc,
-         f"--nproc {cfg.nproc}: does not match the {world_size} processes launched")
-
-
-def model_shape(cfg: TrainConfig):
-    """The model's shape (a ModelConfig): the preset, or --init-from's checkpoint; --n-layers applied."""
-    from strata.model.config import ModelConfig
-    base = PRESETS[cfg.model]
-    if cfg.init_from:
-        from strata.checkpoint.store import read_state
-        base = ModelConfig.from_dict(read_state(cfg.init_from)["model_config"])
-    return base.with_overrides(n_layers=cfg.n_layers or base.n_layers)
+        _need(getattr(cfg, name) >= 0, name, getattr(cfg, name), "must be >= 0")
+    _need(0 <= cfg.seed < 2**63, "seed", cfg.seed, "must be between 0 and 2**63 - 1")
+    _need(cfg.warmup_steps <= cfg.steps, "warmup_steps", cfg.warmup_steps,
+          f"must be at most steps {cfg.steps} (the learning rate would never reach lr)")
+    _need(cfg.dp is None or cfg.dp >= 1, "dp", cfg.dp, "must be >= 1")
+    for name in ("lr", "timeout", "loss_scale", "bucket_mb"):
+        _need(_finite(getattr(cfg, name)) and getattr(cfg, name) > 0, name, getattr(cfg, name), "must be > 0")
+    _need(_finite(cfg.min_lr) and 0 <= cfg.min_lr <= cfg.lr, "min_lr", cfg.min_lr, f"must be between 0 and lr {cfg.lr}")
+    _need(_finite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", cfg.weight_decay, "must be >= 0")
+    for name in ("beta1", "beta2"):
+        _need(_finite(getattr(cfg, name)) and 0 <= getattr(cfg, name) < 1, name, getattr(cfg, name),
+              "must be in [0, 1) (Adam's moment decay)")
+    _need(_finite(cfg.grad_clip) and cfg.grad_clip >= 0, "grad_clip", cfg.grad_clip, "must be >= 0 (0 disables clipping)")
+    _need(_finite(cfg.min_loss_scale) and 0 < cfg.min_loss_scale <= cfg.loss_scale, "min_loss_scale",
+          cfg.min_loss_scale, f"must be > 0 and at most loss_scale {cfg.loss_scale}")
+    _need(cfg.peak_flops is None or (_finite(cfg.peak_flops) and cfg.peak_flops > 0), "peak_flops", cfg.peak_flops,
+          "must be > 0 FLOP/s")
+    _need(cfg.vocab_size is None or cfg.vocab_size >= 2, "vocab_size", cfg.vocab_size, "must be >= 2")
+    _need(cfg.vocab_size is None or cfg.data == "synthetic", "vocab_size", cfg.vocab_size,
+          "only for --data synthetic; a data set brings its tokenizer's")
+    _need(cfg.offload_dir is None or cfg.offload == "disk", "offload_dir", cfg.offload_dir, "only with offload disk")
+    _need(cfg.reduce_dtype in ("fp32", "bf16"), "reduce_dtype", cfg.reduce_dtype, "valid: fp32, bf16")
+    _need(cfg.reduce_dtype == "fp32" or cfg.dtype != "fp64", "reduce_dtype", cfg.reduce_dtype, "not with dtype fp64")
 
 
 def check_checkpoint_flags(cfg: TrainConfig) -> None:
     """--save, --resume, --init-from and what goes with them."""
-    if cfg.resume == "auto" and not cfg.save:
-        raise ConfigError("--resume auto: resumes from --save's latest checkpoint; give --save DIR too")
-    if cfg.resume not in (None, "auto") and not os.path.isdir(cfg.resume):
-        raise ConfigError(f"--resume {cfg.resume}: no such directory (or 'auto': --save's latest, if any)")
-    if cfg.init_from is not None and not os.path.isdir(cfg.init_from):
-        raise ConfigError(f"--init-from {cfg.init_from}: no such directory")
-    if cfg.init_from is not None and cfg.resume is not None:
-        raise ConfigError("--init-from and --resume: choose one (--resume continues a run, --init-from starts "
-                          "a new one from a checkpoint's weights)")
-    if cfg.init_from is not None and cfg.n_layers is not None:
-        raise ConfigError("--n-layers: not with --init-from (the checkpoint fixes the model's shape)")
+    _need(cfg.resume != "auto" or bool(cfg.save), "resume", "auto",
+          "resumes from the save directory's last checkpoint; give --save DIR too")
+    _need(cfg.resume in (None, "auto") or os.path.isdir(cfg.resume), "resume", cfg.resume,
+          "no such directory (or 'auto': --save's latest, if any)")
+    _need(cfg.init_from is None or os.path.isdir(cfg.init_from), "init_from", cfg.init_from, "no such directory")
+    _need(cfg.init_from is None or cfg.resume is None, "init_from", cfg.init_from,
+          "not with --resume: choose one (--resume continues a run, --init-from starts a new one from a "
+          "checkpoint's weights)")
+    _need(cfg.init_from is None or cfg.n_layers is None, "n_layers", cfg.n_layers,
+          "not with --init-from (the checkpoint fixes the model's shape)")
     for name in ("keep", "max_restarts"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
-    if (cfg.keep or cfg.async_save) and not cfg.save:
-        raise ConfigError(f"--{'keep' if cfg.keep else 'async-save'}: only with --save DIR")
+        _need(getattr(cfg, name) >= 0, name, getattr(cfg, name), "must be >= 0")
+    _need(not cfg.keep or bool(cfg.save), "keep", cfg.keep, "only with --save DIR")
+    _need(not cfg.async_save or bool(cfg.save), "async_save", True, "only with --save DIR")
 
 
-def check_pipeline(cfg: TrainConfig, model, seq_len: int) -> None:
-    """The pipeline settings, and whether the model can be cut into pp x virtual-stages chunks."""
-    from strata.parallel.pipeline.schedules import SCHEDULES
-    from strata.parallel.pipeline.stage import make_layout
-    if cfg.schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule {cfg.schedule}: valid: {', '.join(SCHEDULES)}")
-    if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
-        raise ConfigError(f"--schedule interleaved: needs --virtual-stages 2 or more (got {cfg.virtual_stages})")
-    if cfg.schedule != "interleaved" and cfg.virtual_stages != 1:
-        raise ConfigError(f"--virtual-stages {cfg.virtual_stages}: only with --schedule interleaved")
-    if cfg.pp == 1:
-        for name, value in (("pp_split", cfg.pp_split), ("trace", cfg.trace)):
-            if value:
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: only with --pp 2 or more")
-        return
-    if cfg.zero >= 2:
-        raise ConfigError(f"--zero {cfg.zero} with --pp {cfg.pp}: ZeRO-2/3 would reduce-scatter gradients "
-                          f"(ZeRO-3 also gather parameters) on every micro-batch, m times the traffic; "
-                          f"use --zero 1 (as DeepSpeed and Megatron-LM do with pipelines) or --zero 0")
-    make_layout(model, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split)
+def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
+    """The layout a config asks for (dp defaults to what tp and pp leave of the world)."""
+    return Layout(data_parallel_size(cfg, world_size), cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero, cfg.micro_batch,
+                  cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule, cfg.pp_split)
 
 
-def check_tensor_parallel(model, tp: int) -> None:
-    """Can a model of this shape (a ModelConfig) be split over tp ranks? (training and generation)"""
-    if model.n_heads % tp:
-        raise ConfigError(f"--tp {tp}: must divide the model's {model.n_heads} attention heads")
-    if model.kv_heads % tp and tp % model.kv_heads:
-        raise ConfigError(f"--tp {tp}: must divide the model's {model.kv_heads} KV heads or be a multiple of them")
-    if model.d_ff % tp:
-        raise ConfigError(f"--tp {tp}: must divide the model's d_ff {model.d_ff}")
-    if tp > 1 and model.position == "alibi":
-        raise ConfigError(f"--tp {tp}: ALiBi models run with --tp 1 for now")
+def sequence_length(cfg: TrainConfig, model: ModelConfig) -> int:
+    """Tokens per sequence: as given, or the model's context."""
+    return cfg.seq_len if cfg.seq_len is not None else model.max_seq_len
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:

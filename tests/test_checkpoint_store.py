@@ -7,11 +7,13 @@ import os
 import pytest
 import torch
 
-from distributed import run_on_ranks
 from strata.checkpoint import shards, store
 from strata.cli import main as strata_main
-from strata.config import ConfigError, TrainConfig
+from strata.config import TrainConfig
+from strata.errors import ConfigError
 from strata.train.trainer import train
+
+from distributed import run_on_ranks
 
 BASE = dict(model="tiny", seq_len=32, steps=10, progress=False, peak_flops=1e10, eval_batches=1,
             lr=3e-3, seed=5, micro_batch=2, global_batch=8, warmup_steps=2)

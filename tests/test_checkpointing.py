@@ -5,11 +5,14 @@ et al.'s terms for this model's layout."""
 import pytest
 import torch
 
-from distributed import run_on_ranks
-from memory_probe import saved_bytes_of_first_block
-from strata.config import ConfigError, TrainConfig, validate
+from strata.config import TrainConfig
+from strata.errors import ConfigError
 from strata.plan.memory import activation_bytes_per_layer
 from strata.train import trainer
+from strata.train.preflight import checked_model
+
+from distributed import run_on_ranks
+from memory_probe import saved_bytes_of_first_block
 
 MODES = ("none", "full", "selective", "every:1")
 BASE = dict(model="tiny", seq_len=32, steps=3, micro_batch=2, global_batch=4, progress=False, peak_flops=1e10,
@@ -60,4 +63,4 @@ def test_bytes_kept_per_layer_match_korthikanti_for_this_layout():
 def test_bad_checkpointing_mode_is_refused():
     for mode in ("some", "every:0", "every:x"):
         with pytest.raises(ConfigError, match="valid: none, full, selective, every:K"):
-            validate(TrainConfig(checkpointing=mode), 1)
+            checked_model(TrainConfig(checkpointing=mode), 1)

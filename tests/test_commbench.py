@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_on_ranks
 from strata.cli import main as strata_main
 from strata.distributed.commbench import BUS_FACTOR, measure, parse_size, sizes_between
+
+from distributed import run_on_ranks
 
 SIZE = 64 * 2**20
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.config import ConfigError
 from strata.data.loader import BatchLoader, open_split, synthetic_split
 from strata.data.prepare import prepare, shakespeare_files
+from strata.errors import ConfigError
 
 TEXT = ("From fairest creatures we desire increase,\nThat thereby beauty's rose might never die,\n"
         "But as the riper should by time decease,\nHis tender heir might bear his memory:\n") * 40

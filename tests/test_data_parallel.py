@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distributed import run_on_ranks
 from strata.config import TrainConfig
 from strata.model.presets import get_preset
 from strata.parallel.buckets import plan_buckets, shard_pieces
 from strata.train.trainer import train
+
+from distributed import run_on_ranks
 
 PSI = get_preset("tiny").num_params()  # 106,816
 BASE = dict(model="tiny", seq_len=32, steps=10, progress=False, peak_flops=1e10, eval_batches=1,

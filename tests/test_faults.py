@@ -14,10 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from distributed import run_on_ranks
 from strata.checkpoint import shards, store
 from strata.cli import main as strata_main
 from strata.distributed import comm
+
+from distributed import run_on_ranks
+from listeners import kill_tree
 
 TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "80", "--lr", "3e-3",
          "--eval-batches", "1", "--no-progress", "--peak-flops", "1e10", "--nproc", "2", "--save-every", "5"]
@@ -74,13 +76,44 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_uninterrupted
     assert job.returncode == 0, out[-3000:]
     assert "resuming from" in out, out[-3000:]  # the restarted ranks found the last checkpoint
     logged = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert {r["step"] for r in logged if r["kind"] == "train"} == set(range(1, 81))  # appended after the restart
+    # appended after the restart, the replayed steps once: what the crash logged past the checkpoint is dropped
+    assert sorted(r["step"] for r in logged if r["kind"] == "train") == list(range(1, 81))
     straight_out, _ = straight.communicate(timeout=300)
     assert straight.returncode == 0, straight_out[-3000:]
     expected, got = _final_params(tmp_path / "straight"), _final_params(tmp_path / "killed")
     assert set(got) == set(expected)
     for name, value in expected.items():
         assert torch.equal(got[name], value), f"{name} differs (killed at step {killed})"
+
+
+def test_a_hung_rank_is_named_in_the_last_line(tmp_path):
+    """Rank 1 freezes (SIGSTOP) mid-run: rank 0's next collective times out, and the launcher's
+    last line names rank 1 as the one that never arrived (rank 0 only waited for it)."""
+    metrics = tmp_path / "metrics.jsonl"
+    job = _strata(*TRAIN[:-2], "--steps", "1000", "--timeout", "5", "--metrics", metrics, start_new_session=True)
+    frozen = []
+    deadline = time.monotonic() + 120
+    while not frozen and time.monotonic() < deadline and job.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            frozen = _descendants_with_rank(job.pid, 1)
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.05)
+    try:
+        out, _ = job.communicate(timeout=180)
+    finally:
+        kill_tree(job.pid)
+        for pid in frozen:  # orphaned, if the launcher is gone already
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert frozen, out[-2000:]
+    last = out.strip().splitlines()[-1]
+    assert job.returncode == 1, out[-3000:]
+    assert last.startswith("strata: error: rank 1 did not arrive at collective"), out[-3000:]
+    assert "rank 0 waited for it" in last, last
+    assert "Traceback" not in out, out[-3000:]
 
 
 def _skip_a_collective(timeout_s):

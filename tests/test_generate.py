@@ -131,11 +131,11 @@ def test_pipeline_and_tensor_parallel_generation_equal_one_process(checkpoint, t
     (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3: must be between 1 and the 1 prompts"),
     (["--nproc", "3", "--tp", "2"], "--nproc 3: generation runs on tp x pp = 2 x 1 = 2 processes"),
     (["--stop", "x"], "--stop 'x': the checkpoint has no tokenizer.json"),
-    (["--max-new-tokens", "64"], "--max-new-tokens 64 after a 1-token prompt exceeds the model's 64-position "
-                                  "context; at most 63"),
+    (["--max-new-tokens", "64"], "--max-new-tokens 64: must be between 1 and 63 (what the model's 64-position "
+                                  "context leaves after a 1-token prompt)"),
     (["--repetition-penalty", "0"], "--repetition-penalty 0.0: must be > 0"),
-    (["--pp", "5"], "--pp 5 x --virtual-stages 1 = 5 chunks, but the model has only 2 layers"),
-    (["--pp", "2", "--max-new-tokens", "64"], "--max-new-tokens 64 after a 1-token prompt"),  # before launching
+    (["--pp", "5"], "--pp 5: with 1 virtual stage(s), 5 chunks, but the model has only 2 layers"),
+    (["--pp", "2", "--max-new-tokens", "64"], "--max-new-tokens 64: must be between 1 and 63"),  # before launching
     (["--tp", "2", "--prompt-ids", "300"], "prompt ids [300]: want at least one id, each in [0, 250)"),
     (["--tp", "2", "--prompt", "hi"], "has no tokenizer.json (trained on synthetic data); use --prompt-ids"),
 ])

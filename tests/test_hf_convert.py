@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_on_ranks
 from strata.checkpoint import shards, store
 from strata.checkpoint.hf import convert_from_hf, convert_to_hf
 from strata.cli import main as strata_main
@@ -16,8 +15,11 @@ from strata.config import TrainConfig
 from strata.infer.cli import load_for_inference
 from strata.model.config import ModelConfig
 from strata.model.transformer import build_model
-from strata.parallel.pipeline.stage import keep_stage, make_layout
+from strata.parallel.pipeline.stage import keep_stage
+from strata.rules.pipeline_cut import make_layout
 from strata.train.trainer import train
+
+from distributed import run_on_ranks
 
 transformers = pytest.importorskip("transformers", reason="the interop tests need transformers (pip install -e '.[dev]')")
 

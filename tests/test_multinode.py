@@ -8,10 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from distributed import free_port
+from listeners import host, listeners_of_tree
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None
@@ -64,14 +66,29 @@ def test_two_nodes_through_strata_launch_train_like_one_node(two_nodes, tmp_path
     env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
     env["OMP_NUM_THREADS"] = "1"
     port = str(free_port())
+    logs = [open(tmp_path / f"node{i}.log", "w+") for i in range(2)]
     jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch", "--hostfile",
                               str(hostfile), "--master-port", port, "--", *TRAIN, "--metrics",
                               str(tmp_path / f"node{i}.jsonl")],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i, (ns, _, _) in enumerate(two_nodes)]
-    outputs = [job.communicate(timeout=300)[0] for job in jobs]
+                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            for i, ((ns, _, _), log) in enumerate(zip(two_nodes, logs))]
+    seen = [set(), set()]  # every listening address of each node's job while it ran
+    deadline = time.monotonic() + 300
+    while any(job.poll() is None for job in jobs) and time.monotonic() < deadline:
+        for i, job in enumerate(jobs):
+            seen[i].update(a for addresses in listeners_of_tree(job.pid).values() for a in addresses)
+        time.sleep(0.2)
+    outputs = []
+    for job, log in zip(jobs, logs):
+        job.wait(timeout=10)
+        log.seek(0)
+        outputs.append(log.read())
     for job, out in zip(jobs, outputs):
         assert job.returncode == 0, out[-3000:]
+    # the store listens on the master's address only; nothing of either node listens on every interface
+    assert f"{two_nodes[0][1]}:{port}" in seen[0], seen[0]
+    for (_, ip, _), addresses in zip(two_nodes, seen):
+        assert addresses and all(host(a) in (ip, "127.0.0.1") for a in addresses), (ip, addresses)
     assert "node 0 of 2" in outputs[0] and "node 1 of 2" in outputs[1]
     assert "GLOO_SOCKET_IFNAME=sva" in outputs[0] and "GLOO_SOCKET_IFNAME=svb" in outputs[1]
     local = subprocess.run([sys.executable, "-m", "strata", *TRAIN, "--nproc", "2", "--metrics",
@@ -155,8 +172,9 @@ def test_over_a_1_gbit_link_the_all_reduce_time_is_what_the_planner_predicts(two
     prediction for two nodes joined by that link. tbf needs a burst of at least rate/HZ (about
     512 KB at 1 Gbit/s) or it cannot reach its rate: with 32 KB the link gave 85% of it."""
     from strata.model.presets import get_preset
-    from strata.plan.cost import Layout, estimate
+    from strata.plan.cost import estimate
     from strata.plan.inputs import build_cluster, workload
+    from strata.rules.layout import Layout
     _shape(two_nodes, "1gbit", "512kb")
     hostfile = tmp_path / "hosts"
     hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip, _ in two_nodes))

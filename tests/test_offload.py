@@ -7,9 +7,10 @@ import ctypes
 import pytest
 import torch
 
-from distributed import run_on_ranks
 from strata.config import TrainConfig
 from strata.train.trainer import train
+
+from distributed import run_on_ranks
 
 BASE = dict(model="tiny", seq_len=32, steps=4, micro_batch=1, global_batch=4, progress=False, peak_flops=1e10,
             eval_batches=1, seed=9)

@@ -12,15 +12,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import run_on_ranks
-from strata.config import ConfigError, TrainConfig, validate
+from strata.config import TrainConfig
+from strata.errors import ConfigError
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.parallel.pipeline.executor import PipelineExecutor
-from strata.parallel.pipeline.schedules import build, simulate
-from strata.parallel.pipeline.stage import balanced_split, keep_stage, make_layout
+from strata.parallel.pipeline.stage import keep_stage
 from strata.parallel.pipeline.timeline import plot_schedule, read_trace
+from strata.rules.pipeline_cut import balanced_split, make_layout
+from strata.rules.schedules import build, simulate
+from strata.train.preflight import checked_model
 from strata.train.trainer import train
+
+from distributed import run_on_ranks
 
 BASE = dict(model="tiny", seq_len=32, steps=10, progress=False, peak_flops=1e10, eval_batches=1,
             lr=3e-3, seed=3, micro_batch=1)
@@ -237,18 +241,18 @@ def test_stage_keeps_its_layers_under_their_global_names():
 
 @pytest.mark.parametrize("settings,message", [
     (dict(pp=2, zero=2, dp=2), "ZeRO-2/3 would reduce-scatter"),
-    (dict(pp=2, schedule="interleaved"), "needs --virtual-stages 2"),
-    (dict(pp=2, virtual_stages=2), "only with --schedule interleaved"),
+    (dict(pp=2, schedule="interleaved"), "needs virtual_stages 2"),
+    (dict(pp=2, virtual_stages=2), "a schedule that runs several chunks per rank (interleaved)"),
     (dict(pp=2, schedule="zigzag"), "valid: gpipe, 1f1b, interleaved, zb"),
     (dict(pp=4, schedule="interleaved", virtual_stages=2), "only 2 layers + embedding + head = 4 units"),
     (dict(pp=2, pp_split="1,2"), "summing to the model's 2 layers"),
     (dict(pp=4, pp_split="1,0,0,1"), "only the first and last chunk may hold no blocks"),
-    (dict(trace="t.json"), "only with --pp 2 or more"),
+    (dict(trace="t.json"), "only with pp 2 or more"),
 ])
 def test_bad_pipeline_settings_are_refused_with_the_reason(settings, message):
     world = settings.get("pp", 1) * settings.get("dp", 1)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(TrainConfig(**settings), world)
+        checked_model(TrainConfig(**settings), world)
 
 
 # --- checkpoints and bf16 -------------------------------------------------------------------------

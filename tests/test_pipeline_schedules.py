@@ -4,7 +4,7 @@ deadlock, the bounded in-flight memory of 1F1B, and the bubble of each against t
 
 import pytest
 
-from strata.parallel.pipeline.schedules import build, peak_in_flight, simulate
+from strata.rules.schedules import build, peak_in_flight, simulate
 
 
 def _check_complete(schedule, p, m, v, kinds):

@@ -8,9 +8,10 @@ import pytest
 from strata.cli import main as strata_main
 from strata.model.config import ModelConfig
 from strata.model.presets import get_preset
-from strata.plan.cost import Layout, estimate
+from strata.plan.cost import estimate
 from strata.plan.inputs import build_cluster, workload
 from strata.plan.search import explain, search
+from strata.rules.layout import Layout
 
 GB = 10**9
 
@@ -139,8 +140,8 @@ def test_plan_reads_a_hugging_face_config(tmp_path, capsys):
     (["--model", "tiny", "--device", "Z80"], "--device Z80: valid"),
     (["--model", "tiny", "--network", "carrier-pigeon"], "--network carrier-pigeon: valid"),
     (["--model", "tiny", "--device", "RTX-4090", "--intra", "nvlink"], "has no NVLink"),
-    (["--model", "tiny", "--layout", "dp=3,tp=2"], "the cluster has 8 devices"),
-    (["--model", "tiny", "--layout", "dp=8,zero=7"], "zero: valid 0-3"),
+    (["--model", "tiny", "--layout", "dp=3,tp=2"], "the world size is 8; the product must equal it"),
+    (["--model", "tiny", "--layout", "dp=8,zero=7"], "--layout dp=8,zero=7: zero=7: valid: 0, 1, 2, 3"),
     (["--model", "gpt3-175b", "--gpus-per-node", "1"], "no layout of 1 x A100-80G runs gpt3-175b"),
 ])
 def test_plan_bad_input_gets_one_line(args, message, capsys):

@@ -4,11 +4,12 @@ leaves the weights untouched, and training goes on."""
 import pytest
 import torch
 
-from distributed import run_on_ranks
 from strata.config import TrainConfig
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.train.trainer import train
+
+from distributed import run_on_ranks
 
 BASE = dict(model="tiny", seq_len=32, micro_batch=2, global_batch=4, progress=False, peak_flops=1e10,
             eval_batches=1, dtype="fp16")

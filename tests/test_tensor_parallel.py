@@ -6,11 +6,12 @@ import functools
 import pytest
 import torch
 
-from distributed import run_on_ranks
-from memory_probe import saved_bytes_of_first_block
 from strata.config import TrainConfig
 from strata.model.presets import get_preset
 from strata.train.trainer import train
+
+from distributed import run_on_ranks
+from memory_probe import saved_bytes_of_first_block
 
 # vocab 250 is not divisible by 4, so tp 4 pads it to 252 (the padding must not change the loss); tiny has
 # 4 query heads and 2 KV heads, so tp 4 replicates the KV heads.

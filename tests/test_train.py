@@ -60,6 +60,7 @@ def test_peak_flops_measurement_stays_quick_for_a_dtype_without_fast_kernels():
     # fp16 matmuls on this CPU run ~30x slower than fp32: a full-size measurement took minutes
     # per rank (an fp16 run seemed to hang before its first step); the size now shrinks to fit.
     import time
+
     from strata.train.metrics import measure_matmul_flops
     start = time.perf_counter()
     assert measure_matmul_flops(torch.device("cpu"), torch.float16) > 0

@@ -19,9 +19,11 @@ import shutil
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from strata.checkpoint import shards, store
-from strata.config import ConfigError
+from strata.errors import ConfigError, CorruptError
+from strata.files import check_output_dir, inside, read_json, read_json_object
 from strata.model.config import ModelConfig
 
 LLAMA_LAYER = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
@@ -31,10 +33,33 @@ LLAMA_LAYER = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "se
 GPT2_LAYER = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.w_in",
               "mlp.c_proj": "mlp.w_out"}
 GPT2_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what --to-hf writes
+# the config.json keys that count things (a present one must be a whole number >= 1)
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "head_dim", "n_embd", "n_layer", "n_head",
+              "n_positions", "n_inner")
 
 
 # --- configs -------------------------------------------------------------------------------------
 def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
+    """The model a Hugging Face config.json describes; one line naming the key when it cannot."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where}: config.json holds a JSON {type(hf).__name__}, not an object")
+    for key in SHAPE_KEYS:
+        value = hf.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{where}: config.json: {key}={value!r} must be a whole number >= 1")
+    try:
+        cfg = _model_config_from_hf(hf, where)
+        cfg.validate()
+    except KeyError as e:
+        raise ConfigError(f"{where}: config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise ConfigError(f"{where}: config.json does not describe a valid model ({e})") from None
+    return cfg
+
+
+def _model_config_from_hf(hf: dict, where: str) -> ModelConfig:
     kind = hf.get("model_type")
     if kind == "llama":
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -198,19 +223,14 @@ def read_hf_config(directory: str) -> dict:
     config_file = os.path.join(directory, "config.json")
     if not os.path.isfile(config_file):
         raise ConfigError(f"--from-hf {directory}: no config.json there")
-    try:
-        with open(config_file) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--from-hf {directory}: config.json is not valid JSON ({e})") from None
+    return read_json(config_file, "a Hugging Face config.json")
 
 
 def read_hf_tensors(directory: str) -> dict[str, torch.Tensor]:
     """Every tensor of a local Hugging Face model directory (safetensors, one file or sharded)."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = _index_files(index, directory)
     elif os.path.isfile(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -221,15 +241,27 @@ def read_hf_tensors(directory: str) -> dict[str, torch.Tensor]:
         try:
             tensors.update(load_file(os.path.join(directory, name)))
         except (SafetensorError, OSError) as e:
-            raise ConfigError(f"--from-hf {directory}: {name} is not a readable safetensors file ({e})") from None
+            raise CorruptError(f"--from-hf {directory}: {name} is not a readable safetensors file ({e})") from None
     return tensors
+
+
+def _index_files(index: str, directory: str) -> list[str]:
+    """The shard files a model.safetensors.index.json names: plain names inside the directory."""
+    weight_map = read_json_object(index, "an index of safetensors files").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CorruptError(f"{index}: 'weight_map' must map tensor names to file names")
+    return sorted({os.path.basename(inside(directory, name, index)) for name in weight_map.values()})
 
 
 def convert_from_hf(directory: str, out: str) -> str:
     """A Hugging Face model directory -> a strata checkpoint (step 0, no optimizer state) that
     `strata train --init-from` starts from under any layout, and `strata generate` reads."""
+    check_output_dir(out, "out")
+    if os.path.isdir(out) and os.listdir(out):  # a save directory's `latest` would move to step 0
+        raise ConfigError("holds files already; convert into a new or empty directory", "out", out)
     hf_config = read_hf_config(directory)
     cfg = model_config_from_hf(hf_config, f"--from-hf {directory}")
+    tokenizer = _hf_tokenizer(directory)
     hf_tensors = read_hf_tensors(directory)
     tensors = tensors_from_hf(hf_tensors, cfg, f"--from-hf {directory}")
     expected = _expected_shapes(cfg)
@@ -246,22 +278,34 @@ def convert_from_hf(directory: str, out: str) -> str:
     state = {"model_config": cfg.to_dict(), "config": {"dtype": "fp32"},
              "layout": {"dp": 1, "tp": 1, "pp": 1, "zero": 0},
              "hf": {"config": hf_config, "keys": sorted(hf_tensors), "dtype": dtype, "source": os.path.abspath(directory)}}
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        extra = (os.path.join(directory, "tokenizer.json"),)
-    else:
-        extra = ()
-    return store.Checkpointer(out, 0, 1).save(0, data, meta, state, extra)
+    return store.Checkpointer(out, 0, 1).save(0, data, meta, state, (tokenizer,) if tokenizer else ())
+
+
+def _hf_tokenizer(directory: str) -> str | None:
+    """The model's tokenizer.json, if it has one that loads (it travels into the checkpoint)."""
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.lexists(path):
+        return None
+    try:
+        Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a bad file
+        raise CorruptError(f"--from-hf {directory}: tokenizer.json is not a tokenizer that `tokenizers` reads "
+                           f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+    return path
 
 
 def convert_to_hf(checkpoint: str, out: str) -> str:
     """A strata checkpoint (any layout) -> a Hugging Face model directory that `transformers`
     loads with from_pretrained."""
+    check_output_dir(out, "out")
+    clash = [n for n in HF_FILES if os.path.exists(os.path.join(out, n))]
+    if clash:
+        raise ConfigError(f"holds a model already ({clash[0]}); convert into a new directory", "out", out)
     path, manifest, reader = store.open_checkpoint(checkpoint)
-    cfg = ModelConfig.from_dict(manifest["model_config"])
+    cfg = store.model_config(manifest, path)
     with reader:
         tensors = shards.read_full(reader)
-    tokenizer = os.path.join(path, "tokenizer.json")
-    return save_hf(tensors, cfg, out, manifest.get("hf", {}), tokenizer if os.path.isfile(tokenizer) else None)
+    return save_hf(tensors, cfg, out, manifest.get("hf", {}), store.verified_file(path, "tokenizer.json"))
 
 
 def save_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, original: dict | None = None,

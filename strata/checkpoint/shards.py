@@ -21,13 +21,16 @@ import json
 import math
 import os
 import random
+import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from strata.config import ConfigError
+from strata.errors import ConfigError, CorruptError
+
+_SHARD_META = re.compile(r"^shard_(\d+)\.json$")
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -111,19 +114,26 @@ class ShardReader:
         self.index: dict[str, list[tuple[str, Region]]] = {}
         self.steps, self.rngs = set(), {}
         for name in sorted(files):
-            if not (name.startswith("shard_") and name.endswith(".json")):
+            found = _SHARD_META.match(name)
+            if found is None:
                 continue
             self.verify(name)
-            with open(os.path.join(path, name)) as f:
-                meta = json.load(f)
-            data_file = name[:-len(".json")] + ".safetensors"
-            for tensor_name, region in meta["regions"].items():
-                region = Region(**{**region, "shape": tuple(region["shape"])})
-                self.index.setdefault(tensor_name, []).append((data_file, region))
-            if meta["regions"]:  # a rank that only held replicas wrote nothing, and no step
-                self.steps.add(meta["optimizer_step"])
-            self.rngs[int(name[len("shard_"):-len(".json")])] = meta["rng"]
+            try:
+                self._index_shard(name, int(found.group(1)))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CorruptError(f"checkpoint {path}: {name} does not describe its pieces ({e!r})") from None
         self._open: dict = {}
+
+    def _index_shard(self, name: str, rank: int) -> None:
+        with open(os.path.join(self.path, name), "rb") as f:
+            meta = json.loads(f.read())
+        data_file = name[:-len(".json")] + ".safetensors"
+        for tensor_name, region in meta["regions"].items():
+            region = Region(**{**region, "shape": tuple(region["shape"])})
+            self.index.setdefault(tensor_name, []).append((data_file, region))
+        if meta["regions"]:  # a rank that only held replicas wrote nothing, and no step
+            self.steps.add(meta["optimizer_step"])
+        self.rngs[rank] = meta["rng"]
 
     @property
     def has_optimizer(self) -> bool:

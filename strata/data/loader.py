@@ -7,13 +7,13 @@ needs nothing but k."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 import torch
 
-from strata.config import ConfigError
+from strata.errors import ConfigError, CorruptError
+from strata.files import inside, read_json_object
 
 _SPLIT_ID = {"train": 0, "val": 1}
 
@@ -36,14 +36,83 @@ class TokenSource:
         return np.asarray(self.shards[shard][offset:offset + seq_len + 1], dtype=np.int64)
 
 
-def open_split(data_dir: str, split: str) -> TokenSource:
-    """Memory-map the shards of `split` written by `strata data prepare`."""
+DTYPES = ("uint16", "uint32")  # what `strata data prepare` writes
+SCAN_TOKENS = 1 << 24  # token ids checked per read, to keep the scan's memory flat
+
+
+def read_meta(data_dir: str) -> dict:
+    """A prepared data directory's meta.json, checked against the files: every shard a plain name
+    inside the directory, present, with exactly the bytes its token count needs, and the split
+    totals the sum of their shards. Raises one line naming the first problem."""
     meta_path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(meta_path):
         raise ConfigError(f"--data {data_dir}: no meta.json; run `strata data prepare --out {data_dir}` "
                           f"first, or use --data synthetic")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_json_object(meta_path, "what `strata data prepare` writes")
+    try:
+        _check_meta(meta, data_dir, meta_path)
+    except KeyError as e:
+        raise CorruptError(f"{meta_path}: has no {e.args[0]!r}; not what `strata data prepare` writes") from None
+    except (TypeError, AttributeError) as e:
+        raise CorruptError(f"{meta_path}: not what `strata data prepare` writes ({e})") from None
+    return meta
+
+
+def _check_meta(meta: dict, data_dir: str, meta_path: str) -> None:
+    vocab = meta["vocab_size"]
+    if not isinstance(vocab, int) or vocab < 2:
+        raise CorruptError(f"{meta_path}: vocab_size {vocab!r} must be a whole number >= 2")
+    if meta["dtype"] not in DTYPES:
+        raise CorruptError(f"{meta_path}: dtype {meta['dtype']!r}; valid: {', '.join(DTYPES)}")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in ("train", "val"):
+        entry = meta["splits"][split]
+        total = 0
+        for shard in entry["shards"]:
+            path = inside(data_dir, shard["file"], meta_path)
+            tokens = shard["tokens"]
+            if not isinstance(tokens, int) or tokens < 0:
+                raise CorruptError(f"{meta_path}: {shard['file']} has token count {tokens!r}")
+            if not os.path.isfile(path):
+                raise CorruptError(f"--data {data_dir}: shard {shard['file']} is missing")
+            size = os.path.getsize(path)
+            if size != tokens * itemsize:
+                raise CorruptError(f"--data {data_dir}: shard {shard['file']} has {size} bytes; meta.json's "
+                                   f"{tokens} {meta['dtype']} tokens need {tokens * itemsize} (truncated or replaced)")
+            total += tokens
+        if total != entry["tokens"]:
+            raise CorruptError(f"{meta_path}: the {split} split counts {entry['tokens']} tokens, its shards {total}")
+
+
+def check_token_ids(data_dir: str, meta: dict) -> None:
+    """Every token id of every shard is inside the vocabulary (one pass over the files)."""
+    for split in ("train", "val"):
+        for shard in meta["splits"][split]["shards"]:
+            if shard["tokens"] == 0:
+                continue
+            ids = np.memmap(os.path.join(data_dir, shard["file"]), dtype=meta["dtype"], mode="r")
+            for start in range(0, len(ids), SCAN_TOKENS):
+                largest = int(ids[start:start + SCAN_TOKENS].max())
+                if largest >= meta["vocab_size"]:
+                    raise CorruptError(f"--data {data_dir}: shard {shard['file']} holds token id {largest}, "
+                                       f"outside the vocabulary of {meta['vocab_size']}")
+
+
+def _no_window(split: str, seq_len: int) -> ConfigError:
+    return ConfigError(f"the {split} split is shorter than one window of seq_len + 1 tokens; use a shorter "
+                       f"seq_len or more text", "seq_len", seq_len)
+
+
+def check_windows(meta: dict, seq_len: int) -> None:
+    """Both splits of a prepared data set hold at least one window (a window never crosses shards)."""
+    for split in ("train", "val"):
+        if not any(shard["tokens"] > seq_len for shard in meta["splits"][split]["shards"]):
+            raise _no_window(split, seq_len)
+
+
+def open_split(data_dir: str, split: str) -> TokenSource:
+    """Memory-map the shards of `split` written by `strata data prepare`."""
+    meta = read_meta(data_dir)
     shards = [np.memmap(os.path.join(data_dir, s["file"]), dtype=meta["dtype"], mode="r")
               for s in meta["splits"][split]["shards"] if s["tokens"] > 0]
     return TokenSource(shards, meta["vocab_size"])
@@ -73,8 +142,7 @@ class BatchLoader:
         self.dp_rank, self.rows_per_rank = dp_rank, global_batch // dp_size
         self.cumulative = source.window_starts(seq_len)
         if len(self.cumulative) == 0 or self.cumulative[-1] == 0:
-            raise ConfigError(f"--seq-len {seq_len}: the {split} split is shorter than one window; "
-                              f"use a shorter --seq-len or more text")
+            raise _no_window(split, seq_len)
 
     def global_window_indices(self, step: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.split_id, step])

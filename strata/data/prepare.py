@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.config import ConfigError
 from strata.data.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe
+from strata.errors import ConfigError
+from strata.files import check_output_dir
 
 SHARD_TOKENS = 1 << 26  # 64 Mi tokens per shard file
 
@@ -44,6 +45,10 @@ def source_files(sources: list[str]) -> list[str]:
             files += shakespeare_files()
         elif os.path.isdir(source):
             found = sorted(glob.glob(os.path.join(source, "**", "*.txt"), recursive=True))
+            broken = [f for f in found if os.path.islink(f) and not os.path.exists(f)]
+            if broken:
+                raise ConfigError(f"--source {source}: {broken[0]} is a broken link")
+            found = [f for f in found if os.path.isfile(f)]  # a directory named *.txt is not a text
             if not found:
                 raise ConfigError(f"--source {source}: directory holds no .txt files")
             files += found
@@ -54,13 +59,25 @@ def source_files(sources: list[str]) -> list[str]:
     return files
 
 
+def read_text(path: str) -> str:
+    """A source file's text; text that is not UTF-8 is refused, not silently replaced."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--source {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
 def prepare(sources: list[str], out_dir: str, tokenizer_spec: str = "bpe:8192",
             val_fraction: float = 0.05) -> dict:
     """Tokenize `sources` into `out_dir`; returns the metadata written to meta.json."""
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+    if not 0 < val_fraction < 1:
+        raise ConfigError("must be in (0, 1): training validates on this split", "val_fraction", val_fraction)
+    check_output_dir(out_dir, "out")
     files = source_files(sources)
-    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
+    texts = [read_text(f) for f in files]
+    if not any(text.strip() for text in texts):
+        raise ConfigError(f"--source {' '.join(sources)}: the corpus is empty ({len(files)} file(s), no text)")
 
     if tokenizer_spec.startswith("bpe:"):
         size = tokenizer_spec[4:]
@@ -68,7 +85,11 @@ def prepare(sources: list[str], out_dir: str, tokenizer_spec: str = "bpe:8192",
             raise ConfigError(f"--tokenizer {tokenizer_spec}: want bpe:N with N from 257 to 1048576")
         tokenizer = train_bpe(texts, int(size))
     elif tokenizer_spec.endswith(".json") and os.path.isfile(tokenizer_spec):
-        tokenizer = load_tokenizer(tokenizer_spec)
+        try:
+            tokenizer = load_tokenizer(tokenizer_spec)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a bad file
+            raise ConfigError(f"--tokenizer {tokenizer_spec}: not a tokenizer.json that `tokenizers` reads "
+                              f"({str(e).splitlines()[0][:200]})") from None
     else:
         raise ConfigError(f"--tokenizer {tokenizer_spec}: want bpe:N or the path of a tokenizer.json")
 

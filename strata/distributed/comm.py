@@ -21,6 +21,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from strata.errors import CollectiveError
+
 # Seconds a failed collective waits for the other ranks' arrival records to settle before naming
 # the missing ones (their posts are immediate; this covers ranks that time out a moment later).
 ARRIVAL_GRACE_S = 1.5
@@ -113,27 +115,31 @@ class Arrivals:
                     return
                 self._posted[name] = value
 
-    def missing(self, op: str, group_name: str, seq: int, group) -> str:
-        """Which ranks of `group` have not entered collective number `seq` (this rank's), in words."""
+    def missing(self, op: str, group_name: str, seq: int, group) -> tuple[str, list[int]]:
+        """Which ranks of `group` have not entered collective number `seq` (this rank's): in words,
+        and the ranks."""
         store = _store()
         if store is None:
-            return "unknown (no rendezvous store)"
+            return "unknown (no rendezvous store)", []
         self.post()
         time.sleep(ARRIVAL_GRACE_S)  # every other rank's thread has posted its latest by now
-        behind = []
+        behind, ranks = [], []
         for rank in dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()):
             key = f"strata/arrived/{group_name}/{rank}"
             if rank == dist.get_rank():
                 continue
             if not store.check([key]):
                 behind.append(f"{rank} (entered none)")
-                continue
-            their_seq, their_op = store.get(key).decode().split(" ", 1)
-            if int(their_seq) < seq:
-                behind.append(f"{rank} (last entered #{their_seq} {their_op})")
-            elif int(their_seq) == seq and their_op != op:
-                behind.append(f"{rank} (is in {their_op} #{seq} instead)")
-        return ", ".join(behind) if behind else "none (all entered it; a rank may have died inside it)"
+            else:
+                their_seq, their_op = store.get(key).decode().split(" ", 1)
+                if int(their_seq) < seq:
+                    behind.append(f"{rank} (last entered #{their_seq} {their_op})")
+                elif int(their_seq) == seq and their_op != op:
+                    behind.append(f"{rank} (is in {their_op} #{seq} instead)")
+                else:
+                    continue
+            ranks.append(rank)
+        return (", ".join(behind) if behind else "none (all entered it; a rank may have died inside it)"), ranks
 
 
 arrivals = Arrivals()
@@ -165,12 +171,17 @@ class _Pending:
 def _run(op: str, group_name: str, call, group=None, seq: int | None = None):
     try:
         return call()
+    except CollectiveError:
+        raise
     except RuntimeError as e:
         where = f"collective {op}" + (f" #{seq}" if seq is not None else "") + f" on process group {group_name!r}"
+        text, missing = where, []
         if seq is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            where += f" (ranks {ranks}); ranks that did not arrive: {arrivals.missing(op, group_name, seq, group)}"
-        raise RuntimeError(f"{where}: {e}") from e
+            words, missing = arrivals.missing(op, group_name, seq, group)
+            text += f" (ranks {ranks}); ranks that did not arrive: {words}"
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(f"{text}: {first_line}", where, missing) from e
 
 
 def _issue(op: str, group_name: str, nbytes: float, call, async_op: bool, group=None):

@@ -31,7 +31,7 @@ def parse_size(text: str) -> int:
     number = text[:-1] if text[-1:] in units else text
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ValueError(f"{text!r} is not a size (use e.g. 4096, 64K, 16M, 1G)") from None
     if value < 4:
         raise ValueError(f"{text!r}: at least 4 bytes")

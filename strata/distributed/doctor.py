@@ -9,6 +9,7 @@ planned layout can live with it."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from strata.config import ConfigError
 from strata.distributed import hostfile
+from strata.errors import ConfigError
 
 # A planned layout that would spend more than this share of each step communicating fails the check.
 SLOW_LINK_SHARE = 0.5
@@ -27,7 +28,7 @@ SLOW_LINK_SHARE = 0.5
 
 @dataclass
 class Finding:
-    status: str  # ok | FAIL
+    status: str  # ok | note (nothing wrong, but know it) | FAIL
     check: str
     detail: str
     fix: str = ""
@@ -85,8 +86,23 @@ def check_hosts(path: str) -> list[Finding]:
                                  "check that the host is up and no firewall drops this node's packets"))
         else:
             found.append(Finding("ok", f"host {host.name}", f"{ip} answers, route via {interface} from {mine}"))
-    found.append(check_interface(hostfile.resolve(hosts[0].name), len(hosts) > 1))
+    master_ip = hostfile.resolve(hosts[0].name)
+    found.append(check_interface(master_ip, len(hosts) > 1))
+    found.append(check_store_exposure(master_ip))
     return found
+
+
+def check_store_exposure(master_ip: str) -> Finding:
+    """The rendezvous store has no authentication: whoever reaches its port can rewrite the job's
+    keys, and the launcher unpickles some of them. strata binds it to the master's address only; the
+    network that address is on must be private."""
+    what = (f"the rendezvous store (on {master_ip}, port --master-port, 29500 by default) is unauthenticated: "
+            f"anyone who can connect to it can disrupt the job and run code in its launcher")
+    if ipaddress.ip_address(master_ip).is_global:
+        return Finding("FAIL", "store", f"{what}, and {master_ip} is a public address",
+                       "put the nodes' private-network addresses in the hostfile, or firewall the port to the "
+                       "job's nodes")
+    return Finding("note", "store", f"{what}; keep the port on a private network")
 
 
 def answers(ip: str, port: int = 22, timeout: float = 1.5) -> bool:
@@ -160,7 +176,7 @@ def check_bandwidth(args) -> list[Finding]:
         # the measured bandwidth is what TCP delivered already: hand the planner the line rate it implies
         line_rate = busbw * (world // nodes) / TCP_GOODPUT
         cluster = build_cluster(args.device, nodes, world // nodes, None, str(line_rate / 1e9))
-        e = estimate(work, cluster, parse_layout(args.layout or f"dp={world}", world))
+        e = estimate(work, cluster, parse_layout(args.layout or f"dp={world}", work, world))
         comm = sum(e.comm_seconds.values())
         share = comm / (comm + e.compute_s)
         status = "FAIL" if share > SLOW_LINK_SHARE else "ok"

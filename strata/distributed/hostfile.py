@@ -18,7 +18,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from strata.config import ConfigError
+from strata.errors import ConfigError
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -33,17 +33,21 @@ class Host:
 def parse_hostfile(path: str) -> list[Host]:
     if not os.path.isfile(path):
         raise ConfigError(f"--hostfile {path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--hostfile {path}: not UTF-8 text; want 'HOST slots=N' lines") from None
     hosts = []
-    with open(path) as f:
-        for number, raw in enumerate(f, 1):
-            text = raw.split("#", 1)[0].strip()
-            if not text:
-                continue
-            parts = text.split()
-            slots = [p for p in parts[1:] if p.startswith("slots=")]
-            if len(parts) != 2 or len(slots) != 1 or not slots[0][6:].isdigit() or int(slots[0][6:]) < 1:
-                raise ConfigError(f"--hostfile {path}: line {number} {text!r}: want 'HOST slots=N' with N >= 1")
-            hosts.append(Host(parts[0], int(slots[0][6:]), number))
+    for number, raw in enumerate(lines, 1):
+        text = raw.split("#", 1)[0].strip()
+        if not text:
+            continue
+        parts = text.split()
+        slots = [p for p in parts[1:] if p.startswith("slots=")]
+        if len(parts) != 2 or len(slots) != 1 or not slots[0][6:].isdigit() or int(slots[0][6:]) < 1:
+            raise ConfigError(f"--hostfile {path}: line {number} {text!r}: want 'HOST slots=N' with N >= 1")
+        hosts.append(Host(parts[0], int(slots[0][6:]), number))
     if not hosts:
         raise ConfigError(f"--hostfile {path}: no hosts in it")
     names = [h.name for h in hosts]
@@ -111,6 +115,8 @@ class Plan:
     env: dict[str, str]
 
     def torchrun_argv(self, strata_argv: list[str]) -> list[str]:
+        """The torchrun command this node's launch amounts to (strata runs the agent in-process, with
+        the rendezvous store bound to master_addr instead of every interface)."""
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
                 f"--node-rank={self.node_rank}", f"--nproc-per-node={self.nproc_per_node}",
                 f"--master-addr={self.master_addr}", f"--master-port={self.master_port}",
@@ -136,18 +142,3 @@ def plan(path: str, master_port: int, forced_rank: int | None = None) -> Plan:
             if variable not in os.environ:
                 env[variable] = interface
     return Plan(len(hosts), rank, hosts[0].slots, master_ip, master_port, env)
-
-
-def launch(path: str, strata_argv: list[str], master_port: int, forced_rank: int | None, dry_run: bool) -> int:
-    if not strata_argv:
-        raise ConfigError("strata launch: give the strata command to run after the flags, e.g. "
-                          "`strata launch --hostfile hosts -- train --model small`")
-    p = plan(path, master_port, forced_rank)
-    argv = p.torchrun_argv(strata_argv)
-    print(f"strata launch: node {p.node_rank} of {p.nnodes}, master {p.master_addr}:{p.master_port}, "
-          + (", ".join(f"{k}={v}" for k, v in p.env.items()) or "socket interface as set"), file=sys.stderr, flush=True)
-    if dry_run:
-        print(" ".join(argv))
-        return 0
-    os.execvpe(argv[0], argv, {**os.environ, **p.env})
-    return 0  # not reached

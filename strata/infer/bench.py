@@ -10,15 +10,15 @@ against answer length, per engine and batch, says what a token (and 100 characte
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from strata.config import ConfigError
+from strata.errors import ConfigError
 from strata.infer.generate import Sampling, check_length, generate
+from strata.rules.devices import check_device
 
 DEFAULT_TEXT_PROMPTS = ["ROMEO:", "To be, or not to be, that is the question:"]
 DEFAULT_ID_PROMPT_LENGTHS = (4, 32)
@@ -116,9 +116,12 @@ def least_squares(xs: list[float], ys: list[float]) -> tuple[float, float, float
 
 
 def fits(runs: list[Run]) -> list[Fit]:
+    """A line per engine and batch, where the answers came in two lengths or more."""
     out = []
     for engine, batch in dict.fromkeys((r.engine, r.batch) for r in runs):
         mine = [r for r in runs if (r.engine, r.batch) == (engine, batch)]
+        if len({r.tokens for r in mine}) < 2:
+            continue
         slope, intercept, r2 = least_squares([r.tokens for r in mine], [r.latency for r in mine])
         per_100 = None
         if all(r.chars for r in mine) and len({r.chars for r in mine}) > 1:
@@ -152,6 +155,8 @@ def print_report(rows: list[dict], fitted: list[Fit]) -> None:
         print(f"{r['engine']:<13}{r['batch']:>6}  {prompt:<24}{r['runs']:>5}{r['tokens']:>7}{chars:>7}"
               f"{r['latency_s']:>11.3f}{r['ttft_s']:>9.3f}{r['tpot_ms']:>9.2f}{r['decode_tokens_per_s']:>14.1f}{per_100:>13}")
     print()
+    if not fitted:
+        print("(no fitted line: it needs answers of two lengths or more, --lengths 16,32,...)")
     for f in fitted:
         chars = f"; {f.per_100_chars:.3f} s per 100 characters" if f.per_100_chars is not None else ""
         print(f"{f.engine} batch {f.batch}: latency = {f.fixed:.3f} s + {1000 * f.per_token:.2f} ms x answer tokens "
@@ -209,6 +214,9 @@ def run_bench(args) -> int:
     lengths, batches = _int_list(args.lengths, "--lengths"), _int_list(args.batch, "--batch")
     if args.runs < 1:
         raise ConfigError(f"--runs {args.runs}: must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: must be >= 1")
+    check_device(args.device, ("cpu", "cuda"))
     if (args.checkpoint is None) == (args.model is None):
         raise ConfigError("give --checkpoint CKPT or --model PRESET (random weights), one of them")
     if args.threads is not None:
@@ -217,8 +225,8 @@ def run_bench(args) -> int:
     dtype = DTYPES.get(args.dtype)
     if args.checkpoint:
         model, tokenizer = load_for_inference(args.checkpoint, args.device, dtype=dtype)
-        from strata.checkpoint.store import resolve
-        tokenizer_file = os.path.join(resolve(args.checkpoint), "tokenizer.json")
+        from strata.checkpoint.store import verified_file
+        tokenizer_file = verified_file(args.checkpoint, "tokenizer.json")
     else:
         if args.model not in PRESETS:
             raise ConfigError(f"--model {args.model}: unknown preset; valid: {', '.join(PRESETS)}")
@@ -226,8 +234,8 @@ def run_bench(args) -> int:
     prompts = _prompts(args, tokenizer, model.cfg.vocab_size)
     try:
         check_length(list(prompts.values()), max(lengths), model.cfg.max_seq_len)
-    except ValueError as e:
-        raise ConfigError(str(e).replace("--max-new-tokens", "--lengths")) from None
+    except ConfigError as e:  # here the answer lengths are --lengths
+        raise ConfigError(e.reason, "lengths" if e.field == "max_new_tokens" else e.field, e.value) from None
 
     engines = {"strata": lambda p, b, n: time_strata(model, p, b, n)}
     with tempfile.TemporaryDirectory() as hf_dir:

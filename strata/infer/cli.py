@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 from strata.checkpoint import store
 from strata.checkpoint.shards import read_full
-from strata.config import ConfigError, check_tensor_parallel
+from strata.errors import ConfigError
 from strata.infer.generate import FINISHED, Sampling, check_length, generate
-from strata.model.config import ModelConfig
 from strata.model.transformer import build_model
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs, slice_tensor_parallel
+from strata.rules.devices import check_device
+from strata.rules.layout import check_tensor_parallel
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,9 +31,9 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None,
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
     path, state, reader = store.open_checkpoint(checkpoint)
-    model_cfg = ModelConfig.from_dict(state["model_config"])
+    model_cfg = store.model_config(state, path)
     if dtype is None:
-        dtype = torch.float64 if state["config"]["dtype"] == "fp64" else torch.float32
+        dtype = torch.float64 if (state.get("config") or {}).get("dtype") == "fp64" else torch.float32
     model = build_model(model_cfg, seed=None)
     if tp_group is not None:  # before the stage is cut, as training does (on the meta device: free)
         check_tensor_parallel(model_cfg, dist.get_world_size(tp_group))
@@ -55,8 +56,8 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None,
 
 def _tokenizer(checkpoint_path: str):
     """The tokenizer saved with a checkpoint, or None (a model trained on synthetic data)."""
-    tokenizer_file = os.path.join(checkpoint_path, "tokenizer.json")
-    if not os.path.isfile(tokenizer_file):
+    tokenizer_file = store.verified_file(checkpoint_path, "tokenizer.json")
+    if tokenizer_file is None:
         return None
     from strata.data.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_file)
@@ -140,6 +141,7 @@ class Printer:
 def run_generate(args, argv: list[str]) -> int:
     """Generate on one process, or on tp x pp processes (started here unless torchrun did)."""
     _check_flags(args)
+    check_device(args.device)
     world = args.tp * args.pp
     if args.nproc is not None and args.nproc != world:
         raise ConfigError(f"--nproc {args.nproc}: generation runs on tp x pp = {args.tp} x {args.pp} = {world} "
@@ -177,7 +179,9 @@ def _check_flags(args) -> None:
               (args.micro_batches is None or args.pp > 1,
                "--micro-batches: only with --pp (requests in flight through the pipeline stages)"),
               (args.micro_batches is None or 1 <= args.micro_batches <= requests,
-               f"--micro-batches {args.micro_batches}: must be between 1 and the {requests} prompts")]
+               f"--micro-batches {args.micro_batches}: must be between 1 and the {requests} prompts"),
+              (0 < args.timeout < float("inf"), f"--timeout {args.timeout}: must be > 0 seconds"),
+              (all(args.stop), "--stop '': an empty stop string would end every answer at once")]
     problems = [message for ok, message in checks if not ok] + _sampling(args).problems()
     if problems:
         raise ConfigError(problems[0])
@@ -204,20 +208,17 @@ def _requests(args) -> Requests:
     if not os.path.isdir(args.checkpoint):
         raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory")
     path = store.resolve(args.checkpoint)
-    cfg = ModelConfig.from_dict(store.read_state(path)["model_config"])
+    cfg = store.model_config(store.read_state(path), path)
     check_tensor_parallel(cfg, args.tp)
     layout = None
     if args.pp > 1:
-        from strata.parallel.pipeline.stage import make_layout
+        from strata.rules.pipeline_cut import make_layout
         layout = make_layout(cfg, args.pp, 1, cfg.max_seq_len)
     tokenizer = _tokenizer(path)
     prompts, texts = _encode_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens is None:
         args.max_new_tokens = max(min(100, cfg.max_seq_len - max(map(len, prompts))), 1)
-    try:
-        check_length(prompts, args.max_new_tokens, cfg.max_seq_len)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_length(prompts, args.max_new_tokens, cfg.max_seq_len)
     stops = None
     if tokenizer is not None:
         from strata.data.tokenizer import END_OF_TEXT

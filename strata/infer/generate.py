@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.errors import ConfigError
 from strata.infer.kv_cache import KVCache
 
 FINISHED = -1  # the id reported for a row that has already stopped
@@ -28,10 +29,11 @@ class Sampling:
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one line each (empty when valid)."""
-        checks = [(self.temperature >= 0, f"--temperature {self.temperature}: must be >= 0 (0 is greedy)"),
+        checks = [(0 <= self.temperature < float("inf"), f"--temperature {self.temperature}: must be finite and >= 0 "
+                                                          f"(0 is greedy)"),
                   (self.top_k is None or self.top_k >= 1, f"--top-k {self.top_k}: must be >= 1"),
                   (self.top_p is None or 0 < self.top_p <= 1, f"--top-p {self.top_p}: must be in (0, 1]"),
-                  (self.repetition_penalty > 0, f"--repetition-penalty {self.repetition_penalty}: must be > 0 "
+                  (0 < self.repetition_penalty < float("inf"), f"--repetition-penalty {self.repetition_penalty}: must be > 0 "
                                                 f"(1 is none; 1.1-1.3 is usual)")]
         return [message for ok, message in checks if not ok]
 
@@ -111,10 +113,14 @@ def _filtered(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> t
 
 
 def check_length(prompts: list[list[int]], max_new_tokens: int, context: int) -> None:
+    """The prompts and their answers fit the model's context (ConfigError on max_new_tokens or the prompt)."""
     longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > context:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} after a {longest}-token prompt exceeds the model's "
-                         f"{context}-position context; at most {max(context - longest, 0)}")
+    if longest >= context:
+        raise ConfigError(f"the longest prompt has {longest} tokens and fills the model's {context}-position "
+                          f"context, leaving no room for an answer; shorten it", "prompt", f"({longest} tokens)")
+    if max_new_tokens < 1 or longest + max_new_tokens > context:
+        raise ConfigError(f"must be between 1 and {context - longest} (what the model's {context}-position "
+                          f"context leaves after a {longest}-token prompt)", "max_new_tokens", max_new_tokens)
 
 
 @torch.inference_mode()

@@ -22,24 +22,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from strata.config import ConfigError
 from strata.memory.activations import observe
-
-MODES = ("none", "full", "selective", "every:K")
-
-
-def parse(mode: str) -> tuple[str, int]:
-    """'every:3' -> ('every', 3); 'full' -> ('full', 0). Raises ConfigError on anything else."""
-    if mode in ("none", "full", "selective"):
-        return mode, 0
-    if mode.startswith("every:"):
-        try:
-            k = int(mode.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        if k >= 1:
-            return "every", k
-    raise ConfigError(f"--checkpointing {mode}: valid: none, full, selective, every:K (K >= 1)")
+from strata.rules.checkpointing import parse
 
 
 def _checkpointed(forward):

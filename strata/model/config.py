@@ -48,6 +48,16 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
+        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1):
+            raise ValueError(f"n_kv_heads={self.n_kv_heads!r} must be a whole number >= 1")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value!r} must be a positive number")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:

@@ -16,10 +16,11 @@ from strata.memory.checkpointing import apply_checkpointing
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
 from strata.parallel.data import DataParallel
-from strata.parallel.pipeline.stage import PipelineLayout, keep_stage, tied_copy
+from strata.parallel.pipeline.stage import keep_stage, tied_copy
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs
 from strata.parallel.zero import ZeroDataParallel
 from strata.parallel.zero3 import FullyShardedDataParallel
+from strata.rules.pipeline_cut import PipelineLayout
 
 
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,

@@ -16,9 +16,9 @@ unit is freed and back when it is gathered, so autograd's saved references stay 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
-import warnings
 from functools import partial
 
 import torch

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from strata.config import ConfigError, TrainConfig, validate
+from strata.config import TrainConfig, validate
+from strata.errors import ConfigError
 from strata.plan.cost import Cluster
 from strata.plan.hardware import DEVICES
 from strata.plan.inputs import build_cluster, cpu_local_cluster, default_profile_path, load_profile, workload
@@ -54,7 +55,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
                          virtual_stages=lay.virtual_stages, checkpointing=lay.checkpointing,
                          sequence_parallel=lay.sequence_parallel)
         try:
-            validate(chosen, world_size)
+            validate(chosen, world_size, model)
         except ConfigError:
             continue  # a layout the planner allows but this strata does not run
         reasons = explain(e, ranked, rejected, cluster)

@@ -147,7 +147,7 @@ def step_costs(model: str, rate: float, memory_bandwidth: float, seq_len: int = 
     planner counts them) for micro-batches of 1-8 sequences: small ones run below the large ones'
     rate. The optimizer step is taken out as the planner predicts it."""
     from strata.model.presets import get_preset
-    from strata.parallel.pipeline.stage import unit_costs
+    from strata.rules.pipeline_cut import unit_costs
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
     flops_per_token = 3 * sum(unit_costs(cfg, seq_len))
@@ -292,12 +292,10 @@ def calibrate_inference(device: str, out: str) -> dict:
     """Measure the serving overheads on `device` and add them to the profile at `out` (kept
     beside the training calibration when there is one)."""
     from strata.distributed.mesh import pick_device
+    from strata.plan.inputs import load_profile
     dev = pick_device(device)
     measured = inference_overheads(dev, torch.float16 if dev.type == "cuda" else torch.float32)
-    profile = {}
-    if os.path.isfile(out):
-        with open(out) as f:
-            profile = json.load(f)
+    profile = load_profile(out) if os.path.isfile(out) else {}
     profile["inference"] = measured
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

@@ -15,6 +15,7 @@ from functools import lru_cache
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Device
 from strata.plan.memory import activation_bytes_per_layer, model_state_bytes
+from strata.rules.layout import Layout
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -67,35 +68,6 @@ class Workload:
     seq_len: int
     precision: str = "bf16"  # bf16 | fp16: mixed precision (16 bytes/parameter); fp32
     optimizer: str = "adamw"  # adamw | sgd (with momentum)
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    virtual_stages: int = 1
-    zero: int = 0
-    micro_batch: int = 1
-    checkpointing: str = "none"  # none | selective | full
-    offload: str = "none"  # none | cpu (optimizer states and step on the host)
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb
-
-    def describe(self) -> str:
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
-        if self.virtual_stages > 1:
-            parts.append(f"v={self.virtual_stages}")
-        parts += [f"zero={self.zero}", f"mb={self.micro_batch}"]
-        if self.pp > 1:
-            parts.append(self.schedule)
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.checkpointing != "none":
-            parts.append(f"ckpt={self.checkpointing}")
-        if self.offload != "none":
-            parts.append(f"offload={self.offload}")
-        return ",".join(parts)
 
 
 @dataclass
@@ -175,7 +147,7 @@ class StageLoad:
 def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLoad, ...]:
     """Per pipeline rank, from strata's own cut (balanced by forward FLOPs: the embedding with the
     first chunk, the head with the last), so an uneven stage costs what it costs."""
-    from strata.parallel.pipeline.stage import make_layout, unit_costs
+    from strata.rules.pipeline_cut import make_layout, unit_costs
     costs = unit_costs(cfg, seq_len)
     d, norm = cfg.d_model, cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
     embed = cfg.vocab_size * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0) + \

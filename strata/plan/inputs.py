@@ -3,14 +3,15 @@ or a Hugging Face config.json), a cluster (device, nodes, links) and the trainin
 
 from __future__ import annotations
 
-import json
 import os
 
-from strata.config import ConfigError
+from strata.errors import ConfigError
+from strata.files import read_json, read_json_object
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
 from strata.plan.cost import Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device
+from strata.rules.layout import check_workload
 
 CPU_LOCAL = "cpu-local"
 # What TCP/IP delivers of an Ethernet link's line rate with a 1500-byte MTU: 1448 payload bytes per
@@ -25,19 +26,14 @@ def resolve_model(spec: str) -> ModelConfig:
     if spec in PRESETS:
         return PRESETS[spec]
     if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
-        from strata.checkpoint.store import read_state
-        return ModelConfig.from_dict(read_state(spec)["model_config"])
+        from strata.checkpoint.store import model_config, read_state, resolve
+        return model_config(read_state(spec), resolve(spec))
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
         raise ConfigError(f"--model {spec}: not a preset ({', '.join(PRESETS)}), a checkpoint directory "
                           f"or a Hugging Face config.json")
     from strata.checkpoint.hf import model_config_from_hf
-    with open(path) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--model {spec}: not valid JSON ({e})") from None
-    return model_config_from_hf(hf, f"--model {spec}")
+    return model_config_from_hf(read_json(path, "a Hugging Face config.json"), f"--model {spec}")
 
 
 def bandwidth(value: str, flag: str, device: Device | None = None) -> float:
@@ -53,8 +49,8 @@ def bandwidth(value: str, flag: str, device: Device | None = None) -> float:
         gbps = float(value)
     except ValueError:
         raise ConfigError(f"{flag} {value}: valid: {', '.join(['nvlink', *LINKS])} or GB/s as a number") from None
-    if gbps <= 0:
-        raise ConfigError(f"{flag} {value}: must be > 0 GB/s")
+    if not 0 < gbps < float("inf"):
+        raise ConfigError(f"{flag} {value}: must be a number of GB/s > 0")
     return gbps * GB
 
 
@@ -89,8 +85,7 @@ def load_profile(path: str | None) -> dict:
     path = path or default_profile_path()
     if not os.path.isfile(path):
         raise ConfigError(f"--device {CPU_LOCAL}: no calibration profile at {path}; run `strata calibrate` first")
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path, "a calibration profile: run `strata calibrate` again")
 
 
 def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = None) -> Cluster:
@@ -113,9 +108,6 @@ def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precisi
         raise ConfigError(f"--precision {precision}: valid: bf16, fp16, fp32")
     if optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--optimizer {optimizer}: valid: adamw, sgd (with momentum)")
-    seq_len = seq_len or model.max_seq_len
-    if not 1 <= seq_len <= model.max_seq_len:
-        raise ConfigError(f"--seq-len {seq_len}: must be between 1 and the model's {model.max_seq_len}")
-    if global_batch < 1:
-        raise ConfigError(f"--global-batch {global_batch}: must be >= 1")
+    seq_len = model.max_seq_len if seq_len is None else seq_len
+    check_workload(model, seq_len, global_batch)
     return Workload(model, global_batch, seq_len, precision, optimizer)

@@ -5,42 +5,51 @@ from __future__ import annotations
 import json
 import os
 
-from strata.config import ConfigError
-from strata.plan.cost import Estimate, Layout, estimate
+from strata.errors import ConfigError, as_flag
+from strata.plan.cost import Estimate, Workload, estimate
 from strata.plan.inputs import build_cluster, resolve_model, workload
 from strata.plan.search import distinct, explain, refusal, search
+from strata.rules.checkpointing import PLANNED_MODES
+from strata.rules.layout import Layout, check_layout
 
-LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "v": int, "zero": int, "mb": int, "ckpt": str, "offload": str,
-               "schedule": str, "sp": bool}
+# --layout's keys: the layout's fields under short names
+LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("virtual_stages", int),
+               "zero": ("zero", int), "mb": ("micro_batch", int), "ckpt": ("checkpointing", str),
+               "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool)}
+KEY_OF_FIELD = {field: key for key, (field, _) in LAYOUT_KEYS.items()}
+PLANNED_OFFLOAD = ("none", "cpu")  # what the cost model prices (disk: not yet)
 
 
-def parse_layout(text: str, world: int) -> Layout:
-    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp'."""
+def parse_layout(text: str, work: Workload, world: int) -> Layout:
+    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp', checked by
+    the trainer's own layout check: the planner evaluates exactly the layouts `strata train` runs."""
     values = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = part.partition("=")
         if key not in LAYOUT_KEYS:
             raise ConfigError(f"--layout {text}: unknown key {key!r}; valid: {', '.join(LAYOUT_KEYS)}")
+        field, kind = LAYOUT_KEYS[key]
         try:
-            values[key] = True if LAYOUT_KEYS[key] is bool else LAYOUT_KEYS[key](value)
+            values[field] = True if kind is bool else kind(value)
         except ValueError:
             raise ConfigError(f"--layout {text}: {key}={value} is not a number") from None
+    values.setdefault("schedule", "interleaved" if values.get("virtual_stages", 1) > 1 else "1f1b")
     tp, pp = values.get("tp", 1), values.get("pp", 1)
-    dp = values.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0)
-    if dp * tp * pp != world:
-        raise ConfigError(f"--layout {text}: dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp}, the cluster has {world} devices")
-    v = values.get("v", 1)
-    layout = Layout(dp, tp, pp, v, values.get("zero", 0), values.get("mb", 1), values.get("ckpt", "none"),
-                    values.get("offload", "none"), values.get("sp", False),
-                    values.get("schedule", "interleaved" if v > 1 else "1f1b"))
-    checks = [(layout.zero in (0, 1, 2, 3), "zero: valid 0-3"),
-              (layout.checkpointing in ("none", "selective", "full"), "ckpt: valid none, selective, full"),
-              (layout.offload in ("none", "cpu"), "offload: valid none, cpu"),
-              (layout.schedule in ("gpipe", "1f1b", "interleaved", "zb"), "schedule: valid gpipe, 1f1b, interleaved, zb"),
-              (min(dp, tp, pp, v, layout.micro_batch) >= 1, "degrees and mb must be >= 1")]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(f"--layout {text}: {message}")
+    for field in ("tp", "pp"):
+        if values.get(field, 1) < 1:
+            raise ConfigError(f"--layout {text}: {field}={values[field]}: must be >= 1")
+    if "dp" not in values and world % (tp * pp):
+        raise ConfigError(f"--layout {text}: tp x pp = {tp * pp} does not divide the cluster's {world} devices")
+    layout = Layout(**{"dp": world // (tp * pp), **values})
+    if layout.checkpointing not in PLANNED_MODES:
+        raise ConfigError(f"--layout {text}: ckpt={layout.checkpointing}: the planner prices {', '.join(PLANNED_MODES)}")
+    if layout.offload not in PLANNED_OFFLOAD:
+        raise ConfigError(f"--layout {text}: offload={layout.offload}: the planner prices {', '.join(PLANNED_OFFLOAD)}")
+    try:
+        check_layout(work.model, layout, world, work.seq_len, work.global_batch)
+    except ConfigError as e:
+        raise ConfigError(e.render(lambda field, value: f"--layout {text}: {KEY_OF_FIELD[field]}={value}"
+                                   if field in KEY_OF_FIELD else as_flag(field, value))) from None
     return layout
 
 
@@ -85,7 +94,7 @@ def run_plan(args) -> int:
     cluster = build_cluster(args.device, args.nodes, args.gpus_per_node, args.intra, args.network,
                             args.nics_per_node, args.profile, args.efficiency)
     if args.layout:
-        e = estimate(work, cluster, parse_layout(args.layout, cluster.world))
+        e = estimate(work, cluster, parse_layout(args.layout, work, cluster.world))
         reason = refusal(e)
         if reason:
             e.notes.append(f"refused: {reason}")
@@ -137,14 +146,17 @@ def run_serving_plan(args) -> int:
     from strata.plan.inference import BYTES, Overheads, Serving, serving_layouts
     from strata.plan.inputs import CPU_LOCAL, bandwidth, default_profile_path, load_profile
     model = resolve_model(args.model)
-    context = args.context or model.max_seq_len
+    context = model.max_seq_len if args.context is None else args.context
     checks = [(args.batch >= 1, f"--batch {args.batch}: must be >= 1"),
               (1 <= context <= model.max_seq_len, f"--context {context}: must be between 1 and the model's "
                                                    f"{model.max_seq_len}"),
               (args.precision in BYTES, f"--precision {args.precision}: valid for --inference: {', '.join(BYTES)}"),
               (args.nodes == 1, f"--nodes {args.nodes}: --inference plans the devices of one node "
                                 f"(set --gpus-per-node)"),
-              (args.gpus_per_node >= 1, f"--gpus-per-node {args.gpus_per_node}: must be >= 1")]
+              (args.gpus_per_node >= 1, f"--gpus-per-node {args.gpus_per_node}: must be >= 1"),
+              (any(n.strip() for n in args.device.split(",")), f"--device {args.device!r}: name one or more devices"),
+              *((value is None or 0 <= value < float("inf"), f"--{flag} {value}: must be a number of microseconds >= 0")
+                for flag, value in (("per-layer-us", args.per_layer_us), ("per-token-us", args.per_token_us)))]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

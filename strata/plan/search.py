@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from strata.plan.cost import Cluster, Estimate, Layout, Workload, estimate
+from strata.errors import ConfigError
+from strata.plan.cost import Cluster, Estimate, Workload, estimate
+from strata.rules.checkpointing import PLANNED_MODES
+from strata.rules.layout import ZERO_STAGES, Layout, check_layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
-CHECKPOINTING = ("none", "selective", "full")
 # A layout whose communication takes this many times its compute is refused, whatever it fits in.
 REFUSE_COMM_OVER_COMPUTE = 10.0
 
@@ -19,25 +21,28 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(work: Workload, world: int, offload: bool = True) -> Iterator[Layout]:
-    """Every layout of `world` devices strata runs for this model and batch."""
-    cfg = work.model
-    for t in divisors(world):
-        if cfg.n_heads % t or cfg.d_ff % t or (cfg.kv_heads % t and t % cfg.kv_heads):
+    """Every layout of `world` devices strata runs for this model and batch: the candidates below,
+    each passed through the trainer's own layout check."""
+    for layout in _candidates(work, world, offload):
+        try:
+            check_layout(work.model, layout, world, work.seq_len, work.global_batch)
+        except ConfigError:
             continue
+        yield layout
+
+
+def _candidates(work: Workload, world: int, offload: bool) -> Iterator[Layout]:
+    """The search space: every split of the world into tp x pp x dp, the schedules worth trying for
+    each pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP."""
+    for t in divisors(world):
         for p in divisors(world // t):
-            if p > cfg.n_layers:
-                continue
             d = world // (t * p)
-            for v, schedule in _schedules(cfg.n_layers, p):
-                for zero in (0, 1, 2, 3) if d > 1 else (0,):
-                    if p > 1 and zero >= 2:
-                        continue  # strata refuses it: ZeRO-2/3 would communicate every micro-batch
+            for v, schedule in _schedules(work.model.n_layers, p):
+                for zero in ZERO_STAGES:
                     for b in MICRO_BATCHES:
-                        if work.global_batch % (d * b):
-                            continue
-                        for checkpointing in CHECKPOINTING:
+                        for checkpointing in PLANNED_MODES:
                             for place in ("none", "cpu") if offload else ("none",):
-                                for sp in (False, True) if t > 1 and work.seq_len % t == 0 else (False,):
+                                for sp in (False, True) if t > 1 else (False,):
                                     yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule)
 
 

@@ -4,7 +4,11 @@ fp16 holds nothing above 65504 and flushes gradients below ~6e-8 to zero, so the
 by a scale S before backward (small gradients move into range) and the gradients divided by S
 before the optimizer. When any gradient on any rank is inf or NaN the step is skipped, on every
 rank alike (the check is one all-reduce of a flag over all ranks), and S is halved; after
-`growth_interval` good steps in a row S is doubled. bf16 has fp32's range and needs none of this."""
+`growth_interval` good steps in a row S is doubled. bf16 has fp32's range and needs none of this.
+
+Gradients that overflow even at the smallest scale (`min_scale`, 1 by default, as DeepSpeed's) are
+not a transient: the loss itself is inf or NaN. Training stops then rather than skipping every
+step to the end (and saving the untrained weights as if all were well)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from strata.distributed import comm
 
 class LossScaler:
     def __init__(self, init_scale: float, growth_interval: int, device: torch.device,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
-        self.scale = float(init_scale)
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0):
+        self.scale, self.min_scale = float(init_scale), float(min_scale)
         self.growth_interval, self.growth_factor, self.backoff_factor = growth_interval, growth_factor, backoff_factor
         self.good_steps = 0
         self.skipped_steps = 0
@@ -35,7 +39,11 @@ class LossScaler:
 
     def update(self, finite: bool) -> None:
         if not finite:
-            self.scale *= self.backoff_factor
+            if self.scale <= self.min_scale:
+                raise FloatingPointError(f"the gradients overflow even at the smallest loss scale "
+                                         f"({self.min_scale:g}) after {self.skipped_steps + 1} skipped steps; "
+                                         f"stopped (lower --lr, or use bf16/fp32)")
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0
             self.skipped_steps += 1
             return

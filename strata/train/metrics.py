@@ -11,7 +11,6 @@ import time
 import torch
 
 
-
 def _peak_cache_path() -> str:
     return os.path.join(os.environ.get("STRATA_CACHE_DIR", os.path.expanduser("~/.cache/strata")),
                         "peak_flops.json")
@@ -51,10 +50,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     cache, cache_path = {}, _peak_cache_path()
     if os.path.isfile(cache_path):
         try:
-            with open(cache_path) as f:
-                cache = json.load(f)
-        except (OSError, json.JSONDecodeError):
+            with open(cache_path, "rb") as f:
+                cache = json.loads(f.read())
+        except (OSError, ValueError):  # unreadable: measure again and rewrite it
             cache = {}
+        cache = cache if isinstance(cache, dict) else {}
     if key not in cache:
         cache[key] = measure_matmul_flops(device, dtype)
         os.makedirs(os.path.dirname(cache_path), exist_ok=True)
@@ -63,6 +63,17 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
             json.dump(cache, f, indent=1)
         os.replace(tmp, cache_path)
     return cache[key]
+
+
+def device_peak(device: torch.device, dtype_name: str) -> float:
+    """The peak MFU is measured against for a run in this dtype. Under autocast (bf16, fp16) it is
+    at least the fp32 rate: where the 16-bit kernels are slower (fp16 on most CPUs), autocast's
+    matmuls do not run below what fp32 would give, and MFU must not read above 1."""
+    exact = {"fp32": torch.float32, "fp64": torch.float64}
+    if dtype_name in exact:
+        return peak_flops(device, exact[dtype_name])
+    return max(peak_flops(device, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]),
+               peak_flops(device, torch.float32))
 
 
 def _sync(device: torch.device) -> None:
@@ -78,13 +89,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """One JSON object per line; only rank 0 writes."""
+    """One JSON object per line; only rank 0 writes. A run resumed at step k continues its file:
+    records of later steps (written before a crash, and about to be replayed) are dropped first, so
+    every step appears once."""
 
-    def __init__(self, path: str | None, enabled: bool, append: bool = False):
+    def __init__(self, path: str | None, enabled: bool, resume_step: int = 0):
         self.file = None
         if path and enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a" if append else "w")
+            if resume_step > 0 and os.path.isfile(path):
+                _keep_records_up_to(path, resume_step)
+            self.file = open(path, "a" if resume_step > 0 else "w")
 
     def write(self, record: dict) -> None:
         if self.file:
@@ -94,3 +109,20 @@ class MetricsWriter:
     def close(self) -> None:
         if self.file:
             self.file.close()
+
+
+def _keep_records_up_to(path: str, step: int) -> None:
+    """Rewrite a metrics file (atomically) without the records of steps after `step`; a line that
+    is not a record (cut short by a crash) goes too."""
+    kept = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+    with open(path + ".tmp", "wb") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 
-from strata.config import ConfigError
+from strata.errors import ConfigError
 
 
 def read_metrics(path: str) -> list[dict]:
     try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        with open(path, "rb") as f:
+            records = [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
         raise ConfigError(f"metrics file {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"metrics file {path}: not JSON lines ({e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"metrics file {path}: not a metrics file of JSON lines ({e})") from None
+    if not all(isinstance(r, dict) for r in records):
+        raise ConfigError(f"metrics file {path}: not a metrics file (a line is not a JSON object)")
+    return records
 
 
 def plot_losses(metrics_path: str, out_path: str) -> None:
@@ -23,6 +26,11 @@ def plot_losses(metrics_path: str, out_path: str) -> None:
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
+    for r in records:
+        wanted = {"train": ("step", "loss"), "eval": ("step", "val_loss")}.get(r.get("kind"), ())
+        if any(not isinstance(r.get(key), (int, float)) for key in wanted):
+            raise ConfigError(f"metrics file {metrics_path}: a {r['kind']} record without a number for each of "
+                              f"{', '.join(wanted)}")
     train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("kind") == "eval"]
     if not train and not val:

@@ -15,22 +15,25 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from strata.checkpoint import shards, store
-from strata.config import ConfigError, TrainConfig, data_parallel_size, global_batch_size, model_shape, validate
+from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+from strata.errors import ConfigError
 from strata.memory.activations import count_saved_activations
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer
 from strata.parallel.apply import parallelize
 from strata.parallel.data import DataParallel
 from strata.parallel.pipeline.executor import PipelineExecutor
-from strata.parallel.pipeline.stage import chunk_views, embedding_group, make_layout
+from strata.parallel.pipeline.stage import chunk_views, embedding_group
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
 from strata.parallel.tensor import gather_tensor_parallel, shard_specs
+from strata.rules.pipeline_cut import make_layout
 from strata.train import metrics as m
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at
+from strata.train.preflight import DONE, check_same_model, checked_model, model_shape, preflight, resume_source
 
 PARAM_DTYPE = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32, "fp16": torch.float32}
 AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,25 +69,17 @@ class Run:
     checkpointer: store.Checkpointer | None = None
 
 
-def resume_source(cfg: TrainConfig) -> str | None:
-    """The checkpoint to resume from: --resume, or with `--resume auto` (and after a restart by
-    torchrun, when --save is set) the save directory's latest complete one, if there is one."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if cfg.resume == "auto" or (cfg.resume is None and restarted and cfg.save):
-        return store.latest(cfg.save) if cfg.save else None
-    return cfg.resume
-
-
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
     if cfg.data == "synthetic":
         return synthetic_split(vocab_size, cfg.seed, split)
     return open_split(cfg.data, split)
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, checked: bool = False) -> Run:
+    """checked: the run's files were checked already (train/preflight.py), in this process."""
     device = pick_device(cfg.device)
     rank, world_size, owns_process_group = init_distributed(device, cfg.timeout)
-    validate(cfg, world_size)
+    checked_model(cfg, world_size)
     cfg.global_batch = global_batch_size(cfg, world_size)
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     mesh = dims.build_mesh(device.type)
@@ -93,15 +88,15 @@ def setup(cfg: TrainConfig) -> Run:
     pp_group = mesh["pp"].get_group() if mesh is not None and dims.pp > 1 else None
     dp_rank, tp_rank, pp_rank = (dims.coordinates(rank)[d] for d in ("dp", "tp", "pp"))
 
+    notes = preflight(cfg) if not checked and DONE not in os.environ else []  # else the launcher has run it
+    if rank == 0 and notes:
+        print("\n".join(notes), file=sys.stderr, flush=True)
     base = model_shape(cfg)
     train_source = load_data(cfg, "train", cfg.vocab_size or base.vocab_size)
     val_source = load_data(cfg, "val", cfg.vocab_size or base.vocab_size)
-    if cfg.init_from and train_source.vocab_size != base.vocab_size:
-        raise ConfigError(f"--init-from {cfg.init_from}: the model's vocabulary is {base.vocab_size}, "
-                          f"the data's {train_source.vocab_size}; they must be equal")
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
     model_cfg = base.with_overrides(vocab_size=train_source.vocab_size)
-    seq_len = cfg.seq_len or model_cfg.max_seq_len
+    seq_len = sequence_length(cfg, model_cfg)
     stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
 
     torch.manual_seed(cfg.seed)
@@ -113,7 +108,7 @@ def setup(cfg: TrainConfig) -> Run:
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp))
     run.owns_process_group = owns_process_group
     if cfg.dtype == "fp16":
-        run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device)
+        run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
     if stage_layout is not None:
         run.pp_group, run.stage_layout = pp_group, stage_layout
         if model_cfg.tie_embeddings:
@@ -128,7 +123,7 @@ def setup(cfg: TrainConfig) -> Run:
         # with training's collectives.
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout)) if world_size > 1 else None
         run.checkpointer = store.Checkpointer(cfg.save, rank, world_size, group, cfg.keep, cfg.async_save)
-    source = resume_source(cfg)
+    source, _ = resume_source(cfg)  # the launcher (or rank 0, see preflight) printed how it was found
     if source is not None:
         state = load_checkpoint(run, source, resume=True)
         run.start_step = state["step"]
@@ -145,11 +140,7 @@ def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
     """Fill this rank's pieces from a checkpoint saved under any layout; with resume, also Adam's
     moments and this rank's random streams. Returns the manifest."""
     path, manifest, reader = store.open_checkpoint(source)
-    saved = ModelConfig.from_dict(manifest["model_config"])
-    if saved != run.model_cfg:
-        diff = {k: (v, getattr(run.model_cfg, k)) for k, v in saved.to_dict().items() if getattr(run.model_cfg, k) != v}
-        raise ConfigError(f"checkpoint {path}: its model differs from this one in "
-                          + ", ".join(f"{k} (saved {a}, now {b})" for k, (a, b) in diff.items()))
+    check_same_model(store.model_config(manifest, path), run.model_cfg, path)
     with reader:
         restored = shards.load_pieces(reader, run.pieces, run.optimizer if resume else None)
         if resume and not restored:
@@ -288,13 +279,13 @@ def evaluate(run: Run) -> float:
     return (total / count).item()
 
 
-def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
+def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> dict:
     """Run training; returns a summary: losses, validation losses, the metrics records, the final
     checkpoint, and with keep_state the full final parameters (gathered, on every rank)."""
-    run = setup(cfg)
+    run = setup(cfg, checked)
     is_main = run.rank == 0
-    writer = m.MetricsWriter(cfg.metrics, is_main, append=run.start_step > 0)  # a resumed run adds to its file
-    peak = cfg.peak_flops or m.peak_flops(run.device, AUTOCAST_DTYPE.get(cfg.dtype, PARAM_DTYPE[cfg.dtype]))
+    writer = m.MetricsWriter(cfg.metrics, is_main, resume_step=run.start_step)
+    peak = cfg.peak_flops or m.device_peak(run.device, cfg.dtype)
     seq_len = run.train_data.seq_len
     tokens_per_step = cfg.global_batch * seq_len
     flops_per_token = run.model_cfg.flops_per_token(seq_len)
@@ -302,6 +293,9 @@ def train(cfg: TrainConfig, keep_state: bool = False) -> dict:
 
     def validate_and_log(step: int) -> None:
         val_loss = evaluate(run)
+        if not math.isfinite(val_loss):  # every rank alike: the loss was all-reduced
+            raise FloatingPointError(f"step {step}: the validation loss is {val_loss}; stopped (lower --lr, "
+                                     f"or use bf16/fp32)")
         summary["val_losses"].append((step, val_loss))
         writer.write({"kind": "eval", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
         if is_main and progress is not None:

@@ -1,6 +1,6 @@
 """The one executor that runs every pipeline schedule.
 
-A schedule (strata/parallel/pipeline/schedules.py) gives each rank its ordered list of actions.
+A schedule (strata/rules/schedules.py) gives each rank its ordered list of actions.
 This runs them on the rank's chunks; communication follows from each action:
   F(i, c)  chunk 0 reads micro-batch i's tokens; a later chunk receives its input from chunk c-1.
            The output goes to chunk c+1; the last chunk computes the loss (scaled by 1/m, so the
@@ -32,9 +32,9 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.memory.activations import count_saved_activations
-from strata.parallel.pipeline.schedules import Action, build
-from strata.parallel.pipeline.stage import PipelineLayout
 from strata.parallel.pipeline.zero_bubble import DeferWeightGrads, WeightGradStore
+from strata.rules.pipeline_cut import PipelineLayout
+from strata.rules.schedules import SCHEDULES, Action, build
 
 GROUP = "pp"
 
@@ -64,7 +64,7 @@ class PipelineExecutor:
         self.rank = dist.get_rank(group)
         self.peers = [dist.get_global_rank(group, r) for r in range(layout.stages)]
         self.last_chunk = layout.num_chunks - 1
-        self.store = WeightGradStore() if schedule == "zb" else None
+        self.store = WeightGradStore() if SCHEDULES[schedule].splits_backward else None
         self.timeline: list[Timed] = []
         self.saved_bytes: dict[int, int] = {}  # chunk -> bytes one micro-batch's forward saves
         self.idle_fraction = 0.0

@@ -11,7 +11,8 @@ import json
 
 import torch.distributed as dist
 
-from strata.parallel.pipeline.schedules import Schedule, simulate
+from strata.errors import CorruptError
+from strata.rules.schedules import Schedule, simulate
 
 COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
@@ -43,14 +44,25 @@ def write_trace(path: str, ranks: list[dict], meta: dict | None = None) -> None:
 def is_trace(path: str) -> bool:
     """A trace written by write_trace (one JSON object with traceEvents), not a metrics JSONL file."""
     try:
-        with open(path) as f:
-            return "traceEvents" in json.load(f)
+        with open(path, "rb") as f:
+            found = json.load(f)
     except (OSError, ValueError):
         return False
+    return isinstance(found, dict) and "traceEvents" in found
 
 
 def read_trace(path: str) -> list[dict]:
     """The per-rank timelines back from a trace file written by write_trace."""
+    try:
+        ranks = _read_trace(path)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise CorruptError(f"{path}: not a pipeline trace written by --trace ({type(e).__name__}: {e})") from None
+    if not any(rank["actions"] for rank in ranks):
+        raise CorruptError(f"{path}: the trace holds no pipeline actions")
+    return ranks
+
+
+def _read_trace(path: str) -> list[dict]:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     ranks: dict[int, dict] = {}

@@ -15,6 +15,7 @@ Sources: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush and interleaved 1F1B 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -108,19 +109,30 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return schedule
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+# `strata schedule` simulates at most this many actions (F, B, W): a few seconds of Python.
+MAX_SIMULATED_ACTIONS = 100_000
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What the runtime, the planner and the CLI know of a schedule: how to build it and the two
+    properties that change how it runs."""
+    build: Callable[[int, int, int], Schedule]  # (p, m, v) -> actions per rank
+    splits_backward: bool  # B computes input gradients only and W the weight gradients (zero-bubble)
+    virtual_stages: bool  # several chunks per rank: needs v >= 2 (and only it accepts v > 1)
+    source: str
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(lambda p, m, v: gpipe(p, m), False, False, "Huang et al. 2019"),
+    "1f1b": ScheduleSpec(lambda p, m, v: one_f_one_b(p, m), False, False, "Narayanan et al. 2021 (PipeDream-Flush)"),
+    "interleaved": ScheduleSpec(interleaved_one_f_one_b, False, True, "Narayanan et al. 2021"),
+    "zb": ScheduleSpec(lambda p, m, v: zero_bubble_h1(p, m), True, False, "Qi et al. 2024 (ZB-H1)"),
+}
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    if name == "gpipe":
-        return gpipe(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "interleaved":
-        return interleaved_one_f_one_b(p, m, v)
-    if name == "zb":
-        return zero_bubble_h1(p, m)
-    raise ValueError(f"schedule {name!r}: valid {', '.join(SCHEDULES)}")
+    return SCHEDULES[name].build(p, m, v)
 
 
 # --- checking a schedule without processes ---------------------------------------------------------

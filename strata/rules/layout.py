@@ -1,0 +1,134 @@
+"""Which layouts strata runs for a model: the one check that `strata train`, `strata plan` (its
+search and `--layout`), `--parallel auto` and generation all call, so the planner never offers a
+layout the trainer refuses, nor the other way round.
+
+Errors name the layout's field (`tp`, `pp_split`, ...) and its value; each command renders the
+field as its own flag (`--tp 3` for train, `tp=3` inside plan's `--layout`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.errors import ConfigError
+from strata.model.config import ModelConfig
+from strata.rules.checkpointing import parse as parse_checkpointing
+from strata.rules.pipeline_cut import PipelineLayout, make_layout
+from strata.rules.schedules import SCHEDULES
+
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_TARGETS = ("none", "disk", "cpu")  # where the optimizer's states live and its step runs
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    checkpointing: str = "none"  # a mode of strata/rules/checkpointing.py
+    offload: str = "none"  # none | disk | cpu
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # a name in strata/rules/schedules.py (used when pp > 1)
+    pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (None: balanced by FLOPs)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.virtual_stages > 1:
+            parts.append(f"v={self.virtual_stages}")
+        parts += [f"zero={self.zero}", f"mb={self.micro_batch}"]
+        if self.pp > 1:
+            parts.append(self.schedule)
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.checkpointing != "none":
+            parts.append(f"ckpt={self.checkpointing}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        return ",".join(parts)
+
+
+def check_workload(model: ModelConfig, seq_len: int, global_batch: int) -> None:
+    """The sequence fits the model's context, and a step has at least one sequence."""
+    if not 1 <= seq_len <= model.max_seq_len:
+        raise ConfigError(f"must be between 1 and the model's max_seq_len {model.max_seq_len}", "seq_len", seq_len)
+    if global_batch < 1:
+        raise ConfigError("must be >= 1", "global_batch", global_batch)
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """Can a model of this shape be split over tp ranks? (training and generation)"""
+    if tp < 1:
+        raise ConfigError("must be >= 1", "tp", tp)
+    if model.n_heads % tp:
+        raise ConfigError(f"must divide the model's {model.n_heads} attention heads", "tp", tp)
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ConfigError(f"must divide the model's {model.kv_heads} KV heads or be a multiple of them", "tp", tp)
+    if model.d_ff % tp:
+        raise ConfigError(f"must divide the model's d_ff {model.d_ff}", "tp", tp)
+    if tp > 1 and model.position == "alibi":
+        raise ConfigError("ALiBi models run with tp 1 for now", "tp", tp)
+
+
+def check_schedule(layout: Layout) -> None:
+    """The schedule's name, and virtual stages where (and only where) it runs several chunks per rank."""
+    if layout.schedule not in SCHEDULES:
+        raise ConfigError(f"valid: {', '.join(SCHEDULES)}", "schedule", layout.schedule)
+    spec = SCHEDULES[layout.schedule]
+    if layout.virtual_stages < 1:
+        raise ConfigError("must be >= 1", "virtual_stages", layout.virtual_stages)
+    if spec.virtual_stages and layout.pp > 1 and layout.virtual_stages < 2:
+        raise ConfigError(f"needs virtual_stages 2 or more (got {layout.virtual_stages})", "schedule", layout.schedule)
+    if layout.virtual_stages != 1 and not (spec.virtual_stages and layout.pp > 1):
+        raise ConfigError(f"only with pp 2 or more and a schedule that runs several chunks per rank "
+                          f"({', '.join(n for n, s in SCHEDULES.items() if s.virtual_stages)})",
+                          "virtual_stages", layout.virtual_stages)
+
+
+def check_pipeline(model: ModelConfig, layout: Layout, seq_len: int) -> PipelineLayout | None:
+    """The schedule and the cut into pp x virtual-stages chunks; the cut, when pp > 1."""
+    check_schedule(layout)
+    if layout.pp == 1:
+        if layout.pp_split:
+            raise ConfigError("only with pp 2 or more", "pp_split", layout.pp_split)
+        return None
+    if layout.zero >= 2:
+        raise ConfigError(f"with pp {layout.pp}: ZeRO-2/3 would reduce-scatter gradients (ZeRO-3 also gather "
+                          f"parameters) on every micro-batch, m times the traffic; use zero 1 (as DeepSpeed and "
+                          f"Megatron-LM do with pipelines) or zero 0", "zero", layout.zero)
+    return make_layout(model, layout.pp, layout.virtual_stages, seq_len, layout.pp_split)
+
+
+def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: int,
+                 global_batch: int) -> PipelineLayout | None:
+    """Raise ConfigError (naming the field) unless strata runs `layout` for this model, world
+    size, sequence length and global batch. Returns the pipeline cut (None without a pipeline)."""
+    for field in ("dp", "tp", "pp", "micro_batch"):
+        if getattr(layout, field) < 1:
+            raise ConfigError("must be >= 1", field, getattr(layout, field))
+    if layout.world_size != world_size:
+        raise ConfigError(f"dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world_size}, but "
+                          f"the world size is {world_size}; the product must equal it", "dp", layout.dp)
+    check_workload(model, seq_len, global_batch)
+    if layout.zero not in ZERO_STAGES:
+        raise ConfigError(f"valid: {', '.join(map(str, ZERO_STAGES))}", "zero", layout.zero)
+    if layout.zero and layout.dp == 1:
+        raise ConfigError("ZeRO shards states across data-parallel ranks, and dp is 1; use zero 0, or more "
+                          "processes with dp > 1", "zero", layout.zero)
+    check_tensor_parallel(model, layout.tp)
+    if layout.sequence_parallel and layout.tp == 1:
+        raise ConfigError("needs tp 2 or more", "sequence_parallel", True)
+    if layout.sequence_parallel and seq_len % layout.tp:
+        raise ConfigError(f"must be a multiple of tp {layout.tp} with sequence parallelism", "seq_len", seq_len)
+    parse_checkpointing(layout.checkpointing)
+    if layout.offload not in OFFLOAD_TARGETS:
+        raise ConfigError(f"valid: {', '.join(OFFLOAD_TARGETS)}", "offload", layout.offload)
+    if global_batch % (layout.micro_batch * layout.dp):
+        raise ConfigError(f"must be a multiple of micro_batch {layout.micro_batch} x dp {layout.dp} = "
+                          f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)
+    return check_pipeline(model, layout, seq_len)

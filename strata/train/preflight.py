@@ -1,0 +1,110 @@
+"""What a training run checks of its files before any process starts: the checkpoint it resumes
+or starts from, the save directory it writes into, the data it reads, and the paths it writes.
+
+The launcher runs these once (so a problem is one line, not one per rank) and tells the ranks so
+through STRATA_PREFLIGHT; a rank started some other way (torchrun by hand) runs them itself."""
+
+from __future__ import annotations
+
+import os
+
+from strata.checkpoint import store
+from strata.config import TrainConfig, check_run_settings, sequence_length, validate
+from strata.data.loader import check_token_ids, check_windows, read_meta
+from strata.errors import ConfigError
+from strata.model.config import ModelConfig
+from strata.model.presets import PRESETS
+
+DONE = "STRATA_PREFLIGHT"  # set in the ranks' environment once the launcher has run the checks
+
+
+def resume_source(cfg: TrainConfig) -> tuple[str | None, str | None]:
+    """(the checkpoint to resume from, a note to print about how it was found): --resume, or with
+    `--resume auto` (and after a restart by torchrun, when --save is set) the save directory's last
+    complete checkpoint written, if there is one."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if cfg.resume == "auto" or (cfg.resume is None and restarted and cfg.save):
+        return store.resume_point(cfg.save) if cfg.save else (None, None)
+    return cfg.resume, None
+
+
+def steps_to_save(cfg: TrainConfig, start_step: int) -> list[int]:
+    if not cfg.save:
+        return []
+    return [k for k in range(start_step + 1, cfg.steps + 1) if (cfg.save_every and k % cfg.save_every == 0)
+            or k == cfg.steps]
+
+
+def model_shape(cfg: TrainConfig) -> ModelConfig:
+    """The model's shape: the preset, or --init-from's checkpoint; --n-layers applied."""
+    base = PRESETS[cfg.model]
+    if cfg.init_from:
+        base = store.model_config(store.read_state(cfg.init_from), store.resolve(cfg.init_from))
+    return base.with_overrides(n_layers=cfg.n_layers or base.n_layers)
+
+
+def checked_model(cfg: TrainConfig, world_size: int) -> ModelConfig:
+    """Every setting checked (alone, together, against the world size and the model); the model."""
+    check_run_settings(cfg)
+    model = model_shape(cfg)
+    validate(cfg, world_size, model)
+    return model
+
+
+def data_vocab_size(cfg: TrainConfig, model_vocab: int) -> int:
+    """The vocabulary the data brings: its tokenizer's, or synthetic data's (--vocab-size or the model's)."""
+    if cfg.data == "synthetic":
+        return cfg.vocab_size or model_vocab
+    return read_meta(cfg.data)["vocab_size"]
+
+
+def preflight(cfg: TrainConfig) -> list[str]:
+    """Check the run's files; returns notes to print once (how the resume point was found).
+    Raises ConfigError / CorruptError with one line."""
+    notes = []
+    for flag, path in (("--metrics", cfg.metrics), ("--trace", cfg.trace), ("--save", cfg.save),
+                       ("--offload-dir", cfg.offload_dir)):
+        wants_dir = flag in ("--save", "--offload-dir")
+        if path and os.path.exists(path) and os.path.isdir(path) != wants_dir:
+            raise ConfigError(f"{flag} {path}: is {'a file' if wants_dir else 'a directory'}; "
+                              f"want {'a directory' if wants_dir else 'a file'}")
+    base = model_shape(cfg)  # reads --init-from's manifest
+    if cfg.data != "synthetic":
+        meta = read_meta(cfg.data)
+        check_windows(meta, sequence_length(cfg, base))
+        check_token_ids(cfg.data, meta)
+    model = base.with_overrides(vocab_size=data_vocab_size(cfg, base.vocab_size))
+    if cfg.init_from and model.vocab_size != base.vocab_size:
+        raise ConfigError(f"--init-from {cfg.init_from}: the model's vocabulary is {base.vocab_size}, "
+                          f"the data's {model.vocab_size}; they must be equal")
+    source, note = resume_source(cfg)
+    notes += [note] if note else []
+    start_step = 0
+    if source is not None:
+        start_step = _check_resumable(source, model)
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # after the last save: nothing left
+        if start_step > cfg.steps or (start_step == cfg.steps and not restarted):
+            raise ConfigError(f"the checkpoint {source} is at step {start_step} already; give steps above it to "
+                              f"train on", "steps", cfg.steps)
+    if cfg.save:
+        store.check_no_overwrite(cfg.save, steps_to_save(cfg, start_step))
+    return notes
+
+
+def check_same_model(saved, model, path: str) -> None:
+    """A checkpoint's model shape must be the run's."""
+    if saved != model:
+        diff = [f"{k} (saved {v}, now {getattr(model, k)})" for k, v in saved.to_dict().items()
+                if getattr(model, k) != v]
+        raise ConfigError(f"checkpoint {path}: its model differs from this one in {', '.join(diff)}")
+
+
+def _check_resumable(source: str, model) -> int:
+    """The step a checkpoint resumes at, once its manifest, files and model are checked."""
+    path, manifest, reader = store.open_checkpoint(source)
+    check_same_model(store.model_config(manifest, path), model, path)
+    with reader:
+        if not reader.has_optimizer:
+            raise ConfigError(f"--resume {source}: the checkpoint holds no optimizer state (a converted "
+                              f"model?); use --init-from to start training from its weights")
+    return manifest["step"]

@@ -1,0 +1,102 @@
+"""Which TCP sockets a process tree listens on, read from /proc (Linux): the fds of every process
+in the tree name socket inodes, and /proc/net/tcp{,6} gives each listening inode its address."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import struct
+
+TCP_LISTEN = "0A"
+
+
+def process_tree(root: int) -> list[int]:
+    """root and all its descendants (alive now)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL root and every descendant (torchrun starts its workers in sessions of their own, so
+    killing the launcher's process group leaves them running)."""
+    for pid in reversed(process_tree(root)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _address(hex_address: str, version: int) -> str:
+    ip_hex, port_hex = hex_address.split(":")
+    raw = bytes.fromhex(ip_hex)
+    if version == 4:
+        ip = socket.inet_ntop(socket.AF_INET, struct.pack("<I", struct.unpack(">I", raw)[0]))
+    else:  # four little-endian 32-bit words
+        words = struct.unpack(">4I", raw)
+        ip = socket.inet_ntop(socket.AF_INET6, struct.pack("<4I", *words))
+    return f"{ip}:{int(port_hex, 16)}"
+
+
+def listening_sockets(pid: int | str = "self") -> dict[int, str]:
+    """inode -> 'address:port' of every listening TCP socket in the network namespace of `pid`."""
+    found = {}
+    for path, version in ((f"/proc/{pid}/net/tcp", 4), (f"/proc/{pid}/net/tcp6", 6)):
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] == TCP_LISTEN:
+                    found[int(parts[9])] = _address(parts[1], version)
+    return found
+
+
+def listeners_of_tree(root: int) -> dict[int, list[str]]:
+    """pid -> the addresses its listening sockets are bound to, for root's whole process tree."""
+    listening = listening_sockets(root)
+    out = {}
+    for pid in process_tree(root):
+        mine = sorted(listening[i] for i in socket_inodes(pid) if i in listening)
+        if mine:
+            out[pid] = mine
+    return out
+
+
+def host(address: str) -> str:
+    return address.rsplit(":", 1)[0]
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(host(address)).is_loopback

@@ -1,0 +1,410 @@
+"""Every bad input a user (or a hostile file) can give ends in exactly one line on stderr, naming
+the bad value, with exit code 2 and no traceback anywhere in the output, before any process starts.
+
+The fixtures build the damaged files once: a prepared data directory and a checkpoint, and copies
+of them broken in the ways a disk, a truncated copy or an attacker breaks them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from strata.config import TrainConfig
+from strata.data.prepare import prepare
+from strata.train.trainer import train
+
+from cli_runner import run_strata
+
+CORPUS = "It was the best of times, it was the worst of times, it was the age of wisdom.\n" * 200
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
+GPT2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 32}
+
+
+def _json(path, obj) -> str:
+    with open(path, "w") as f:
+        f.write(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+def _data(root) -> dict[str, str]:
+    """A prepared data directory and broken copies of it."""
+    (root / "corpus.txt").write_text(CORPUS)
+    good = root / "data"
+    prepare([str(root / "corpus.txt")], str(good), "bpe:300", 0.1)
+    shard = "train_000.bin"
+    dirs = {"good": str(good), "corpus": str(root / "corpus.txt"), "short_val": str(root / "data_short_val")}
+    prepare([str(root / "corpus.txt")], dirs["short_val"], str(good / "tokenizer.json"), 0.002)
+
+    def broken(name, damage):
+        copy = root / f"data_{name}"
+        shutil.copytree(good, copy)
+        damage(copy)
+        dirs[name] = str(copy)
+
+    def truncate(copy, size):
+        with open(copy / shard, "r+b") as f:
+            f.truncate(size)
+
+    def meta(copy, change):
+        m = json.loads((copy / "meta.json").read_text())
+        change(m)
+        (copy / "meta.json").write_text(json.dumps(m))
+
+    broken("truncated", lambda c: truncate(c, os.path.getsize(c / shard) - 2))
+    broken("odd", lambda c: truncate(c, os.path.getsize(c / shard) - 1))
+    broken("empty_shard", lambda c: truncate(c, 0))
+    broken("missing_shard", lambda c: os.remove(c / shard))
+    broken("big_ids", lambda c: np.memmap(c / shard, dtype=np.uint16, mode="r+").__setitem__(5, 65000))
+    broken("meta_not_json", lambda c: (c / "meta.json").write_text("{not json"))
+    broken("meta_array", lambda c: (c / "meta.json").write_text("[1, 2]"))
+    broken("meta_escape", lambda c: meta(c, lambda m: m["splits"]["train"]["shards"][0].update(file="../../etc/passwd")))
+    broken("meta_no_vocab", lambda c: meta(c, lambda m: m.pop("vocab_size")))
+    return dirs
+
+
+def _checkpoints(root, data_dir) -> dict[str, str]:
+    """A checkpoint of a tiny run on prepared data (with its tokenizer), and broken copies."""
+    save = root / "ck"
+    train(TrainConfig(model="tiny", data=data_dir, seq_len=16, steps=2, micro_batch=2, save=str(save),
+                      progress=False, eval_batches=1, peak_flops=1e10))
+    step = save / "step_000002"
+    found = {"save": str(save), "good": str(step)}
+
+    def broken(name, damage):
+        copy = root / f"ck_{name}"
+        shutil.copytree(save, copy)
+        damage(copy / "step_000002")
+        found[name] = str(copy / "step_000002")
+
+    def manifest(ckpt, change):
+        m = json.loads((ckpt / "manifest.json").read_text())
+        change(m)
+        (ckpt / "manifest.json").write_text(json.dumps(m))
+
+    def rename_shard(ckpt):
+        manifest(ckpt, lambda m: m["files"].update({"shard_../../x.json": m["files"].pop("shard_0.json")}))
+
+    def tamper_tokenizer(ckpt):  # the same size, other bytes
+        text = (ckpt / "tokenizer.json").read_bytes()
+        (ckpt / "tokenizer.json").write_bytes(text.replace(b"the", b"THE", 1) if b"the" in text else text[::-1])
+
+    broken("manifest_not_json", lambda c: (c / "manifest.json").write_text("{"))
+    broken("manifest_array", lambda c: (c / "manifest.json").write_text("[]"))
+    broken("manifest_no_model", lambda c: manifest(c, lambda m: m.pop("model_config")))
+    broken("manifest_escape", lambda c: manifest(c, lambda m: m["files"].update({"../../outside/x": {"bytes": 1,
+                                                                                   "sha256": "0" * 64}})))
+    broken("shard_escape", rename_shard)
+    broken("tokenizer_tampered", tamper_tokenizer)
+    escape = root / "ck_latest_escape"
+    shutil.copytree(save, escape)
+    (escape / "latest").write_text("../other/step_000005")
+    found["latest_escape"] = str(escape)
+    converted = root / "ck_converted"  # weights only: nothing to --resume
+    from strata.checkpoint.store import Checkpointer, read_state
+    state = read_state(str(step))
+    tensors = {"embed.weight": torch.zeros(2)}
+    Checkpointer(str(converted), 0, 1).save(0, tensors, {"regions": {}, "optimizer_step": None, "rng": {}},
+                                            {"model_config": state["model_config"], "config": {"dtype": "fp32"}})
+    found["weights_only"] = str(converted / "step_000000")
+    return found
+
+
+def _hf(root) -> dict[str, str]:
+    """Hugging Face model directories, each wrong in one way."""
+    found = {}
+
+    def model_dir(name, config, index=None):
+        d = root / f"hf_{name}"
+        d.mkdir()
+        _json(d / "config.json", config)
+        save_file({"model.embed_tokens.weight": torch.zeros(64, 16)}, str(d / "model-00001.safetensors"))
+        if index is not None:
+            _json(d / "model.safetensors.index.json", index)
+        found[name] = str(d)
+
+    model_dir("index_not_json", LLAMA, "{nope")
+    model_dir("index_no_map", LLAMA, {"metadata": {}})
+    model_dir("index_list_map", LLAMA, {"weight_map": ["model-00001.safetensors"]})
+    model_dir("index_escape", LLAMA, {"weight_map": {"model.embed_tokens.weight": "../../secret.safetensors"}})
+    model_dir("config_list", [LLAMA])
+    model_dir("config_missing_heads", {k: v for k, v in LLAMA.items() if k != "num_attention_heads"})
+    model_dir("config_zero_heads", {**LLAMA, "num_attention_heads": 0})
+    model_dir("config_string_layers", {**LLAMA, "num_hidden_layers": "1"})
+    model_dir("config_unknown_type", {**LLAMA, "model_type": "falcon"})
+    model_dir("bad_tokenizer", LLAMA)
+    (root / "hf_bad_tokenizer" / "tokenizer.json").write_text('{"model": "none"}')
+    return found
+
+
+def _planner_configs(root) -> dict[str, str]:
+    configs = {"array": [GPT2], "no_heads": {k: v for k, v in GPT2.items() if k != "n_head"},
+               "zero_heads": {**GPT2, "n_head": 0}, "string_layers": {**GPT2, "n_layer": "96"},
+               "no_ffn": {k: v for k, v in LLAMA.items() if k != "intermediate_size"},
+               "zero_layers": {**GPT2, "n_layer": 0}}
+    return {name: _json(root / f"plan_{name}.json", c) for name, c in configs.items()}
+
+
+def _files(root) -> dict[str, str]:
+    (root / "src_dirs" / "sub.txt").mkdir(parents=True)  # a directory that only looks like a text file
+    (root / "src_broken").mkdir()
+    os.symlink(root / "gone.txt", root / "src_broken" / "broken.txt")
+    (root / "hosts_binary").write_bytes(b"\x8c\xff\x00 slots=1")
+    (root / "hosts_lo").write_text("127.0.0.1 slots=2\n")
+    (root / "no_loss.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (root / "empty_trace.json").write_text('{"traceEvents": []}')
+    (root / "not_json.json").write_text("{oops")
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (root / "empty.txt").write_text("")
+    (root / "a_file").write_text("x")
+    (root / "bad_tokenizer.json").write_text('{"model": 42}')
+    (root / "binary.toml").write_bytes(b"\x00\xff\xfe garbage \x89PNG")
+    (root / "a_dir").mkdir()
+    return {name: str(root / name) for name in
+            ("binary.txt", "empty.txt", "a_file", "bad_tokenizer.json", "binary.toml", "a_dir", "src_dirs", "src_broken",
+             "hosts_binary", "hosts_lo", "no_loss.jsonl", "empty_trace.json", "not_json.json")}
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    data = _data(root)
+    return {"root": str(root), "data": data, "ck": _checkpoints(root, data["good"]), "hf": _hf(root),
+            "plan": _planner_configs(root), "file": _files(root)}
+
+
+def _fill(arg: str, fx: dict) -> str:
+    """'{ck.good}' -> the fixture's path."""
+    if arg.startswith("{") and arg.endswith("}"):
+        group, _, name = arg[1:-1].partition(".")
+        return fx[group][name] if name else fx[group]
+    return arg
+
+
+TRAIN = ["train", "--model", "tiny", "--steps", "2", "--no-progress"]
+GEN = ["generate", "--checkpoint"]
+
+CASES = [
+    # --- train: flags ------------------------------------------------------------------------------
+    (["train", "--model", "gpt5"], "--model gpt5: unknown preset; valid: tiny"),
+    (["train", "--dtype", "fp8"], "--dtype fp8: valid: fp32, fp64, bf16"),
+    (["train", "--nproc", "4", "--dp", "3"], "the product must equal it"),
+    (["train", "--nproc", "2", "--tp", "3"], "--tp 3: tp x pp = 3 does not divide the world size 2"),
+    (["train", "--global-batch", "6", "--micro-batch", "4"], "--global-batch 6: must be a multiple of micro_batch 4"),
+    (["train", "--seq-len", "100000"], "--seq-len 100000: must be between 1 and the model's max_seq_len 64"),
+    (["train", "--seq-len", "0"], "--seq-len 0: must be between 1"),
+    (["train", "--data", "/nonexistent"], "--data /nonexistent: no meta.json"),
+    (["train", "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--model", "small", "--nproc", "4", "--tp", "4"], "--tp 4: must divide the model's 6 attention heads"),
+    (["train", "--sequence-parallel"], "--sequence-parallel: needs tp 2 or more"),
+    (["train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33"],
+     "--seq-len 33: must be a multiple of tp 2"),
+    (["train", "--model", "bloom-176b", "--nproc", "2", "--tp", "2"], "--tp 2: ALiBi models run with tp 1"),
+    (["train", "--zero", "2"], "--zero 2: ZeRO shards states across data-parallel ranks, and dp is 1"),
+    (["train", "--zero", "4"], "--zero 4: valid: 0, 1, 2, 3"),
+    (["train", "--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),
+    (["train", "--nproc", "4", "--pp", "2", "--zero", "2"], "--zero 2: with pp 2: ZeRO-2/3 would reduce-scatter"),
+    (["train", "--nproc", "2", "--pp", "2", "--schedule", "zigzag"], "--schedule zigzag: valid: gpipe, 1f1b"),
+    (["train", "--nproc", "2", "--pp", "2", "--pp-split", "a,b"], "--pp-split a,b: give blocks per chunk"),
+    (["train", "--nproc", "4", "--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
+     "--pp 4: with 2 virtual stage(s), 8 chunks"),
+    (["train", "--checkpointing", "half"], "--checkpointing half: valid: none, full, selective, every:K"),
+    (["train", "--offload", "nvme"], "--offload nvme: valid: none, disk, cpu"),
+    (["train", "--reduce-dtype", "bf16"], "--reduce-dtype bf16: sets the dtype of data-parallel reductions"),
+    (["train", "--dtype", "fp16", "--loss-scale", "0"], "--loss-scale 0.0: must be > 0"),
+    (["train", "--beta1", "2"], "--beta1 2.0: must be in [0, 1)"),
+    (["train", "--beta2", "-1"], "--beta2 -1.0: must be in [0, 1)"),
+    (["train", "--seed", "-1"], "--seed -1: must be between 0 and 2**63 - 1"),
+    (["train", "--lr", "nan"], "--lr nan: must be > 0"),
+    (["train", "--lr", "inf"], "--lr inf: must be > 0"),
+    (["train", "--weight-decay", "-1"], "--weight-decay -1.0: must be >= 0"),
+    (["train", "--grad-clip", "nan"], "--grad-clip nan: must be >= 0"),
+    (["train", "--timeout", "nan"], "--timeout nan: must be > 0"),
+    (["train", "--eval-batches", "0"], "--eval-batches 0: must be >= 1"),
+    (["train", "--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
+    (["train", "--keep", "-1", "--save", "{root}"], "--keep -1: must be >= 0"),
+    (["train", "--virtual-stages", "2"], "--virtual-stages 2: only with pp 2 or more"),
+    (["train", "--config", "{file.binary.toml}"], "not valid TOML"),
+    (["train", "--config", "{file.a_dir}"], "is a directory"),
+    (["train", "--config", "/nonexistent.toml"], "no such file"),
+    # --- train: files --------------------------------------------------------------------------------
+    ([*TRAIN, "--nproc", "2", "--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
+    ([*TRAIN, "--nproc", "2", "--resume", "{file.a_dir}"], "not a complete checkpoint"),
+    ([*TRAIN, "--resume", "{ck.manifest_not_json}"], "manifest.json: not valid JSON"),
+    ([*TRAIN, "--resume", "{ck.manifest_array}"], "manifest.json: holds a JSON list, not an object"),
+    ([*TRAIN, "--resume", "{ck.manifest_escape}"], "'../../outside/x' is not a plain file name"),
+    ([*TRAIN, "--resume", "{ck.shard_escape}"], "'shard_../../x.json' is not a plain file name"),
+    ([*TRAIN, "--resume", "{ck.latest_escape}"], "names '../other/step_000005', not a step directory"),
+    ([*TRAIN, "--data", "{data.good}", "--seq-len", "16", "--resume", "{ck.weights_only}"], "holds no optimizer state"),
+    ([*TRAIN, "--save", "{file.a_file}"], "--save {file.a_file}: is a file; want a directory"),
+    ([*TRAIN, "--metrics", "{file.a_dir}"], "--metrics {file.a_dir}: is a directory; want a file"),
+    ([*TRAIN, "--data", "{data.truncated}", "--seq-len", "16"], "shard train_000.bin has"),
+    ([*TRAIN, "--data", "{data.odd}", "--seq-len", "16"], "(truncated or replaced)"),
+    ([*TRAIN, "--data", "{data.empty_shard}", "--seq-len", "16"], "shard train_000.bin has 0 bytes"),
+    ([*TRAIN, "--data", "{data.missing_shard}", "--seq-len", "16"], "shard train_000.bin is missing"),
+    ([*TRAIN, "--data", "{data.big_ids}", "--seq-len", "16"], "holds token id 65000, outside the vocabulary"),
+    ([*TRAIN, "--data", "{data.meta_not_json}", "--seq-len", "16"], "meta.json: not valid JSON"),
+    ([*TRAIN, "--data", "{data.meta_array}", "--seq-len", "16"], "holds a JSON list, not an object"),
+    ([*TRAIN, "--data", "{data.meta_escape}", "--seq-len", "16"], "'../../etc/passwd' is not a plain file name"),
+    ([*TRAIN, "--data", "{data.meta_no_vocab}", "--seq-len", "16"], "has no 'vocab_size'"),
+    ([*TRAIN, "--nproc", "2", "--data", "{data.short_val}", "--seq-len", "16"],
+     "--seq-len 16: the val split is shorter than one window"),
+    # --- data prepare ------------------------------------------------------------------------------
+    (["data", "prepare", "--source", "/nonexistent", "--out", "o1"], "not a file, a directory or 'shakespeare'"),
+    (["data", "prepare", "--source", "{file.binary.txt}", "--out", "o2"], "not UTF-8 text"),
+    (["data", "prepare", "--source", "{file.empty.txt}", "--out", "o3"], "the corpus is empty"),
+    (["data", "prepare", "--source", "{data.corpus}", "--tokenizer", "{file.bad_tokenizer.json}",
+      "--out", "o4"], "not a tokenizer.json that `tokenizers` reads"),
+    (["data", "prepare", "--source", "{data.corpus}", "--out", "{file.a_file}"],
+     "exists and is not a directory"),
+    (["data", "prepare", "--source", "{data.corpus}", "--val-fraction", "1", "--out", "o5"],
+     "--val-fraction 1.0: must be in (0, 1)"),
+    (["data", "prepare", "--source", "{data.corpus}", "--val-fraction", "0", "--out", "o7"],
+     "--val-fraction 0.0: must be in (0, 1): training validates on this split"),
+    (["data", "prepare", "--source", "{data.corpus}", "--out", ""], "--out '': give a directory"),
+    (["data", "prepare", "--source", "{data.corpus}", "--out", "a_file/sub"], "a_file is a file"),
+    (["data", "prepare", "--source", "{data.corpus}", "--tokenizer", "bpe:12", "--out", "o6"],
+     "want bpe:N with N from 257"),
+    # --- generate ------------------------------------------------------------------------------------
+    ([*GEN, "/nonexistent", "--prompt-ids", "1"], "no such directory"),
+    ([*GEN, "{ck.manifest_not_json}", "--prompt-ids", "1"], "manifest.json: not valid JSON"),
+    ([*GEN, "{ck.manifest_no_model}", "--prompt-ids", "1"], "'model_config' is missing"),
+    ([*GEN, "{ck.latest_escape}", "--prompt-ids", "1"], "not a step directory"),
+    ([*GEN, "{ck.tokenizer_tampered}", "--prompt", "It was"], "tokenizer.json fails its checksum"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--max-new-tokens", "1000"], "--max-new-tokens 1000: must be between 1 and"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--temperature", "-1"], "--temperature -1.0"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--top-p", "2"], "--top-p 2.0"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--tp", "3"], "--tp 3: must divide the model's 4 attention heads"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1," * 70 + "1"], "fills the model's 64-position context"),
+    # --- convert ---------------------------------------------------------------------------------------
+    (["convert", "--from-hf", "{hf.index_not_json}", "--out", "c1"], "not valid JSON (an index of safetensors files)"),
+    (["convert", "--from-hf", "{hf.index_no_map}", "--out", "c2"], "'weight_map' must map tensor names"),
+    (["convert", "--from-hf", "{hf.index_list_map}", "--out", "c3"], "'weight_map' must map tensor names"),
+    (["convert", "--from-hf", "{hf.index_escape}", "--out", "c4"], "'../../secret.safetensors' is not a plain"),
+    (["convert", "--from-hf", "{hf.config_list}", "--out", "c5"], "config.json holds a JSON list"),
+    (["convert", "--from-hf", "{hf.config_missing_heads}", "--out", "c6"], "has no 'num_attention_heads'"),
+    (["convert", "--from-hf", "{hf.config_zero_heads}", "--out", "c7"], "num_attention_heads=0 must be a whole number >= 1"),
+    (["convert", "--from-hf", "{hf.config_string_layers}", "--out", "c8"], "num_hidden_layers='1' must be a whole number"),
+    (["convert", "--from-hf", "{hf.config_unknown_type}", "--out", "c9"], "model_type 'falcon' is not supported"),
+    (["convert", "--to-hf", "{file.a_dir}", "--out", "c10"], "not a complete checkpoint"),
+    (["convert", "--to-hf", "{ck.manifest_array}", "--out", "c11"], "holds a JSON list, not an object"),
+    # --- plan --------------------------------------------------------------------------------------------
+    (["plan", "--model", "{plan.array}"], "config.json holds a JSON list"),
+    (["plan", "--model", "{plan.no_heads}"], "has no 'n_head'"),
+    (["plan", "--model", "{plan.no_ffn}"], "has no 'intermediate_size'"),
+    (["plan", "--model", "{plan.zero_heads}"], "n_head=0 must be a whole number >= 1"),
+    (["plan", "--model", "{plan.string_layers}"], "n_layer='96' must be a whole number"),
+    (["plan", "--model", "{plan.zero_layers}", "--inference"], "n_layer=0 must be a whole number"),
+    (["plan", "--model", "{ck.manifest_not_json}"], "manifest.json: not valid JSON"),
+    (["plan", "--model", "tiny", "--layout", "tp=0"], "--layout tp=0: tp=0: must be >= 1"),
+    (["plan", "--model", "tiny", "--layout", "dp=abc"], "dp=abc is not a number"),
+    (["plan", "--model", "small", "--layout", "tp=4,dp=2"], "tp=4: must divide the model's 6 attention heads"),
+    (["plan", "--model", "tiny", "--layout", "dp=4,pp=2,zero=3"], "zero=3: with pp 2: ZeRO-2/3"),
+    (["plan", "--model", "tiny", "--layout", "dp=8,sp"], "sp=True: needs tp 2 or more"),
+    (["plan", "--model", "tiny", "--layout", "pp=8"], "pp=8: with 1 virtual stage(s), 8 chunks"),
+    (["plan", "--model", "tiny", "--global-batch", "4", "--layout", "dp=8"],
+     "--global-batch 4: must be a multiple of micro_batch 1 x dp 8"),
+    (["plan", "--model", "tiny", "--chart", "/nonexistent/dir/c.png"],
+     "--chart /nonexistent/dir/c.png: the directory /nonexistent/dir does not exist"),
+    (["plot", "{file.empty.txt}", "--out", "/nonexistent/p.png"], "the directory /nonexistent does not exist"),
+    (["plan", "--model", "tiny", "--network", "nan"], "--network nan"),
+    (["plan", "--model", "tiny", "--network", "inf"], "--network inf"),
+    (["plan", "--model", "tiny", "--seq-len", "0"], "--seq-len 0: must be between 1"),
+    (["plan", "--model", "tiny", "--inference", "--context", "0"], "--context 0: must be between 1"),
+    (["plan", "--model", "tiny", "--efficiency", "nan"], "--efficiency nan: must be in (0, 1]"),
+    (["plan", "--model", "tiny", "--top", "0"], "--top 0: must be >= 1"),
+    (["plan", "--model", "tiny", "--gpus-per-node", "0"], "--gpus-per-node 0: must be >= 1"),
+    (["plan", "--model", "tiny", "--inference", "--batch", "0"], "--batch 0: must be >= 1"),
+    (["plan", "--model", "tiny", "--device", "Z80"], "--device Z80: valid"),
+    # --- bench ---------------------------------------------------------------------------------------------
+    (["bench", "comm", "--min-bytes", "1Q"], "is not a size"),
+    (["bench", "comm", "--max-bytes", "inf"], "is not a size"),
+    (["bench", "comm", "--factor", "1"], "--factor 1: must be >= 2"),
+    (["bench", "comm", "--iters", "0"], "--iters 0: must be >= 1"),
+    (["bench", "comm", "--nproc", "1"], "--nproc 1: a collective needs 2 or more ranks"),
+    (["bench", "generate", "--model", "tiny", "--batch", "0"], "--batch"),
+    (["bench", "generate", "--model", "tiny", "--lengths", "abc"], "--lengths"),
+    (["bench", "generate", "--checkpoint", "{ck.manifest_array}"], "holds a JSON list, not an object"),
+    # --- the rest ----------------------------------------------------------------------------------------
+    (["schedule", "--pp", "0"], "--pp 0: must be >= 1"),
+    (["schedule", "--micro-batches", "0"], "--micro-batches 0: must be >= 1"),
+    (["plot", "/nonexistent.jsonl", "--out", "x.png"], "no such file"),
+    (["plot", "{file.empty.txt}", "--out", "p.png"], "holds no train or eval records"),
+    (["plot", "{file.binary.txt}", "--out", "p.png"], "not a metrics file"),
+    # --- what a hostile probe found next ----------------------------------------------------------------
+    (["train", "--seed", "99999999999999999999999"], "must be between 0 and 2**63 - 1"),
+    (["train", "--warmup-steps", "5", "--steps", "2"], "--warmup-steps 5: must be at most steps 2"),
+    (["train", "--device", "cuda"], "--device cuda: no CUDA device here"),
+    (["train", "--device", "tpu"], "--device tpu: valid: auto, cpu, cuda"),
+    ([*TRAIN, "--data", "{data.good}", "--seq-len", "16", "--resume", "{ck.good}"], "is at step 2 already"),
+    (["data", "prepare", "--source", "{file.src_dirs}", "--out", "o8"], "directory holds no .txt files"),
+    (["data", "prepare", "--source", "{file.src_broken}", "--out", "o9"], "broken.txt is a broken link"),
+    (["convert", "--from-hf", "{hf.config_list}", "--out", "{file.a_file}"], "exists and is not a directory"),
+    (["convert", "--from-hf", "{hf.config_list}", "--out", "{ck.save}"], "holds files already"),
+    (["convert", "--from-hf", "{hf.bad_tokenizer}", "--out", "c12"], "tokenizer.json is not a tokenizer"),
+    (["convert", "--to-hf", "{ck.good}", "--out", "{file.a_file}"], "exists and is not a directory"),
+    (["convert", "--to-hf", "{ck.good}", "--out", "{hf.config_list}"], "holds a model already (config.json)"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--temperature", "inf"], "--temperature inf: must be finite"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--device", "tpu"], "--device tpu: valid: auto, cpu, cuda"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--device", "cuda"], "--device cuda: no CUDA device here"),
+    ([*GEN, "{ck.good}", "--prompt-ids", "1", "--timeout", "0"], "--timeout 0.0: must be > 0"),
+    ([*GEN, "{ck.good}", "--prompt", "It", "--stop", ""], "an empty stop string"),
+    (["bench", "comm", "--ops", ""], "--ops '': give at least one"),
+    (["bench", "comm", "--tp", "0"], "--tp 0, --pp 1: must be >= 1"),
+    (["bench", "comm", "--pp", "-1"], "--pp -1: must be >= 1"),
+    (["bench", "comm", "--timeout", "nan"], "--timeout nan: must be > 0"),
+    (["bench", "comm", "--timeout", "-1"], "--timeout -1.0: must be > 0"),
+    (["bench", "comm", "--device", "tpu"], "--device tpu: valid"),
+    (["bench", "generate", "--model", "tiny", "--threads", "0"], "--threads 0: must be >= 1"),
+    (["bench", "generate", "--model", "tiny", "--device", "tpu"], "--device tpu: valid: cpu, cuda"),
+    (["plan", "--model", "tiny", "--chart", "chart"], "--chart chart: give a file name ending in .png"),
+    (["plan", "--model", "tiny", "--device", "cpu-local", "--profile", "{file.not_json.json}"],
+     "not valid JSON (a calibration profile"),
+    (["plan", "--model", "tiny", "--inference", "--device", ""], "name one or more devices"),
+    (["plan", "--model", "tiny", "--inference", "--per-layer-us", "nan"], "--per-layer-us nan: must be a number"),
+    (["plan", "--model", "tiny", "--inference", "--per-token-us", "-1"], "--per-token-us -1.0: must be a number"),
+    (["schedule", "--schedule", "interleaved"], "--schedule interleaved: needs virtual_stages 2"),
+    (["schedule", "--schedule", "1f1b", "--virtual-stages", "2"], "--virtual-stages 2: only with pp 2 or more and"),
+    (["schedule", "--pp", "100000", "--micro-batches", "100000"], "more than the 100,000 simulated"),
+    (["schedule", "--out", "s"], "--out s: give a file name ending in .png"),
+    (["plot", "{file.no_loss.jsonl}", "--out", "p.png"], "a train record without a number for each of step, loss"),
+    (["plot", "{file.a_dir}", "--out", "p.png"], "is a directory"),
+    (["plot", "{file.empty_trace.json}", "--out", "p.png"], "the trace holds no pipeline actions"),
+    (["plot", "{file.no_loss.jsonl}", "--out", "p"], "--out p: give a file name ending in .png"),
+    (["launch", "--hostfile", "{file.hosts_binary}", "--", "train"], "not UTF-8 text"),
+    (["launch", "--hostfile", "{file.hosts_lo}", "--master-port", "0", "--", "train"], "--master-port 0: valid 1-65535"),
+    (["launch", "--hostfile", "{file.hosts_lo}", "--master-port", "70000", "--", "train"], "valid 1-65535"),
+    (["launch", "--hostfile", "{file.hosts_lo}", "--", "launch", "--hostfile", "x"], "runs train, doctor or bench comm"),
+    (["launch", "--hostfile", "{file.hosts_lo}", "--", "bogus"], "invalid choice: 'bogus'"),
+    (["launch", "--hostfile", "{file.hosts_lo}", "--dry-run", "--", "train", "--lr", "-1"], "--lr -1.0: must be > 0"),
+    (["doctor", "--layout", "dp=2"], "--layout: only with --bandwidth"),
+    (["doctor", "--device", "bogus"], "--device: only with --bandwidth"),
+    (["doctor", "--global-batch", "0"], "--global-batch: only with --bandwidth"),
+    (["doctor", "--hostfile", "{file.hosts_binary}"], "not UTF-8 text"),
+    (["calibrate", "--nproc", "1000"], "--nproc 1000: must be between 1 and"),
+]
+
+
+@pytest.mark.parametrize("args,needle", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_one_line_exit_code_2_and_no_traceback(fx, args, needle):
+    result = run_strata(*(_fill(a, fx) for a in args), cwd=fx["root"])
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("strata: error:"), result.stderr
+    needle = needle.replace("{file.a_file}", fx["file"]["a_file"]).replace("{file.a_dir}", fx["file"]["a_dir"])
+    assert needle in lines[0], lines[0]
+
+
+def test_the_table_covers_every_command():
+    commands = {a[0] if a[0] not in ("data", "bench") else " ".join(a[:2]) for a, _ in CASES}
+    assert {"train", "plan", "generate", "convert", "data prepare", "bench comm", "bench generate"} <= commands
+    assert len(CASES) >= 50
