@@ -14,6 +14,7 @@ from strata.model.transformer import build_model, initial_value
 PUBLISHED = {
     "gpt2-124m": 124_439_808,
     "gpt2-1.5b": 1_557_611_200,
+    "llama-1b": 1_235_814_400,  # Llama 3.2 1B, tied embeddings
     "llama-7b": 6_738_415_616,
     "llama-13b": 13_015_864_320,
     "llama-65b": 65_285_660_672,

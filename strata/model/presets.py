@@ -27,6 +27,14 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-j-6b": ModelConfig(vocab_size=50400, n_layers=28, d_model=4096, n_heads=16, d_ff=16384,
                             max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu",
                             tie_embeddings=False, bias=True),
+    # Llama 3.2 1B (Meta 2024; the shape of its Hugging Face config.json): 16 layers, hidden 2048,
+    # 32 heads with 8 KV heads, SwiGLU 8192, a 128,256-token vocabulary, tied embeddings, RoPE theta
+    # 500,000; 1,235,814,400 parameters. The context here is Llama 3's pre-training length, 8192:
+    # the released model stretches it to 128K with llama3 RoPE scaling, which strata does not have.
+    # The shape the GPU check trains (bench/gpu_check.py).
+    "llama-1b": ModelConfig(vocab_size=128256, n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
+                            max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0,
+                            **{**_LLAMA, "tie_embeddings": True}),
     # Touvron et al. 2023 (LLaMA) and LLaMA 2 (70B: grouped-query attention with 8 KV heads).
     "llama-7b": ModelConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, d_ff=11008,
                             max_seq_len=2048, norm_eps=1e-6, **_LLAMA),

@@ -249,21 +249,24 @@ def device_matmul_rate(device: torch.device, dtype, n: int = 1024, seconds: floa
     return done * 2 * (4 * n) ** 3 / (time.perf_counter() - started)
 
 
-def inference_overheads(device: torch.device, dtype=torch.float32) -> dict:
+def inference_overheads(device: torch.device, dtype=torch.float32, widths: tuple[int, ...] | None = None) -> dict:
     """What a decode step costs on `device`, as the serving planner models it: per layer, an
     overhead plus the layer's weight bytes over the bandwidth a decode reaches; per token, an
     overhead. Models of 1, 2 and 4 layers at three widths are decoded by strata's own loop: the
     slope of seconds per token against layers is the time of a layer at that width, and the line
     of that time against the layer's bytes gives the bandwidth (1/slope) and the per-layer
     overhead (intercept). How the bandwidth falls as the batch grows (the layer turning
-    compute-bound) is scaled from a linear layer timed at each batch size."""
+    compute-bound) is scaled from a linear layer timed at each batch size. widths: the three
+    model widths (default 128, 1024, 2048 on a GPU; 128, 512, 1024 on a CPU); the GPU check's quick
+    mode passes narrower ones to run the same measurement in seconds."""
     import dataclasses
 
     from strata.infer.bench import least_squares
     from strata.model.presets import get_preset
     from strata.model.transformer import build_model
     size = torch.tensor([], dtype=dtype).element_size()
-    widths, layers = ((128, 512, 1024) if device.type == "cpu" else (128, 1024, 2048)), (1, 2, 4)
+    widths = widths or ((128, 512, 1024) if device.type == "cpu" else (128, 1024, 2048))
+    layers = (1, 2, 4)
     layer_bytes, layer_seconds, fixed = [], [], []
     for width in widths:
         cfg = dataclasses.replace(get_preset("tiny"), d_model=width, n_heads=width // 64, n_kv_heads=width // 64,

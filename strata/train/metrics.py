@@ -24,10 +24,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2
     # size: time a small matmul first and shrink the size so one product takes ~0.2 s at most.
     small = torch.randn(256, 256, device=device).to(dtype)
     small @ small
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     small @ small
-    _sync(device)
+    synchronize(device)
     rate = 2 * 256 ** 3 / max(time.perf_counter() - start, 1e-9)
     size = max(256, min(size, int((rate * 0.2 / 2) ** (1 / 3)) // 64 * 64))
     a = torch.randn(size, size, device=device).to(dtype)
@@ -35,10 +35,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2
     a @ b  # warm-up: kernels chosen, caches and clocks up
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         a @ b
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
 
@@ -76,7 +76,9 @@ def device_peak(device: torch.device, dtype_name: str) -> float:
                peak_flops(device, torch.float32))
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: CUDA runs ahead of the host, so a clock read without it
+    times the launches, not the kernels."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -310,6 +310,7 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
             comm.counter.reset()
             started = time.perf_counter()
             loss, grad_norm, states = train_step(run, step)
+            m.synchronize(run.device)  # the optimizer's kernels belong to this step, not the next
             elapsed = time.perf_counter() - started
             tokens_per_s = tokens_per_step / elapsed
             record = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,

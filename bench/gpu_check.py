@@ -1,0 +1,279 @@
+"""The GPU check: everything strata has never run on a GPU, measured in one call of at most 8 minutes
+on one device, for the rare times a GPU machine is lent.
+
+  cd <repo> && PYTHONPATH=. python bench/gpu_check.py --device cuda --out $OUT
+  PYTHONPATH=. python bench/gpu_check.py --device cpu --quick --out /tmp/gpu-check   # the same code, tiny shapes
+
+Parts, in order (each timed; when the --budget-s budget is spent the rest are skipped and listed):
+  environment   torch, CUDA, the device, which optional modules were missing
+  correctness   `tiny` trained 6 steps on the device equals the CPU run (fp64 within 1e-9, fp32 within
+                1e-4: losses and final weights); greedy generation gives the CPU's tokens
+  mfu           bf16 training of the ~1B LLaMA-shaped preset at 2048 tokens and of gpt2-124m: MFU
+                against the device table's peak, and the measured matmul peak beside it;
+                torch.compile recorded as not supported until strata has it
+  generation    TTFT and time per output token at batch 1 and 8 against `strata plan --inference`
+                (uncalibrated, and calibrated on this device as `strata calibrate --inference` does)
+  memory        the planner's peak for micro-batch 1/4 x checkpointing none/selective/full against
+                torch.cuda.max_memory_allocated
+  step_time     the planner's step time (device table, default efficiency; and with the efficiency
+                measured here, as `strata calibrate` measures it for a CPU) against the measured runs
+
+Writes gpu_check.json and gpu_check.txt (a short report) into --out after every part, so a run cut
+short still leaves what it measured. Runs from the source tree with the machine's own torch (no
+install): only torch, numpy and strata's code are needed; tqdm and safetensors, when missing, are
+replaced by stand-ins for what the check never calls (progress bars are off, nothing is saved)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import json
+import os
+import sys
+import time
+import traceback
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_check_parts, however this is started
+STARTED = time.perf_counter()  # the budget counts from here: importing torch takes time too
+BUDGET_S = 480.0
+PART_NAMES = ("environment", "correctness", "mfu", "generation", "memory", "step_time")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, as strata's own commands do
+        fail(f"{message} (see --help)")
+
+
+def fail(message: str) -> None:
+    print(f"gpu_check: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog="gpu_check.py", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda | cpu")
+    p.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.txt")
+    p.add_argument("--quick", action="store_true", help="the same code paths on tiny models (under a minute on a CPU)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for the whole check (default 480)")
+    p.add_argument("--parts", default=",".join(PART_NAMES),
+                   help=f"comma-separated subset of {', '.join(PART_NAMES)} (the environment is always recorded)")
+    args = p.parse_args(argv)
+    if args.device not in ("cuda", "cpu"):
+        fail(f"--device {args.device}: valid: cuda, cpu")
+    if not args.budget_s > 0:
+        fail(f"--budget-s {args.budget_s}: must be > 0 seconds")
+    args.parts = [name.strip() for name in args.parts.split(",") if name.strip()]
+    unknown = [name for name in args.parts if name not in PART_NAMES]
+    if unknown or not args.parts:
+        fail(f"--parts {','.join(unknown) or '(none)'}: valid: {', '.join(PART_NAMES)}")
+    return args
+
+
+# --- modules the check never calls -----------------------------------------------------------------
+class _NoProgress:
+    """tqdm's interface as the trainer uses it, doing nothing (progress bars are off anyway)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _unavailable(module: str):
+    def call(*args, **kwargs):
+        raise RuntimeError(f"{module} is not installed on this machine; the GPU check saves and loads nothing")
+    return call
+
+
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+        return True
+    except ImportError:
+        return False
+
+
+def _stand_in(name: str, **attributes) -> types.ModuleType:
+    """A module of the given attributes, with a spec (torch._dynamo looks up some modules' specs,
+    tqdm's among them) whose origin is None: nothing on disk."""
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attributes)
+    sys.modules[name] = module
+    return module
+
+
+def stub_missing_modules() -> list[str]:
+    """Stand in for strata's dependencies that the check's code paths import but never call, when
+    this machine lacks them (nothing can be installed there). Returns the names stubbed."""
+    stubbed = []
+    if not _importable("tqdm"):
+        _stand_in("tqdm", tqdm=_NoProgress)
+        stubbed.append("tqdm")
+    if not _importable("safetensors"):
+        missing = _unavailable("safetensors")
+        _stand_in("safetensors", safe_open=missing, SafetensorError=RuntimeError,
+                  torch=_stand_in("safetensors.torch", save_file=missing, load_file=missing))
+        stubbed.append("safetensors")
+    return stubbed
+
+
+# --- running the parts -------------------------------------------------------------------------------
+def run_parts(check, names: list[str], results: dict, write) -> None:
+    import gpu_check_parts as parts
+    functions = {"environment": parts.environment, "correctness": parts.correctness, "mfu": parts.mfu,
+                 "generation": parts.generation, "memory": parts.memory, "step_time": parts.step_time}
+    for name in names:
+        if name != "environment" and not check.budget.allows():  # the environment costs nothing: always said
+            check.skip(name, "all", f"budget of {check.budget.seconds:.0f} s spent")
+            results[name] = {"status": "skipped"}
+            write()
+            continue
+        started = time.perf_counter()
+        try:
+            results[name] = {"status": "done", **functions[name](check)}
+        except Exception as e:  # noqa: BLE001 - one part failing must not cost the others their turn
+            traceback.print_exc()
+            results[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        results[name]["seconds"] = time.perf_counter() - started
+        results["seconds"] = check.budget.spent()
+        write()
+
+
+def write_outputs(out_dir: str, results: dict) -> None:
+    """gpu_check.json and gpu_check.txt, each replaced whole (a run killed mid-write leaves the last)."""
+    for name, text in (("gpu_check.json", json.dumps(results, indent=1, default=str)),
+                       ("gpu_check.txt", "\n".join(report_lines(results)) + "\n")):
+        tmp = os.path.join(out_dir, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
+
+
+# --- the text report ---------------------------------------------------------------------------------
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:+.0%}"
+
+
+def _bytes(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f} GB" if x >= 1e9 else f"{x / 2**20:.2f} MiB"
+
+
+def _flops(x) -> str:
+    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+
+
+def report_lines(r: dict) -> list[str]:
+    env = r.get("environment", {})
+    device_name = f" ({env['name']})" if env.get("name") else ""
+    lines = [f"strata GPU check ({'quick' if r['quick'] else 'full'}) on {r['device']}{device_name}, "
+             f"torch {env.get('torch', '?')}, {r.get('seconds', 0):.0f} s of {r['budget_s']:.0f}"]
+    if "error" in r:
+        lines.append(f"error: {r['error']}")
+    for name in PART_NAMES:
+        part = r.get(name)
+        if part is None:
+            continue
+        if part.get("status") != "done":
+            lines.append(f"{name}: {part.get('status')} {part.get('error', '')}".rstrip())
+            continue
+        lines += globals()[f"_report_{name}"](part)
+    if r["skipped"]:
+        lines.append("skipped: " + "; ".join(f"{s['part']} {s['item']} ({s['reason']})" for s in r["skipped"]))
+    return lines
+
+
+def _report_environment(p: dict) -> list[str]:
+    stubbed = f"; stand-ins for {', '.join(p['stubbed_modules'])}" if p["stubbed_modules"] else ""
+    return [f"environment: CUDA {p['cuda']}, predictions for the table's {p['plan_device']}{stubbed}"]
+
+
+def _report_correctness(p: dict) -> list[str]:
+    train = ", ".join(f"{d} |Δloss| {t['max_loss_diff']:.1e} |Δw| {t['max_param_diff']:.1e} (tol {t['tolerance']:g})"
+                      for d, t in p["training"].items())
+    greedy = ", ".join(f"{d} {'equal' if g['passed'] else 'DIFFER'}" for d, g in p["generation"].items())
+    verdict = "PASS" if p["passed"] else "FAIL"
+    return [f"correctness: {verdict}: {p['device']} vs cpu, tiny {p['steps']} steps: {train}; greedy tokens {greedy}"]
+
+
+def _report_mfu(p: dict) -> list[str]:
+    lines = [f"MFU, bf16: peak {_flops(p['peak_flops_table'])} ({p['table_device']} table), "
+             f"measured matmul {_flops(p['peak_flops_measured_matmul'])}"]
+    for m in p["models"]:
+        eager, compiled = m["eager"], m["compile"]
+        measured = (f"{eager['tokens_per_s']:,.0f} tokens/s, MFU {eager['mfu_table_peak']:.1%} of the table peak, "
+                    f"{eager['mfu_measured_peak']:.1%} of the measured" if eager["status"] == "measured"
+                    else eager["status"] + (f": {eager['error']}" if "error" in eager else ""))
+        shape = f"{m['model']} seq {m['seq_len']} mb {m['micro_batch']}"
+        lines.append(f"  {shape}: {measured}; compile: {compiled['status']}")
+    return lines
+
+
+def _report_generation(p: dict) -> list[str]:
+    if not p["batches"]:
+        return [f"generation, {p['model']}: nothing measured"]
+    lines = [f"generation, {p['model']} bf16, prompt {p['prompt_tokens']} + {p['new_tokens']} tokens; "
+             f"plan --inference at context {p['plan_context']} on {p['plan_device']} (TTFT: not predicted)"]
+    for b in p["batches"]:
+        lines.append(f"  batch {b['batch']}: TTFT {b['ttft_s'] * 1e3:.2f} ms, TPOT {b['tpot_s'] * 1e3:.2f} ms; "
+                     f"predicted {b['predicted_tpot_s'] * 1e3:.2f} ms ({_pct(b['relative_error'])}), calibrated "
+                     f"{b['predicted_tpot_calibrated_s'] * 1e3:.2f} ms ({_pct(b['relative_error_calibrated'])})")
+    return lines
+
+
+def _report_memory(p: dict) -> list[str]:
+    lines = [f"memory, {p['model']} seq {p['seq_len']} bf16: planner vs measured peak"]
+    for row in p["layouts"]:
+        lines.append(f"  {row['layout']}: " + (f"error {row['error']}" if row["error"] else
+                     f"predicted {_bytes(row['predicted_bytes'])}, measured {_bytes(row['measured_bytes'])} "
+                     f"({_pct(row['relative_error'])})"))
+    return lines
+
+
+def _report_step_time(p: dict) -> list[str]:
+    lines = [f"step time: planner ({p['plan_device']}, efficiency {p['default_efficiency']}) vs measured"]
+    for row in p["runs"]:
+        calibrated = (f"; at the measured efficiency {row['efficiency_used']:.3g}: "
+                      f"{row['predicted_calibrated_step_s'] * 1e3:.1f} ms ({_pct(row['relative_error_calibrated'])})"
+                      if row["efficiency_used"] is not None else "")
+        lines.append(f"  {row['run']}: measured {row['measured_step_s'] * 1e3:.1f} ms, predicted "
+                     f"{row['predicted_step_s'] * 1e3:.1f} ms ({_pct(row['relative_error'])}){calibrated}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stubbed = stub_missing_modules()
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail(f"--device cuda: no CUDA device here (torch {torch.__version__}); use --device cpu --quick")
+    os.makedirs(args.out, exist_ok=True)
+    results = {"schema": 1, "command": " ".join(sys.argv), "device": args.device, "quick": args.quick,
+               "budget_s": args.budget_s, "seconds": 0.0, "skipped": []}
+    try:
+        import gpu_check_parts as parts
+    except ImportError as e:  # a module strata needs for real (numpy) is missing: say so, in the files too
+        results["error"] = f"cannot import strata with torch {torch.__version__}: {type(e).__name__}: {e}"
+        write_outputs(args.out, results)
+        print(f"gpu_check: {results['error']}", file=sys.stderr)
+        return 1
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shapes = parts.QUICK if args.quick else parts.FULL
+    check = parts.Check(device, shapes, parts.Budget(args.budget_s, STARTED), args.out, parts.plan_device_for(device),
+                        stubbed)
+    results["skipped"] = check.skipped
+    # in the order above, and the environment always: it costs nothing and says what ran where
+    chosen = [name for name in PART_NAMES if name in args.parts or name == "environment"]
+    run_parts(check, chosen, results, lambda: write_outputs(args.out, results))
+    results["seconds"] = check.budget.spent()
+    write_outputs(args.out, results)
+    print("\n".join(report_lines(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
