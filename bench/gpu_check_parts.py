@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.config import TrainConfig
-from strata.infer.bench import Run, time_strata
 from strata.infer.generate import generate
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
-from strata.plan.calibrate import inference_overheads
 from strata.plan.cost import Cluster
 from strata.plan.hardware import DEVICES
 from strata.rules.pipeline_cut import unit_costs
+from strata.tools.bench_generate import Run, time_strata
+from strata.tools.calibrate import inference_overheads
 from strata.train.metrics import measure_matmul_flops, synchronize
 from strata.train.trainer import train
 

@@ -6,74 +6,88 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
+from strata.rules.constants import BUCKET_MB
 from strata.rules.devices import check_device
+from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout, check_layout
 
-DTYPES = ("fp32", "fp64", "bf16", "fp16")
+
+def _key(default, help: str):
+    """A setting: its default and the one text that explains it (the flag's help, docs/config.md)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainConfig:
     # what to train on what
-    model: str = "tiny"
-    n_layers: int | None = None  # override the preset's number of blocks
-    data: str = "synthetic"  # a directory written by `strata data prepare`, or "synthetic"
-    vocab_size: int | None = None  # synthetic data only: override the preset's vocabulary
-    seq_len: int | None = None  # default: the model's max_seq_len
-    seed: int = 0
-    dtype: str = "fp32"
+    model: str = _key("tiny", "model preset (tiny, small, gpt2-124m, llama-7b, ...)")
+    n_layers: int | None = _key(None, "override the preset's number of transformer blocks")
+    data: str = _key("synthetic", "directory written by `strata data prepare`, or 'synthetic'")
+    vocab_size: int | None = _key(None, "synthetic data: vocabulary size (default: the preset's)")
+    seq_len: int | None = _key(None, "tokens per sequence (default: the model's max_seq_len)")
+    seed: int = _key(0, "weights, data order and sampling all derive from it")
+    dtype: str = _key("fp32", "fp32 | fp64 | bf16 | fp16 (bf16, fp16: autocast with fp32 master weights; "
+                              "fp16 with loss scaling)")
     # batch: global_batch sequences per optimizer step, micro_batch per forward/backward
-    steps: int = 100
-    micro_batch: int = 8
-    global_batch: int | None = None  # default: micro_batch x dp (no accumulation)
+    steps: int = _key(100, "optimizer steps")
+    micro_batch: int = _key(8, "sequences per forward/backward on one rank")
+    global_batch: int | None = _key(None, "sequences per optimizer step, all ranks together "
+                                          "(default: micro-batch x dp, no accumulation)")
     # optimizer (AdamW) and learning-rate schedule (linear warm-up, cosine decay to min_lr)
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping
-    loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
-    loss_scale_window: int = 1000  # fp16: good steps in a row before the scale doubles
-    min_loss_scale: float = 1.0  # fp16: an overflow at this scale stops the run
+    lr: float = _key(1e-3, "peak learning rate (AdamW)")
+    min_lr: float = _key(1e-4, "learning rate at the last step (cosine decay)")
+    warmup_steps: int = _key(0, "linear warm-up steps")
+    weight_decay: float = _key(0.1, "AdamW's decay, on matrices and embeddings")
+    beta1: float = _key(0.9, "Adam's first-moment decay")
+    beta2: float = _key(0.95, "Adam's second-moment decay")
+    grad_clip: float = _key(1.0, "clip by the global gradient norm (0: off)")
+    loss_scale: float = _key(65536.0, "fp16: initial dynamic loss scale")
+    loss_scale_window: int = _key(1000, "fp16: good steps in a row before the loss scale doubles")
+    min_loss_scale: float = _key(1.0, "fp16: gradients that overflow at this loss scale stop the run (exit code 1)")
     # layout
-    parallel: str = "manual"  # manual: the flags below; auto: the planner chooses them
-    nproc: int = 1
-    dp: int | None = None  # default: what is left of the world after tp and pp
-    tp: int = 1
-    sequence_parallel: bool = False  # with tp: norms and residuals hold 1/tp of the sequence
-    pp: int = 1
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb
-    virtual_stages: int = 1  # chunks per pipeline rank (interleaved schedule)
-    pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (default: balanced by FLOPs)
-    zero: int = 0
-    checkpointing: str = "none"  # activation checkpointing: none | full | selective | every:K
-    offload: str = "none"  # none | cpu | disk: where the optimizer's states live and its step runs
-    offload_dir: str | None = None  # --offload disk: directory of the moment files (default: the temp dir)
-    reduce_dtype: str = "fp32"  # data-parallel gradient reduction: fp32 (the master gradients') | bf16
-    bucket_mb: float = 25.0  # gradient bucket size for data parallelism and ZeRO-1/2
-    device: str = "auto"  # auto | cpu | cuda
-    timeout: float = 300.0  # seconds any collective may take before it fails
+    parallel: str = _key("manual", "manual: the layout flags; auto: the planner chooses dp, tp, pp, ZeRO, "
+                                   "micro-batch, schedule, checkpointing")
+    nproc: int = _key(1, "start N local processes (through torch.distributed.run)")
+    dp: int | None = _key(None, "data-parallel degree (default: world / (tp x pp))")
+    tp: int = _key(1, "tensor-parallel degree")
+    sequence_parallel: bool = _key(False, "with --tp: split norms and residuals along the sequence too")
+    pp: int = _key(1, "pipeline-parallel degree (stages)")
+    schedule: str = _key("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1)")
+    virtual_stages: int = _key(1, "with --schedule interleaved: model chunks per pipeline rank")
+    pp_split: str | None = _key(None, "blocks per pipeline chunk, e.g. 3,5 (default: balanced by FLOPs)")
+    zero: int = _key(0, "ZeRO stage 0-3")
+    checkpointing: str = _key("none", "activation checkpointing: none | full | selective | every:K "
+                                      "(first K blocks of each chunk)")
+    offload: str = _key("none", "none | cpu | disk: optimizer step in host memory (cpu), or Adam's moments "
+                                "in a file (disk)")
+    offload_dir: str | None = _key(None, "with --offload disk: where the moment files go (default: the temp directory)")
+    reduce_dtype: str = _key("fp32", "dtype of the data-parallel gradient reduction: fp32 (the master gradients') "
+                                     "or bf16 (half the bytes)")
+    bucket_mb: float = _key(BUCKET_MB, "gradient bucket size (MB) for data parallelism and ZeRO-1/2")
+    device: str = _key("auto", "auto | cpu | cuda")
+    timeout: float = _key(300.0, "seconds a collective may take before it fails")
     # evaluation, output, checkpoints
-    eval_every: int = 0  # 0: only before the first and after the last step
-    eval_batches: int = 4
-    metrics: str | None = None
-    save: str | None = None
-    save_every: int = 0  # 0: only at the end (when --save is given)
-    keep: int = 0  # keep only the newest N checkpoints (0: all)
-    async_save: bool = False  # write checkpoints in the background while training goes on
-    resume: str | None = None  # a checkpoint, a save directory (its latest), or "auto": --save's latest if any
-    init_from: str | None = None  # start from a checkpoint's weights (step 0, fresh optimizer)
-    max_restarts: int = 0  # with --nproc: restart every rank this many times when one fails
-    progress: bool = True
-    trace: str | None = None  # pipeline: write the last step's timeline as a Chrome/Perfetto trace
-    peak_flops: float | None = None  # FLOP/s per device for MFU; default: measured once and cached
+    eval_every: int = _key(0, "validate every N steps (0: only at the start and the end)")
+    eval_batches: int = _key(4, "validation batches (of the global batch) each time")
+    metrics: str | None = _key(None, "write one JSON object per step to this file (rank 0)")
+    save: str | None = _key(None, "save checkpoints under this directory")
+    save_every: int = _key(0, "save every N steps (0: at the end)")
+    keep: int = _key(0, "keep only the N checkpoints written last (0: all)")
+    async_save: bool = _key(False, "write checkpoints in the background while training continues")
+    resume: str | None = _key(None, "resume from a checkpoint, a save directory (its latest), or 'auto' "
+                                    "(--save's last complete checkpoint, if any)")
+    init_from: str | None = _key(None, "start from a checkpoint's weights and model shape (any layout; step 0, "
+                                       "fresh optimizer)")
+    max_restarts: int = _key(0, "with --nproc: when a rank fails, restart all and resume from the latest "
+                                "checkpoint, up to N times")
+    progress: bool = _key(True, "show a progress bar")
+    trace: str | None = _key(None, "write the last step's pipeline timeline as a Chrome/Perfetto trace (JSON)")
+    peak_flops: float | None = _key(None, "peak FLOP/s per device for MFU (default: a matmul measured once, cached)")
 
     @classmethod
     def keys(cls) -> list[str]:

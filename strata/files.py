@@ -18,6 +18,12 @@ def inside(directory: str, name: object, what: str) -> str:
     return os.path.join(directory, name)
 
 
+def cache_dir() -> str:
+    """Where strata keeps what it measures once per machine (the matmul peak, the calibration
+    profile): $STRATA_CACHE_DIR when set and not empty, else ~/.cache/strata."""
+    return os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
+
+
 def read_json(path: str, what: str = "") -> object:
     """A JSON file's value; one line naming the file when it is not JSON (or not text)."""
     try:

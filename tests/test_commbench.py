@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from strata.cli import main as strata_main
-from strata.distributed.commbench import BUS_FACTOR, measure, parse_size, sizes_between
+from strata.tools.commbench import BUS_FACTOR, measure, parse_size, sizes_between
 
 from distributed import run_on_ranks
 

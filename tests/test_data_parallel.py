@@ -152,14 +152,15 @@ def _launch_points(zero):
     arrived = set()
     for p in parallel.params:
         p.register_post_accumulate_grad_hook(lambda p: arrived.add(id(p)))
-    launch = parallel._launch
+    reductions = parallel.sharding.reductions
+    launch = reductions._launch
 
     def recording_launch(bucket):  # runs inside the hook of the gradient that completed the bucket
         points.append(len(parallel.params) - len(arrived) - 1)
         launch(bucket)
-    parallel._launch = recording_launch
+    reductions._launch = recording_launch
     trainer.train_step(run, 0)
-    return len(parallel.buckets), points
+    return len(parallel.sharding.buckets), points
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])

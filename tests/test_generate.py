@@ -9,7 +9,6 @@ import torch
 from test_cli import strata
 from test_model import ARCHITECTURES
 
-from strata.infer.bench import least_squares
 from strata.infer.cli import Printer, StopStrings
 from strata.infer.generate import FINISHED, Sampler, Sampling, generate, left_pad
 from strata.infer.kv_cache import KVCache
@@ -17,6 +16,7 @@ from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.plan.hardware import DEVICES
 from strata.plan.inference import Overheads, Serving, estimate_serving, kv_cache_bytes
+from strata.tools.bench_generate import least_squares
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [20, 21, 22, 23]]
 
@@ -211,7 +211,7 @@ def test_serving_plan_splits_a_model_that_does_not_fit_one_card():
 def test_calibrated_plan_predicts_the_decode_time_of_another_model(tmp_path):
     """Calibrate on narrow models, then predict `small` (which calibration never ran) at batch 1
     and 4, and time it: the prediction is within 35% of what strata's loop takes."""
-    from strata.plan.calibrate import decode_seconds
+    from strata.tools.calibrate import decode_seconds
     profile = tmp_path / "profile.json"
     result = strata("calibrate", "--inference", "--out", profile)
     assert result.returncode == 0, result.stderr

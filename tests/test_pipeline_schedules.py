@@ -58,3 +58,15 @@ def test_zero_bubble_h1_has_a_third_of_the_1f1b_bubble(p, m):
     bubble_zb = simulate(build("zb", p, m), p, cost).makespan - 3 * m  # (p-1)(F+B-W)
     assert bubble_1f1b == pytest.approx(3 * (p - 1))
     assert bubble_zb == pytest.approx(p - 1)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_the_planners_profile_of_a_long_step_equals_the_full_simulation(name, v):
+    """The planner simulates a long step at two shorter sizes and extrapolates (rules/schedules.py):
+    exact, because past a few rounds of p micro-batches every schedule repeats itself."""
+    from strata.rules.schedules import EXACT_UP_TO_ROUNDS, _simulated_profile, profile
+    for p in (2, 3, 5):
+        for m in range(EXACT_UP_TO_ROUNDS * p + 1, 7 * p + 1):
+            full, fast = _simulated_profile(name, p, m, v), profile(name, p, m, v)
+            assert fast.bubble_slots == pytest.approx(full.bubble_slots, abs=1e-9), (p, m)
+            assert fast.in_flight == pytest.approx(full.in_flight, abs=1e-9), (p, m)

@@ -25,6 +25,7 @@ from strata.checkpoint import shards, store
 from strata.errors import ConfigError, CorruptError
 from strata.files import check_output_dir, inside, read_json, read_json_object
 from strata.model.config import ModelConfig
+from strata.model.transformer import build_model
 
 LLAMA_LAYER = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
                "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
@@ -327,5 +328,4 @@ def save_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, origin
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from strata.model.transformer import build_model
     return {name: tuple(p.shape) for name, p in build_model(cfg, seed=None).named_parameters()}

@@ -68,7 +68,7 @@ class LocalPiece:
     owner: bool  # this rank writes it (it is nobody else's too)
 
 
-def local_pieces(model, parallel, tp_rank: int, tp_size: int, dp_rank: int) -> list[LocalPiece]:
+def local_pieces(model, parallel, tp_rank: int, tp_size: int) -> list[LocalPiece]:
     """This rank's pieces, in the optimizer's order (its state i belongs to piece i)."""
     names = {id(p): name for name, p in model.named_parameters()}
     pieces = []
@@ -79,9 +79,7 @@ def local_pieces(model, parallel, tp_rank: int, tp_size: int, dp_rank: int) -> l
         else:
             length = (spec.padded or spec.full_shape[spec.dim]) // tp_size
             region = Region(spec.full_shape, spec.dim, tp_rank * length, length, lo, hi)
-        owner = ((parallel.stage > 0 or dp_rank == 0) and (spec.dim is not None or tp_rank == 0)
-                 and id(param) not in parallel.counted_elsewhere)
-        pieces.append(LocalPiece(names[id(param)], region, values, owner))
+        pieces.append(LocalPiece(names[id(param)], region, values, parallel.writes(param, tp_rank)))
     return pieces
 
 

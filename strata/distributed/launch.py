@@ -16,6 +16,7 @@ import uuid
 from contextlib import contextmanager
 
 from strata.distributed.hostfile import local_addresses, plan
+from strata.distributed.rendezvous import BACKEND, register
 from strata.errors import CollectiveError
 
 LOOPBACK = "127.0.0.1"
@@ -40,7 +41,6 @@ def run_torchrun(strata_argv: list[str], nproc_per_node: int, *, nnodes: int = 1
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from strata.distributed.rendezvous import BACKEND, register
 
     register()
     args = get_args_parser().parse_args([

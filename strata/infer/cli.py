@@ -14,14 +14,19 @@ import torch.distributed as dist
 
 from strata.checkpoint import store
 from strata.checkpoint.shards import read_full
+from strata.data.tokenizer import END_OF_TEXT, load_tokenizer
+from strata.distributed.launch import launch_local
+from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
 from strata.errors import ConfigError
 from strata.infer.generate import FINISHED, Sampling, check_length, generate
+from strata.infer.pipeline import generate_pipelined
 from strata.model.transformer import build_model
+from strata.parallel.pipeline.stage import keep_stage
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs, slice_tensor_parallel
 from strata.rules.devices import check_device
+from strata.rules.dtypes import torch_dtype
 from strata.rules.layout import check_tensor_parallel
-
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+from strata.rules.pipeline_cut import make_layout
 
 
 def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None, dtype=None):
@@ -39,7 +44,6 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None,
         check_tensor_parallel(model_cfg, dist.get_world_size(tp_group))
         apply_tensor_parallel(model, tp_group)
     if stage is not None:
-        from strata.parallel.pipeline.stage import keep_stage
         keep_stage(model, *stage)
     model = model.to_empty(device=device).to(dtype)
     with reader:
@@ -59,7 +63,6 @@ def _tokenizer(checkpoint_path: str):
     tokenizer_file = store.verified_file(checkpoint_path, "tokenizer.json")
     if tokenizer_file is None:
         return None
-    from strata.data.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_file)
 
 
@@ -149,11 +152,9 @@ def run_generate(args, argv: list[str]) -> int:
     launched = "LOCAL_RANK" in os.environ
     if world > 1 and not launched:
         _requests(args)  # every check that can fail on input, once, before any process starts
-        from strata.distributed.launch import launch_local
         return launch_local(world, argv)
     if not launched or int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return _generate(args, _requests(args), tp_group=None, stage=None, peers=None)
-    from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
     _, size, _ = init_distributed(pick_device(args.device), timeout_s=args.timeout)
     try:
         if size != world:
@@ -212,7 +213,6 @@ def _requests(args) -> Requests:
     check_tensor_parallel(cfg, args.tp)
     layout = None
     if args.pp > 1:
-        from strata.rules.pipeline_cut import make_layout
         layout = make_layout(cfg, args.pp, 1, cfg.max_seq_len)
     tokenizer = _tokenizer(path)
     prompts, texts = _encode_prompts(args, tokenizer, cfg.vocab_size)
@@ -221,7 +221,6 @@ def _requests(args) -> Requests:
     check_length(prompts, args.max_new_tokens, cfg.max_seq_len)
     stops = None
     if tokenizer is not None:
-        from strata.data.tokenizer import END_OF_TEXT
         stops = StopStrings(tokenizer, args.stop, tokenizer.token_to_id(END_OF_TEXT))
     elif args.stop:
         raise ConfigError(f"--stop {args.stop[0]!r}: the checkpoint has no tokenizer.json to find text with")
@@ -231,8 +230,8 @@ def _requests(args) -> Requests:
 def _generate(args, requests: Requests, tp_group, stage, peers) -> int:
     sampling = _sampling(args)
     prompts, texts, tokenizer, stops = requests.prompts, requests.texts, requests.tokenizer, requests.stops
-    from strata.distributed.mesh import pick_device
-    model, _ = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage, DTYPES.get(args.dtype))
+    model, _ = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage,
+                                  torch_dtype(args.dtype) if args.dtype else None)
 
     pp_rank, pp = (stage[1], args.pp) if stage is not None else (0, 1)
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -241,7 +240,6 @@ def _generate(args, requests: Requests, tp_group, stage, peers) -> int:
     if stage is None:
         steps = ((range(len(prompts)), ids) for ids in generate(model, prompts, args.max_new_tokens, sampling, stops))
     else:
-        from strata.infer.pipeline import generate_pipelined
         micro_batches = args.micro_batches or min(pp, len(prompts))
         steps = generate_pipelined(model, prompts, args.max_new_tokens, sampling, stops, micro_batches, pp_rank, pp, peers)
     started, first = time.perf_counter(), None

@@ -8,6 +8,8 @@ slice, and data parallelism / ZeRO wraps what is left."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -15,12 +17,15 @@ from strata.config import TrainConfig
 from strata.memory.checkpointing import apply_checkpointing
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
-from strata.parallel.data import DataParallel
+from strata.parallel.data import DataParallel, DataParallelSettings
+from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
 from strata.parallel.pipeline.stage import keep_stage, tied_copy
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs
-from strata.parallel.zero import ZeroDataParallel
-from strata.parallel.zero3 import FullyShardedDataParallel
+from strata.parallel.zero3 import ShardParameters
+from strata.rules.dtypes import torch_dtype
 from strata.rules.pipeline_cut import PipelineLayout
+
+BUCKET_STAGES = {0: Replicate, 1: ShardOptimizerStates, 2: ShardGradients}  # ZeRO-3: ShardParameters
 
 
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
@@ -35,25 +40,21 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     apply_checkpointing(model, cfg.checkpointing,
                         [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None)
     init = local_initial_values(model, cfg.seed, tp_group)
-    if cfg.zero == 3:
+    settings = DataParallelSettings(dp_group, tp_group, stage[2] if stage is not None else None, cfg.bucket_mb,
+                                    torch_dtype(cfg.reduce_dtype) if cfg.reduce_dtype != "fp32" else None)
+    if cfg.zero == 3:  # (without pipeline stages: no tied copy to leave out)
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
-        wrapper = FullyShardedDataParallel(model, dp_group, lambda name: init(name).to(device, dtype),
-                                           device, dtype, tp_group)
+        sharding = ShardParameters(model, settings, lambda name: init(name).to(device, dtype), device, dtype)
     else:
         model = model.to_empty(device=device).to(dtype)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(init(name))
-        wrapper = (DataParallel(model, dp_group, cfg.bucket_mb, tp_group) if cfg.zero == 0 else
-                   ZeroDataParallel(model, dp_group, cfg.zero, cfg.bucket_mb, tp_group))
+        tied = tied_copy(model, stage[0], stage[1]) if stage is not None else None
+        settings = replace(settings, counted_elsewhere=frozenset({id(tied)} if tied is not None else ()))
+        sharding = BUCKET_STAGES[cfg.zero]([p for p in model.parameters() if p.requires_grad], settings)
     model.reset_buffers()
-    if cfg.reduce_dtype == "bf16":
-        wrapper.reduce_dtype = torch.bfloat16
-    if stage is not None:
-        wrapper.pp_group = stage[2]
-        tied = tied_copy(model, stage[0], stage[1])
-        wrapper.counted_elsewhere = frozenset({id(tied)} if tied is not None else ())
-    return model, wrapper
+    return model, DataParallel(model, sharding, settings)
 
 
 def local_initial_values(model: Transformer, seed: int, tp_group):

@@ -27,8 +27,7 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket, plan_buckets, shard_pieces
-from strata.parallel.data import DataParallel, _bytes, optimizer_state_bytes
-from strata.parallel.zero import ShardedStates
+from strata.parallel.gradients import MAX_IN_FLIGHT, sharded_optimizer_pieces, tensor_bytes
 
 
 class Unit:
@@ -54,17 +53,19 @@ def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
     return [first, *[[block] for block in model.blocks.values()], last]
 
 
-class FullyShardedDataParallel(ShardedStates, DataParallel):
+class ShardParameters:
+    """ZeRO-3, the sharding strategy data parallelism uses at stage 3 (strata/parallel/data.py)."""
+
     stage = 3
     reduce_every_micro_batch = True
 
-    def __init__(self, model: nn.Module, group, init_fn: Callable[[str], torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, tp_group=None):
+    def __init__(self, model: nn.Module, settings, init_fn: Callable[[str], torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         """model may be on the meta device: then init_fn(name) gives each parameter's initial
         value (this rank's tensor-parallel slice), and only one unit is ever materialised in full
         at a time."""
-        self.model, self.group, self.tp_group = model, group, tp_group
-        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.model, self.settings, self.group = model, settings, settings.dp_group
+        self.dp_size, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self._pending: list = []
         names = {id(p): n for n, p in model.named_parameters()}
         tied = model.cfg.tie_embeddings  # the head reads the embedding last: keep it gathered
@@ -79,7 +80,6 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
                     unit.slots.append((owner, leaf, names[id(p)]))
             self._materialise(unit, init_fn, device, dtype)
         self.params = [getattr(o, a) for u in self.units for o, a, _ in u.slots]
-        self._index_specs()
         for unit in self.units:
             self._register_hooks(unit)
         model.register_forward_hook(self._after_model_forward)
@@ -167,7 +167,7 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
 
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
         if unit.staging is None:  # staged directly in the dtype it travels in
-            unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.reduce_dtype or unit.shard.dtype)
+            unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.settings.reduce_dtype or unit.shard.dtype)
         offset = unit.offset_of[id(param)]
         unit.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None
@@ -178,12 +178,12 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
 
     def _reduce(self, unit: Unit) -> None:
         if unit.staging is None:  # no gradient reached this unit: reduce zeros
-            unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.reduce_dtype or unit.shard.dtype)
+            unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.settings.reduce_dtype or unit.shard.dtype)
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
         self._pending.append((unit, comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group, "dp",
                                                         async_op=True)))
         unit.ready = -1  # reduced for this backward
-        while len(self._pending) > self.max_in_flight:  # bound the full gradients alive at once
+        while len(self._pending) > MAX_IN_FLIGHT:  # bound the full gradients alive at once
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
@@ -193,9 +193,9 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
         unit.shard_grad.add_(unit.staging[lo:hi], alpha=1 / self.dp_size)
         unit.staging = None
 
-    # --- what the trainer calls ---------------------------------------------------------------
+    # --- what data parallelism calls -------------------------------------------------------------
     @contextmanager
-    def backward(self, is_last_micro_batch: bool):
+    def backward(self, sync: bool):
         """Gradients are reduce-scattered on every micro-batch: no full gradient is kept."""
         with warnings.catch_warnings():
             # The embedding's inputs are token ids: its backward pre-hook fires on the output
@@ -211,8 +211,15 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
             unit.ready = 0
             if unit.gathered:
                 self._free(unit)
-        if is_last_micro_batch:
-            self._sum_partial_grads_over_tp()
+
+    def reduce_all(self) -> None:
+        raise NotImplementedError("ZeRO-3 runs without pipeline stages (strata/rules/layout.py refuses it)")
+
+    def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]
+
+    def optimizer_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter, int, int]]:
+        return sharded_optimizer_pieces(self.pieces, self.shard_params)
 
     def after_step(self) -> None:
         """Nothing: the updated shards are what the next forward gathers."""
@@ -221,12 +228,11 @@ class FullyShardedDataParallel(ShardedStates, DataParallel):
         for unit in self.units:
             unit.shard_grad.zero_()
 
-    def state_bytes(self, optimizer) -> dict[str, int]:
-        return {"params": _bytes(self.shard_params), "grads": _bytes(self.local_grads()),
-                "optimizer": optimizer_state_bytes(optimizer)}
+    def held_bytes(self) -> dict[str, int]:
+        return {"params": tensor_bytes(self.shard_params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's parameters (gathered a unit at a time) and persistent buffers."""
         state = {}
         for unit in self.units:

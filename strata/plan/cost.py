@@ -15,9 +15,13 @@ from functools import lru_cache
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Device
 from strata.plan.memory import activation_bytes_per_layer, model_state_bytes
+from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
+from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
+from strata.rules.pipeline_cut import make_layout, unit_costs
+from strata.rules.schedules import profile
 
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the training precisions priced
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class Cluster:
     inter_bandwidth: float = 0.0  # bytes/s per direction per node between nodes
     intra_latency: float = 5e-6  # seconds per ring step (alpha)
     inter_latency: float = 10e-6
-    efficiency: float = 0.63  # fraction of peak FLOP/s a step's compute reaches (calibrated for cpu-local)
+    efficiency: float = DEFAULT_EFFICIENCY  # fraction of peak FLOP/s a step's compute reaches (calibrated for cpu-local)
     # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate)
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -147,7 +151,6 @@ class StageLoad:
 def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLoad, ...]:
     """Per pipeline rank, from strata's own cut (balanced by forward FLOPs: the embedding with the
     first chunk, the head with the last), so an uneven stage costs what it costs."""
-    from strata.rules.pipeline_cut import make_layout, unit_costs
     costs = unit_costs(cfg, seq_len)
     d, norm = cfg.d_model, cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
     embed = cfg.vocab_size * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0) + \
@@ -251,7 +254,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     dp_total, dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, grad_bytes, m, t_fwd, t_bwd, load.blocks)
     comm_seconds["dp"] = dp_total
 
-    bubble_time = _bubble_time(lay, worst["time"])
+    bubble_time = _bubble_time(lay, m, worst["time"])
     step = m * worst["time"] + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, load.params / t)
     tokens_per_step = work.global_batch * s
     params = cfg.num_params()
@@ -265,29 +268,20 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
 
 
 def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak (Narayanan et al.
-    2021): all m under GPipe; under 1F1B and ZB-H1 the warm-up's p - rank (the first stage's p);
-    interleaving adds a factor 1 + (p-1)/(p·v)."""
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak: from strata's own
+    schedule, simulated (GPipe all m; 1F1B p - rank; ZB-H1 p, its weight gradients hold them
+    longer; interleaving about 1 + (p-1)/(p·v) times 1F1B's, Narayanan et al. 2021)."""
     if lay.pp == 1:
         return 1
-    if lay.schedule == "gpipe":
-        return m
-    in_flight = min(m, lay.pp - rank)
-    if lay.virtual_stages > 1:
-        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)
-    return in_flight
+    return profile(lay.schedule, lay.pp, m, lay.virtual_stages).in_flight[rank]
 
 
-def _bubble_time(lay: Layout, per_micro_batch: float) -> float:
-    """Idle time of a stage: (p-1) micro-batch slots, /v interleaved, about a third of it ZB-H1."""
+def _bubble_time(lay: Layout, m: int, per_micro_batch: float) -> float:
+    """Idle time of a step beyond the work of m micro-batches, from the simulated schedule: (p-1)
+    micro-batch slots for GPipe and 1F1B, /v interleaved, about a third of it for ZB-H1."""
     if lay.pp == 1:
         return 0.0
-    slots = (lay.pp - 1) * per_micro_batch
-    if lay.schedule == "interleaved":
-        return slots / lay.virtual_stages
-    if lay.schedule == "zb":
-        return slots / 3
-    return slots
+    return profile(lay.schedule, lay.pp, m, lay.virtual_stages).bubble_slots * per_micro_batch
 
 
 def _buffers(lay: Layout, load: StageLoad, t: int, act_bytes: int) -> float:
@@ -321,7 +315,7 @@ def _data_parallel(cluster: Cluster, lay: Layout, grad_bytes: float, m: int, t_f
         ag = collective_seconds(cluster, "all_gather", grad_bytes, d, stride)
         exposed = max(0.0, rs - t_bwd) * m + ag
         return rs * m + ag, exposed, ring * grad_bytes * (m + 1)
-    buckets = max(1, round(grad_bytes / BUCKET_BYTES))  # one all-reduce per 25 MB bucket
+    buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # one all-reduce per --bucket-mb bucket
     total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride)
     # buckets reduce while the last micro-batch's backward runs; after a pipeline schedule, at the end
     exposed = total if lay.pp > 1 else max(0.0, total - t_bwd)
@@ -338,6 +332,5 @@ def _optimizer_seconds(cluster: Cluster, lay: Layout, params_local: float) -> fl
     return updated * 32 / cluster.device.memory_bandwidth
 
 
-BUCKET_BYTES = 25 * 2**20  # strata's --bucket-mb default
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, achieved
 HOST_MEMORY_BYTES_PER_S = 50e9  # one socket's DRAM bandwidth, achieved

@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from strata.model.config import ModelConfig
 from strata.plan.cost import log_interpolate, stage_loads
 from strata.plan.hardware import Device
+from strata.rules.constants import DEFAULT_EFFICIENCY
+from strata.rules.dtypes import DTYPES
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+# bytes per weight and per cached value: the run dtypes, and int8 (weights quantized for serving)
+BYTES = {**{name: DTYPES[name].bytes for name in ("fp32", "bf16", "fp16")}, "int8": 1}
 # Without calibration: eager PyTorch launches about a dozen kernels per transformer layer per
 # token (norms, four projections, attention, MLP, residual adds), at a few microseconds each
 # (CUDA's launch overhead). `strata calibrate --inference` replaces these with measured values.
 DEFAULT_PER_LAYER_S = 60e-6
 DEFAULT_PER_TOKEN_S = 200e-6  # embedding, sampling, the host loop: once per token
-DEFAULT_EFFICIENCY = 0.63  # of peak FLOP/s, as in training (docs/cost-model.md)
 
 
 @dataclass(frozen=True)

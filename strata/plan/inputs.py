@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 
 from strata.errors import ConfigError
-from strata.files import read_json, read_json_object
+from strata.files import cache_dir, read_json_object
 from strata.model.config import ModelConfig
-from strata.model.presets import PRESETS
 from strata.plan.cost import Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device
 from strata.rules.layout import check_workload
@@ -18,22 +17,6 @@ CPU_LOCAL = "cpu-local"
 # 1538 on the wire (headers, preamble, gap), the transport gloo and NCCL's socket backend use.
 # InfiniBand's rates (RDMA) are data rates already.
 TCP_GOODPUT = 1448 / 1538
-
-
-def resolve_model(spec: str) -> ModelConfig:
-    """A preset name, a strata checkpoint (or save) directory, or a Hugging Face config.json (or
-    the directory holding it)."""
-    if spec in PRESETS:
-        return PRESETS[spec]
-    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
-        from strata.checkpoint.store import model_config, read_state, resolve
-        return model_config(read_state(spec), resolve(spec))
-    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-    if not os.path.isfile(path):
-        raise ConfigError(f"--model {spec}: not a preset ({', '.join(PRESETS)}), a checkpoint directory "
-                          f"or a Hugging Face config.json")
-    from strata.checkpoint.hf import model_config_from_hf
-    return model_config_from_hf(read_json(path, "a Hugging Face config.json"), f"--model {spec}")
 
 
 def bandwidth(value: str, flag: str, device: Device | None = None) -> float:
@@ -77,8 +60,7 @@ def build_cluster(device: str, nodes: int, per_node: int, intra: str | None, net
 
 # --- cpu-local: the calibration profile --------------------------------------------------------
 def default_profile_path() -> str:
-    base = os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
-    return os.path.join(base, "calibration.json")
+    return os.path.join(cache_dir(), "calibration.json")
 
 
 def load_profile(path: str | None) -> dict:

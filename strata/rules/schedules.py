@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 
@@ -151,31 +152,41 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Sim
     """Run the schedule with the given cost per action kind (per chunk) and zero-cost messages.
     Each rank runs its actions in order, an action starting when its inputs exist: F(c) after
     F(c-1) of the same micro-batch, B(c) after B(c+1) (the last chunk after its own F), W(c) after
-    B(c). Raises Deadlock (a RuntimeError) if no rank can proceed."""
-    start_at: dict[Action, float] = {}
-    finish: dict[Action, float] = {}
+    B(c). Raises Deadlock (a RuntimeError) if no rank can proceed.
+
+    Each action is visited once: a rank runs until an input is missing, then waits on it, and the
+    action that produces it wakes the rank (the times do not depend on the order ranks are run)."""
+    keys = [[(a.kind, a.microbatch, a.chunk) for a in actions] for actions in schedule]  # hashed fast
+    finish: dict[tuple, float] = {}
+    start_at: dict[tuple, float] = {}
     clock = [0.0] * len(schedule)
     position = [0] * len(schedule)
     busy = [0.0] * len(schedule)
     split_backward = any(a.kind == "W" for actions in schedule for a in actions)
-    while any(position[r] < len(schedule[r]) for r in range(len(schedule))):
-        progressed = False
-        for r, actions in enumerate(schedule):
-            while position[r] < len(actions):
-                action = actions[position[r]]
-                deps = _dependencies(action, num_chunks)
-                if any(d not in finish for d in deps):
-                    break
-                start = max([clock[r], *(finish[d] for d in deps)])
-                duration = cost[action.kind] if split_backward or action.kind != "B" else cost["B"] + cost.get("W", 0)
-                start_at[action] = start
-                finish[action] = clock[r] = start + duration
-                busy[r] += duration
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            raise Deadlock({r: schedule[r][position[r]] for r in range(len(schedule)) if position[r] < len(schedule[r])})
-    return Simulation(start_at, finish, busy, max(clock))
+    duration = {kind: cost[kind] if split_backward or kind != "B" else cost["B"] + cost.get("W", 0)
+                for kind in ("F", "B", "W") if kind in cost}
+    waiting: dict[tuple, list[int]] = {}  # an action not run yet -> the ranks blocked on it
+    runnable = list(range(len(schedule)))
+    while runnable:
+        r = runnable.pop()
+        while position[r] < len(keys[r]):
+            key = keys[r][position[r]]
+            deps = _dependencies(key, num_chunks)
+            missing = next((d for d in deps if d not in finish), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            start = max(clock[r], *(finish[d] for d in deps)) if deps else clock[r]
+            start_at[key] = start
+            finish[key] = clock[r] = start + duration[key[0]]
+            busy[r] += duration[key[0]]
+            position[r] += 1
+            runnable.extend(waiting.pop(key, ()))
+    if any(position[r] < len(schedule[r]) for r in range(len(schedule))):
+        raise Deadlock({r: schedule[r][position[r]] for r in range(len(schedule)) if position[r] < len(schedule[r])})
+    by_action = {a: (a.kind, a.microbatch, a.chunk) for actions in schedule for a in actions}
+    return Simulation({a: start_at[k] for a, k in by_action.items()}, {a: finish[k] for a, k in by_action.items()},
+                      busy, max(clock))
 
 
 def _stuck_ranks(schedule: Schedule, num_chunks: int) -> list[int]:
@@ -192,13 +203,61 @@ class Deadlock(RuntimeError):
         self.stuck = stuck
 
 
-def _dependencies(action: Action, num_chunks: int) -> list[Action]:
-    i, c = action.microbatch, action.chunk
-    if action.kind == "F":
-        return [Action("F", i, c - 1)] if c > 0 else []
-    if action.kind == "B":
-        return [Action("F", i, c)] + ([Action("B", i, c + 1)] if c < num_chunks - 1 else [])
-    return [Action("B", i, c)]
+def _dependencies(key: tuple, num_chunks: int) -> tuple:
+    """What an action (kind, micro-batch, chunk) waits for: its input from the neighbouring chunk."""
+    kind, i, c = key
+    if kind == "F":
+        return (("F", i, c - 1),) if c > 0 else ()
+    if kind == "B":
+        return (("F", i, c), ("B", i, c + 1)) if c < num_chunks - 1 else (("F", i, c),)
+    return (("B", i, c),)
+
+
+def unit_costs(name: str, v: int) -> dict[str, float]:
+    """Per-action costs of a stage's work split into v chunks: F 1, B 2 (or B 1 + W 1 where the
+    schedule splits the backward), each chunk doing 1/v of it. What the planner and `strata
+    schedule` simulate with (a backward costs about twice a forward)."""
+    backward = 1 if SCHEDULES[name].splits_backward else 2
+    return {"F": 1 / v, "B": backward / v, "W": 1 / v}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a schedule costs, simulated with unit costs: the idle time of a step beyond its work,
+    in micro-batch slots (one micro-batch's forward and backward on a stage), and per rank the
+    micro-batches whose activations it holds at its peak, in whole-stage units (a chunk holds 1/v
+    of the rank's layers)."""
+    bubble_slots: float
+    in_flight: tuple[float, ...]
+
+
+# Past a few rounds of p micro-batches a schedule repeats itself: its bubble and its peak counts
+# are affine in m from there on (tests/test_pipeline_schedules.py checks it against the full
+# simulation), so a long step is simulated at two sizes of the same remainder mod p and the rest
+# extrapolated. The planner asks about hundreds of (p, m) pairs; this keeps each to milliseconds.
+EXACT_UP_TO_ROUNDS = 3
+
+
+@lru_cache(maxsize=4096)
+def profile(name: str, p: int, m: int, v: int = 1) -> Profile:
+    """The planner's bubble and activation counts for p stages, m micro-batches and v chunks per
+    rank, from the schedule itself rather than a formula per name."""
+    if m <= EXACT_UP_TO_ROUNDS * p:
+        return _simulated_profile(name, p, m, v)
+    m1 = (EXACT_UP_TO_ROUNDS - 1) * p + m % p
+    a, b = _simulated_profile(name, p, m1, v), _simulated_profile(name, p, m1 + p, v)
+    rounds = (m - m1) / p
+    return Profile(a.bubble_slots + rounds * (b.bubble_slots - a.bubble_slots),
+                   tuple(x + rounds * (y - x) for x, y in zip(a.in_flight, b.in_flight)))
+
+
+def _simulated_profile(name: str, p: int, m: int, v: int) -> Profile:
+    schedule = build(name, p, m, v)
+    costs = unit_costs(name, v)
+    sim = simulate(schedule, p * v, costs)
+    per_micro_batch = v * (costs["F"] + costs["B"] + (costs["W"] if SCHEDULES[name].splits_backward else 0))
+    return Profile((sim.makespan - max(sim.busy)) / per_micro_batch,
+                   tuple(peak_in_flight(actions) / v for actions in schedule))
 
 
 def peak_in_flight(actions: list[Action]) -> int:

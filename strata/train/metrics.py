@@ -10,10 +10,12 @@ import time
 
 import torch
 
+from strata.files import cache_dir
+from strata.rules.dtypes import DTYPES, torch_dtype
+
 
 def _peak_cache_path() -> str:
-    return os.path.join(os.environ.get("STRATA_CACHE_DIR", os.path.expanduser("~/.cache/strata")),
-                        "peak_flops.json")
+    return os.path.join(cache_dir(), "peak_flops.json")
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 6) -> float:
@@ -69,11 +71,9 @@ def device_peak(device: torch.device, dtype_name: str) -> float:
     """The peak MFU is measured against for a run in this dtype. Under autocast (bf16, fp16) it is
     at least the fp32 rate: where the 16-bit kernels are slower (fp16 on most CPUs), autocast's
     matmuls do not run below what fp32 would give, and MFU must not read above 1."""
-    exact = {"fp32": torch.float32, "fp64": torch.float64}
-    if dtype_name in exact:
-        return peak_flops(device, exact[dtype_name])
-    return max(peak_flops(device, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]),
-               peak_flops(device, torch.float32))
+    if not DTYPES[dtype_name].autocast:
+        return peak_flops(device, torch_dtype(dtype_name))
+    return max(peak_flops(device, torch_dtype(dtype_name)), peak_flops(device, torch.float32))
 
 
 def synchronize(device: torch.device) -> None:

@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from strata.checkpoint import shards, store
 from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length
@@ -29,14 +28,13 @@ from strata.parallel.pipeline.executor import PipelineExecutor
 from strata.parallel.pipeline.stage import chunk_views, embedding_group
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
 from strata.parallel.tensor import gather_tensor_parallel, shard_specs
+from strata.rules.dtypes import DTYPES, parameter_dtype, torch_dtype
 from strata.rules.pipeline_cut import make_layout
 from strata.train import metrics as m
+from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at
 from strata.train.preflight import DONE, check_same_model, checked_model, model_shape, preflight, resume_source
-
-PARAM_DTYPE = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32, "fp16": torch.float32}
-AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -100,7 +98,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
 
     torch.manual_seed(cfg.seed)
-    model, parallel = parallelize(model_cfg, cfg, device, PARAM_DTYPE[cfg.dtype], dp_group, tp_group,
+    model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), dp_group, tp_group,
                                   (stage_layout, pp_rank, pp_group) if stage_layout is not None else None)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, tp_group, model, parallel, optimizer,
@@ -116,8 +114,8 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
         # what passes between stages: the hidden states, 1/tp of the sequence under sequence parallelism
         shape = (cfg.micro_batch, seq_len // (cfg.tp if cfg.sequence_parallel else 1), model_cfg.d_model)
         run.pipeline = PipelineExecutor(chunk_views(model, stage_layout, pp_rank), stage_layout, cfg.schedule,
-                                        pp_group, shape, PARAM_DTYPE[cfg.dtype], device, lambda: autocast(run), model)
-    run.pieces = shards.local_pieces(model, parallel, tp_rank, dims.tp, dp_rank)
+                                        pp_group, shape, parameter_dtype(cfg.dtype), device, lambda: autocast(run), model)
+    run.pieces = shards.local_pieces(model, parallel, tp_rank, dims.tp)
     if cfg.save:
         # Saves coordinate on a gloo group of their own, so a background save never interleaves
         # with training's collectives.
@@ -184,8 +182,8 @@ def layout(run: Run) -> dict:
 
 
 def autocast(run: Run):
-    if run.cfg.dtype in AUTOCAST_DTYPE:
-        return torch.autocast(run.device.type, dtype=AUTOCAST_DTYPE[run.cfg.dtype])
+    if DTYPES[run.cfg.dtype].autocast:
+        return torch.autocast(run.device.type, dtype=torch_dtype(run.cfg.dtype))
     return contextlib.nullcontext()
 
 
@@ -283,72 +281,46 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
     """Run training; returns a summary: losses, validation losses, the metrics records, the final
     checkpoint, and with keep_state the full final parameters (gathered, on every rank)."""
     run = setup(cfg, checked)
-    is_main = run.rank == 0
-    writer = m.MetricsWriter(cfg.metrics, is_main, resume_step=run.start_step)
-    peak = cfg.peak_flops or m.device_peak(run.device, cfg.dtype)
-    seq_len = run.train_data.seq_len
-    tokens_per_step = cfg.global_batch * seq_len
-    flops_per_token = run.model_cfg.flops_per_token(seq_len)
-    summary = {"losses": [], "val_losses": [], "step_times": [], "records": [], "checkpoint": None}
-
-    def validate_and_log(step: int) -> None:
-        val_loss = evaluate(run)
-        if not math.isfinite(val_loss):  # every rank alike: the loss was all-reduced
-            raise FloatingPointError(f"step {step}: the validation loss is {val_loss}; stopped (lower --lr, "
-                                     f"or use bf16/fp32)")
-        summary["val_losses"].append((step, val_loss))
-        writer.write({"kind": "eval", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-        if is_main and progress is not None:
-            progress.write(f"step {step}: validation loss {val_loss:.4f}")
-
-    progress = tqdm(total=cfg.steps, initial=run.start_step, disable=not (is_main and cfg.progress),
-                    desc="train", unit="step", dynamic_ncols=True)
+    log = RunLog(run)
     if run.start_step == 0:
-        validate_and_log(0)
+        validate_and_log(run, log, 0)
     try:  # a non-finite loss stops training; a checkpoint being written is finished first
         for step in range(run.start_step, cfg.steps):
             comm.counter.reset()
             started = time.perf_counter()
             loss, grad_norm, states = train_step(run, step)
             m.synchronize(run.device)  # the optimizer's kernels belong to this step, not the next
-            elapsed = time.perf_counter() - started
-            tokens_per_s = tokens_per_step / elapsed
-            record = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
-                      "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / (peak * run.world_size),
-                      "step_time_s": elapsed, "model_state_bytes": sum(states.values()),
-                      "model_state_breakdown": states, "comm_bytes": comm.counter.total(),
-                      "comm_bytes_by_op": comm.counter.by_op(), "comm_seconds_by_op": comm.counter.seconds_by_op(),
-                      "peak_mem_bytes": m.peak_memory_bytes(run.device)}
-            if cfg.offload == "disk":
-                record["model_state_breakdown"] = {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
-            if cfg.offload == "cpu":  # by location: what stays on the device, what the host holds
-                record["model_state_breakdown"] = {**states, "optimizer": 0, "optimizer_on_host": run.optimizer.host_bytes()}
-            if run.scaler is not None:
-                record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
-            if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
-                record["bubble"] = run.pipeline.idle_fraction
-                record["peak_activation_bytes"] = run.pipeline.peak_activation_bytes
-            else:  # one micro-batch's activations at a time
-                record["peak_activation_bytes"] = run.activation_bytes
-            writer.write(record)
-            summary["losses"].append(loss)
-            summary["step_times"].append(elapsed)
-            summary["records"].append(record)
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}")
-            last = step + 1 == cfg.steps
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
-                validate_and_log(step + 1)
-            if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
-                summary["checkpoint"] = save_checkpoint(run, step + 1)
+            log.step(run, step, loss, grad_norm, states, time.perf_counter() - started)
+            evaluate_and_save(run, log, step + 1)
     except FloatingPointError:
         if run.checkpointer is not None:
             run.checkpointer.wait()
         raise
+    return finish(run, log, keep_state)
+
+
+def validate_and_log(run: Run, log: RunLog, step: int) -> None:
+    val_loss = evaluate(run)
+    if not math.isfinite(val_loss):  # every rank alike: the loss was all-reduced
+        raise FloatingPointError(f"step {step}: the validation loss is {val_loss}; stopped (lower --lr, or use bf16/fp32)")
+    log.evaluation(step, val_loss)
+
+
+def evaluate_and_save(run: Run, log: RunLog, steps_done: int) -> None:
+    """Validate and save when --eval-every and --save-every say so, and after the last step."""
+    cfg, last = run.cfg, steps_done == run.cfg.steps
+    if (cfg.eval_every and steps_done % cfg.eval_every == 0) or last:
+        validate_and_log(run, log, steps_done)
+    if cfg.save and ((cfg.save_every and steps_done % cfg.save_every == 0) or last):
+        log.summary["checkpoint"] = save_checkpoint(run, steps_done)
+
+
+def finish(run: Run, log: RunLog, keep_state: bool) -> dict:
+    """Wait for the last save, close the files, write the pipeline trace; the summary."""
+    cfg = run.cfg
     if run.checkpointer is not None:
         run.checkpointer.wait()
-    progress.close()
-    writer.close()
+    log.close()
     if cfg.offload == "disk":
         run.optimizer.close()
     if cfg.trace and run.pipeline is not None:
@@ -356,7 +328,7 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
         if timelines is not None:
             write_trace(cfg.trace, timelines, {"schedule": cfg.schedule, "pp": cfg.pp,
                                                "virtual_stages": cfg.virtual_stages, "step": cfg.steps})
-    summary["model"] = run.model
+    summary = {**log.summary, "model": run.model}
     if keep_state:
         summary["state"] = full_model_state(run)
     if run.owns_process_group:

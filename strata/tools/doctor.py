@@ -19,8 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from strata.checkpoint.models import resolve_model
 from strata.distributed import hostfile
+from strata.distributed.mesh import init_distributed, pick_device
 from strata.errors import ConfigError
+from strata.plan.cost import estimate
+from strata.plan.inputs import TCP_GOODPUT, build_cluster, workload
+from strata.plan.report import parse_layout
+from strata.tools.commbench import measure
 
 # A planned layout that would spend more than this share of each step communicating fails the check.
 SLOW_LINK_SHARE = 0.5
@@ -158,11 +164,6 @@ def check_clocks(world: int, tolerance_s: float = 1.0) -> Finding:
 def check_bandwidth(args) -> list[Finding]:
     """On every rank of a launched job: the measured inter-node bus bandwidth, and the planned
     layout's step under it."""
-    from strata.distributed.commbench import measure
-    from strata.distributed.mesh import init_distributed, pick_device
-    from strata.plan.cost import estimate
-    from strata.plan.inputs import TCP_GOODPUT, build_cluster, resolve_model, workload
-    from strata.plan.report import parse_layout
     init_distributed(pick_device("cpu"), 120)
     world = dist.get_world_size()
     nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", 1))

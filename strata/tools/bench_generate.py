@@ -16,9 +16,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from strata.checkpoint.hf import save_hf
+from strata.checkpoint.store import verified_file
 from strata.errors import ConfigError
+from strata.infer.cli import load_for_inference, parse_prompt_ids
 from strata.infer.generate import Sampling, check_length, generate
+from strata.model.presets import PRESETS
+from strata.model.transformer import build_model
 from strata.rules.devices import check_device
+from strata.rules.dtypes import torch_dtype
 
 DEFAULT_TEXT_PROMPTS = ["ROMEO:", "To be, or not to be, that is the question:"]
 DEFAULT_ID_PROMPT_LENGTHS = (4, 32)
@@ -93,7 +99,6 @@ def load_transformers(model, tokenizer_file: str | None, directory: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    from strata.checkpoint.hf import save_hf
     tensors = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     save_hf(tensors, model.cfg, directory, None, tokenizer_file)
     dtype = next(model.parameters()).dtype
@@ -208,9 +213,6 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def run_bench(args) -> int:
-    from strata.infer.cli import DTYPES, load_for_inference
-    from strata.model.presets import PRESETS
-    from strata.model.transformer import build_model
     lengths, batches = _int_list(args.lengths, "--lengths"), _int_list(args.batch, "--batch")
     if args.runs < 1:
         raise ConfigError(f"--runs {args.runs}: must be >= 1")
@@ -222,10 +224,9 @@ def run_bench(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     tokenizer, tokenizer_file = None, None
-    dtype = DTYPES.get(args.dtype)
+    dtype = torch_dtype(args.dtype) if args.dtype else None
     if args.checkpoint:
         model, tokenizer = load_for_inference(args.checkpoint, args.device, dtype=dtype)
-        from strata.checkpoint.store import verified_file
         tokenizer_file = verified_file(args.checkpoint, "tokenizer.json")
     else:
         if args.model not in PRESETS:
@@ -280,7 +281,6 @@ def _prompts(args, tokenizer, vocab: int) -> dict[str, list[int]]:
                               "use --prompt-ids")
         return {text: tokenizer.encode(text).ids for text in args.prompt}
     if args.prompt_ids:
-        from strata.infer.cli import parse_prompt_ids
         return {f"ids x{len(ids)}: {given}": ids
                 for given in args.prompt_ids for ids in [parse_prompt_ids(given, vocab)]}
     if tokenizer is not None:

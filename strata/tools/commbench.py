@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from strata.distributed import comm
+from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -101,7 +102,6 @@ def _human(nbytes: int) -> str:
 
 def run(args) -> int:
     """The body of `strata bench comm` on each rank (launched by torchrun)."""
-    from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
     device = pick_device(args.device)
     _, world, _ = init_distributed(device, args.timeout)
     if world < 2:

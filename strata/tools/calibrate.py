@@ -24,6 +24,17 @@ import time
 import torch
 import torch.distributed as dist
 
+from strata.config import TrainConfig
+from strata.distributed.launch import launch_local
+from strata.distributed.mesh import init_distributed, pick_device
+from strata.infer.generate import generate
+from strata.model.presets import get_preset
+from strata.model.transformer import build_model
+from strata.plan.inputs import load_profile
+from strata.rules.pipeline_cut import unit_costs
+from strata.tools.bench_generate import least_squares
+from strata.train.trainer import train
+
 MESSAGE_BYTES = [2**k for k in range(14, 25, 2)]  # 16 KiB .. 16 MiB
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
@@ -95,7 +106,6 @@ def fit(points: list[tuple[float, float]]) -> dict:
 
 def worker(out: str) -> None:
     """One rank of a calibration group (launched by torchrun)."""
-    from strata.distributed.mesh import init_distributed, pick_device
     torch.set_num_threads(1)
     init_distributed(pick_device("cpu"), 120)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -135,8 +145,6 @@ def memory_bandwidth() -> float:
 
 def step_time(model: str, micro_batch: int, seq_len: int = 128) -> float:
     """Median seconds of a real fp32 training step of `model`: one process, one micro-batch."""
-    from strata.config import TrainConfig
-    from strata.train.trainer import train
     cfg = TrainConfig(model=model, seq_len=seq_len, micro_batch=micro_batch, steps=5, progress=False,
                       peak_flops=1e12, eval_batches=1)
     return statistics.median(train(cfg)["step_times"][1:])
@@ -146,8 +154,6 @@ def step_costs(model: str, rate: float, memory_bandwidth: float, seq_len: int = 
     """The efficiency (FLOP/s of the forward and backward over the matmul rate, FLOPs as the
     planner counts them) for micro-batches of 1-8 sequences: small ones run below the large ones'
     rate. The optimizer step is taken out as the planner predicts it."""
-    from strata.model.presets import get_preset
-    from strata.rules.pipeline_cut import unit_costs
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
     flops_per_token = 3 * sum(unit_costs(cfg, seq_len))
@@ -160,7 +166,6 @@ def step_costs(model: str, rate: float, memory_bandwidth: float, seq_len: int = 
 
 
 def calibrate(max_procs: int, model: str, out: str) -> dict:
-    from strata.distributed.launch import launch_local
     profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": _total_memory(),
                "matmul_flops": {}, "collectives": {op: {} for op in OPS}}
     sizes = [1] + [n for n in (2, 4, 8, 16) if n <= max_procs]
@@ -200,7 +205,6 @@ def calibrate(max_procs: int, model: str, out: str) -> dict:
 # --- inference: strata calibrate --inference ------------------------------------------------------
 def decode_seconds(model, tokens: int = 32, repeats: int = 2, batch: int = 1) -> float:
     """Median seconds per decode step of strata's generation loop (after the first token)."""
-    from strata.infer.generate import generate
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         stamps = [time.perf_counter() for _ in generate(model, [[1, 2, 3, 4]] * batch, tokens)]
@@ -261,9 +265,6 @@ def inference_overheads(device: torch.device, dtype=torch.float32, widths: tuple
     mode passes narrower ones to run the same measurement in seconds."""
     import dataclasses
 
-    from strata.infer.bench import least_squares
-    from strata.model.presets import get_preset
-    from strata.model.transformer import build_model
     size = torch.tensor([], dtype=dtype).element_size()
     widths = widths or ((128, 512, 1024) if device.type == "cpu" else (128, 1024, 2048))
     layers = (1, 2, 4)
@@ -294,8 +295,6 @@ def inference_overheads(device: torch.device, dtype=torch.float32, widths: tuple
 def calibrate_inference(device: str, out: str) -> dict:
     """Measure the serving overheads on `device` and add them to the profile at `out` (kept
     beside the training calibration when there is one)."""
-    from strata.distributed.mesh import pick_device
-    from strata.plan.inputs import load_profile
     dev = pick_device(device)
     measured = inference_overheads(dev, torch.float16 if dev.type == "cuda" else torch.float32)
     profile = load_profile(out) if os.path.isfile(out) else {}

@@ -1,0 +1,345 @@
+"""ZeRO stages 0, 1 and 2: gradients in flat buckets, each reduced as soon as backward completes
+it; the stages differ only in what a bucket's reduction does and what the optimizer holds.
+
+As the field does it (Li et al., "PyTorch Distributed", VLDB 2020; megatron-core's
+param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
+- `BucketReductions` counts each bucket's arriving gradients (post-accumulate-grad hooks) and starts
+  the bucket's collective when the last one is in, overlapping the rest of backward, with at most
+  two collectives in flight. Micro-batches before the last of an accumulation communicate nothing.
+- ZeRO-0 (`Replicate`): `.grad` of every parameter is a view into one flat buffer, so autograd
+  accumulates in place; a bucket is all-reduced and averaged.
+- ZeRO-1 (`ShardOptimizerStates`): the same gradient buffer, reduce-scattered: rank r receives the
+  sum of its shard only, and the optimizer updates only this rank's pieces (Adam's moments take
+  8Ψ/N bytes); after the step each bucket's shards are all-gathered into the parameters, which live
+  in one flat buffer so the all-gather writes them in place.
+- ZeRO-2 (`ShardGradients`): no full gradient buffer: a bucket is staged while backward fills it,
+  reduce-scattered, added into this rank's gradient shard and freed; with gradient accumulation
+  this runs every micro-batch (as in DeepSpeed), since no full gradient survives between them.
+Per step and rank each moves 2Ψ(N-1)/N: an all-reduce, or a reduce-scatter plus an all-gather."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import nn
+
+from strata.distributed import comm
+from strata.parallel.buckets import Bucket, Piece, bucket_elements, plan_buckets, shard_pieces
+
+# Collectives allowed in flight before the oldest is waited for. Two keep the network busy while
+# backward computes; more would only add the backend's temporary buffers (gloo copies each
+# message) and, under ZeRO-2/3, staging buffers of full gradients.
+MAX_IN_FLIGHT = 2
+
+
+class BucketReductions:
+    """Starts each bucket's reduction when its last gradient arrives; `sync` off (an accumulation
+    micro-step) lets gradients just add up. What a reduction does is the stage's: `collect` puts a
+    parameter's gradient where the bucket is reduced from, `start` launches the collective,
+    `finish` uses its result."""
+
+    def __init__(self, buckets: list[Bucket], collect: Callable[[Bucket, nn.Parameter], None],
+                 start: Callable[[Bucket], object], finish: Callable[[Bucket], None], hooked: bool):
+        self.buckets, self.collect, self.start, self.finish = buckets, collect, start, finish
+        self.sync = True
+        self._ready = [0] * len(buckets)
+        self._launched = [False] * len(buckets)
+        self._pending: list = []
+        if hooked:
+            for bucket in buckets:
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket))
+
+    def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+        if not self.sync:
+            return  # an accumulation micro-step: gradients just add up
+        self.collect(bucket, param)
+        self._ready[bucket.index] += 1
+        if self._ready[bucket.index] == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._launched[bucket.index] = True
+        self._pending.append((bucket, self.start(bucket)))
+        while len(self._pending) > MAX_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        bucket, work = self._pending.pop(0)
+        work.wait()
+        self.finish(bucket)
+
+    def complete(self) -> None:
+        """Every bucket reduced: those that got no gradient send their zeros too."""
+        for bucket in self.buckets:
+            if not self._launched[bucket.index]:
+                self._launch(bucket)
+        while self._pending:
+            self._complete_oldest()
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+
+    def collect_all(self) -> None:
+        """After a pipeline schedule (which ran every backward without sync): every gradient into place."""
+        for bucket in self.buckets:
+            for param in bucket.params:
+                self.collect(bucket, param)
+
+
+class _Buckets:
+    """What the three stages share: the parameters laid out back to front in buckets padded to a
+    multiple of dp (so each splits into equal shards), and the reductions over them."""
+
+    reduce_every_micro_batch = False
+
+    def __init__(self, params: list[nn.Parameter], settings):
+        self.params, self.settings, self.group = params, settings, settings.dp_group
+        self.dp_size, self.dp_rank = settings.dp_size, settings.dp_rank
+        sample = params[0]
+        self.buckets, self.total = plan_buckets(list(reversed(params)), bucket_elements(settings.bucket_mb, sample.dtype),
+                                                self.dp_size)
+        if self.group is not None:
+            broadcast_parameters(self.buckets, self.group)
+        # the stage's steps, looked up when they run (a stage sets some of them after this)
+        self.reductions = BucketReductions(self.buckets, lambda b, p: self._collect(b, p), lambda b: self._start(b),
+                                           lambda b: self._finish(b), hooked=self.group is not None)
+        self._wires: dict[int, torch.Tensor] = {}  # bucket index -> what is being reduced
+
+    def _on_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """What a reduction sends: the gradient itself, or a copy in the reduce dtype."""
+        wanted = self.settings.reduce_dtype
+        return flat if wanted in (None, flat.dtype) else flat.to(wanted)
+
+    @contextmanager
+    def backward(self, sync: bool):
+        """Around one micro-batch's backward: with sync, its buckets are reduced as they complete
+        and all of them by the end; without (an accumulation micro-step), gradients add up."""
+        self.reductions.sync = self.group is None or sync
+        yield
+        if self.group is not None and sync:
+            self.reductions.complete()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state: every rank holds it already."""
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def reduce_all(self) -> None:
+        if self.group is not None:
+            self.reductions.collect_all()
+            self.reductions.complete()
+
+    def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
+        raise NotImplementedError
+
+    def _start(self, bucket: Bucket):
+        raise NotImplementedError
+
+    def _finish(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+
+class Replicate(_Buckets):
+    """ZeRO-0: every rank holds and updates the whole model; a bucket is all-reduced and averaged."""
+
+    stage = 0
+
+    def __init__(self, params: list[nn.Parameter], settings):
+        super().__init__(params, settings)
+        self.gradients = GradientBuffer(self.buckets, self.total, params[0])
+        self.grad_buffer = self.gradients.flat
+        self._collect = self.gradients.collect
+
+    def _start(self, bucket: Bucket):
+        self._wires[bucket.index] = wire = self._on_wire(self.grad_buffer[bucket.start:bucket.start + bucket.size])
+        return comm.all_reduce(wire, self.group, "dp", async_op=True)
+
+    def _finish(self, bucket: Bucket) -> None:
+        flat, wire = self.grad_buffer[bucket.start:bucket.start + bucket.size], self._wires.pop(bucket.index)
+        if wire is not flat:
+            flat.copy_(wire)
+        flat.div_(self.dp_size)
+
+    def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        return [(p.grad, p) for p in self.params if p.grad is not None]
+
+    def optimizer_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter, int, int]]:
+        """Each parameter whole, matrices first."""
+        ordered = [p for p in self.params if p.dim() >= 2] + [p for p in self.params if p.dim() < 2]
+        return [(p, p, 0, p.numel()) for p in ordered]
+
+    def after_step(self) -> None:
+        """Nothing to do: every replica applied the same update."""
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"params": tensor_bytes(self.params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
+
+
+class _ShardedBuckets(_Buckets):
+    """ZeRO-1 and 2: the parameters in one flat buffer; the optimizer updates this rank's shard of
+    every bucket (1-D views, each with its gradient shard as .grad); the updated shards are
+    all-gathered after the step."""
+
+    def __init__(self, params: list[nn.Parameter], settings):
+        super().__init__(params, settings)
+        self.param_buffer = flat_parameters(self.buckets, self.total, params[0])
+        self._offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
+        self.pieces: list[Piece] = shard_pieces(self.buckets, self.dp_rank, self.dp_size)
+        self.shard_params = [self.param_buffer[pc.start:pc.end] for pc in self.pieces]
+
+    def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]
+
+    def optimizer_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter, int, int]]:
+        return sharded_optimizer_pieces(self.pieces, self.shard_params)
+
+    def after_step(self) -> None:
+        """All-gather every bucket's updated shards into the parameters."""
+        pending = []
+        for bucket in self.buckets:
+            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            pending.append(comm.all_gather(self.param_buffer[bucket.start:bucket.start + bucket.size],
+                                           self.param_buffer[lo:hi], self.group, "dp", async_op=True))
+            if len(pending) > MAX_IN_FLIGHT:
+                pending.pop(0).wait()
+        for work in pending:
+            work.wait()
+
+
+class ShardOptimizerStates(_ShardedBuckets):
+    """ZeRO-1: the full gradient buffer is kept; each bucket is reduce-scattered into it."""
+
+    stage = 1
+
+    def __init__(self, params: list[nn.Parameter], settings):
+        super().__init__(params, settings)
+        self.gradients = GradientBuffer(self.buckets, self.total, params[0])
+        self.grad_buffer = self.gradients.flat
+        self._collect = self.gradients.collect
+        for piece, shard in zip(self.pieces, self.shard_params):
+            shard.grad = self.grad_buffer[piece.start:piece.end]
+
+    def _start(self, bucket: Bucket):
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        self._wires[bucket.index] = wire = self._on_wire(self.grad_buffer[bucket.start:bucket.start + bucket.size])
+        return comm.reduce_scatter(wire[lo - bucket.start:hi - bucket.start], wire, self.group, "dp", async_op=True)
+
+    def _finish(self, bucket: Bucket) -> None:
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        wire = self._wires.pop(bucket.index)
+        if wire.dtype != self.grad_buffer.dtype:
+            self.grad_buffer[lo:hi].copy_(wire[lo - bucket.start:hi - bucket.start])
+        self.grad_buffer[lo:hi].div_(self.dp_size)
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"params": tensor_bytes(self.params), "grads": tensor_bytes(self.params)}
+
+
+class ShardGradients(_ShardedBuckets):
+    """ZeRO-2: only this rank's shard of the gradients is kept; buckets are staged, reduce-scattered
+    and freed, on every micro-batch."""
+
+    stage = 2
+    reduce_every_micro_batch = True
+
+    def __init__(self, params: list[nn.Parameter], settings):
+        super().__init__(params, settings)
+        self.shard_grad_buffer = torch.zeros(self.total // self.dp_size, dtype=params[0].dtype, device=params[0].device)
+        self._staging: dict[int, torch.Tensor] = {}
+        for p in self.params:
+            p.grad = None
+        for piece, shard in zip(self.pieces, self.shard_params):
+            shard.grad = self.shard_grad_buffer[piece.shard_index:piece.shard_index + piece.end - piece.start]
+
+    def _staging_for(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.index not in self._staging:  # staged directly in the dtype it travels in
+            sample = self.shard_grad_buffer
+            self._staging[bucket.index] = torch.zeros(bucket.size, dtype=self.settings.reduce_dtype or sample.dtype,
+                                                      device=sample.device)
+        return self._staging[bucket.index]
+
+    def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
+        offset = self._offset_of[id(param)] - bucket.start
+        self._staging_for(bucket)[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None  # the full gradient is not kept: that is ZeRO-2
+
+    def _start(self, bucket: Bucket):
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        self._wires[bucket.index] = wire = self._on_wire(self._staging_for(bucket))
+        return comm.reduce_scatter(wire[lo - bucket.start:hi - bucket.start], wire, self.group, "dp", async_op=True)
+
+    def _finish(self, bucket: Bucket) -> None:
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        self._wires.pop(bucket.index)
+        first = bucket.start // self.dp_size  # this bucket's place in the gradient shard
+        staged = self._staging.pop(bucket.index)[lo - bucket.start:hi - bucket.start]
+        self.shard_grad_buffer[first:first + hi - lo].add_(staged, alpha=1 / self.dp_size)
+
+    def zero_grad(self) -> None:
+        self.shard_grad_buffer.zero_()
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"params": tensor_bytes(self.params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
+
+
+# --- flat buffers ---------------------------------------------------------------------------------
+@torch.no_grad()
+def broadcast_parameters(buckets: list[Bucket], group) -> None:
+    """Copy rank 0's parameters to every rank of the group, so all replicas start identical; one
+    broadcast per bucket, through a buffer of one bucket's size."""
+    for bucket in buckets:
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        comm.broadcast(flat, 0, group, "dp")
+        for p, piece in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
+            p.copy_(piece.view_as(p))
+
+
+class GradientBuffer:
+    """One flat gradient buffer; every parameter's .grad a view into it, so autograd adds in place."""
+
+    def __init__(self, buckets: list[Bucket], total: int, sample: torch.Tensor):
+        self.flat = torch.zeros(total, dtype=sample.dtype, device=sample.device)
+        self.views = {}
+        for bucket in buckets:
+            for p, offset in zip(bucket.params, bucket.offsets):
+                self.views[p] = p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+
+    def collect(self, bucket: Bucket, param: nn.Parameter) -> None:
+        """Make sure the buffer holds `param`'s gradient (here it accumulates in place)."""
+        view = self.views[param]
+        if param.grad is not view:  # autograd replaced the view instead of adding into it
+            view.copy_(param.grad)
+            param.grad = view
+
+
+def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor) -> torch.Tensor:
+    """Move the parameters into one flat buffer, one at a time (each original is freed as its .data
+    is replaced, so the model is never held twice); padding zeroed."""
+    buffer = torch.empty(total, dtype=sample.dtype, device=sample.device)
+    for bucket in buckets:
+        end = bucket.offsets[-1] + bucket.params[-1].numel()
+        buffer[end:bucket.start + bucket.size].zero_()
+        for p, offset in zip(bucket.params, bucket.offsets):
+            view = buffer[offset:offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+    return buffer
+
+
+def sharded_optimizer_pieces(pieces: list[Piece], shard_params: list[torch.Tensor]):
+    """(shard, the parameter it is part of, its flat range in it): what decays first."""
+    pairs = list(zip(shard_params, pieces))
+    ordered = [x for x in pairs if x[1].decays] + [x for x in pairs if not x[1].decays]
+    return [(shard, pc.param, pc.start - pc.offset, pc.end - pc.offset) for shard, pc in ordered]
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

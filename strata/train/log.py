@@ -1,0 +1,71 @@
+"""What a run reports as it goes: one record per step (the metrics file, written by rank 0), the
+progress bar, and the summary `train` returns."""
+
+from __future__ import annotations
+
+import math
+
+from tqdm import tqdm
+
+from strata.distributed import comm
+from strata.train import metrics as m
+from strata.train.optim import lr_at
+
+
+class RunLog:
+    def __init__(self, run):
+        cfg = run.cfg
+        self.is_main = run.rank == 0
+        self.writer = m.MetricsWriter(cfg.metrics, self.is_main, resume_step=run.start_step)
+        self.peak = cfg.peak_flops or m.device_peak(run.device, cfg.dtype)
+        seq_len = run.train_data.seq_len
+        self.tokens_per_step = cfg.global_batch * seq_len
+        self.flops_per_token = run.model_cfg.flops_per_token(seq_len)
+        self.summary = {"losses": [], "val_losses": [], "step_times": [], "records": [], "checkpoint": None}
+        self.progress = tqdm(total=cfg.steps, initial=run.start_step, disable=not (self.is_main and cfg.progress),
+                             desc="train", unit="step", dynamic_ncols=True)
+
+    def step(self, run, step: int, loss: float, grad_norm: float, states: dict[str, int], elapsed: float) -> dict:
+        record = self._record(run, step, loss, grad_norm, states, elapsed)
+        self.writer.write(record)
+        for key, value in (("losses", loss), ("step_times", elapsed), ("records", record)):
+            self.summary[key].append(value)
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", mfu=f"{record['mfu']:.1%}")
+        return record
+
+    def evaluation(self, step: int, val_loss: float) -> None:
+        self.summary["val_losses"].append((step, val_loss))
+        self.writer.write({"kind": "eval", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+        if self.is_main:
+            self.progress.write(f"step {step}: validation loss {val_loss:.4f}")
+
+    def close(self) -> None:
+        self.progress.close()
+        self.writer.close()
+
+    def _record(self, run, step: int, loss: float, grad_norm: float, states: dict[str, int], elapsed: float) -> dict:
+        """Step `step` (0-based) as one JSON object: the loss, rates, memory and communication."""
+        tokens_per_s = self.tokens_per_step / elapsed
+        record = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr_at(step, run.cfg), "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_s,
+                  "mfu": tokens_per_s * self.flops_per_token / (self.peak * run.world_size), "step_time_s": elapsed,
+                  "model_state_bytes": sum(states.values()), "model_state_breakdown": _by_location(run, states),
+                  "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
+                  "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+        if run.scaler is not None:
+            record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
+        if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
+            record.update(bubble=run.pipeline.idle_fraction, peak_activation_bytes=run.pipeline.peak_activation_bytes)
+        else:  # one micro-batch's activations at a time
+            record["peak_activation_bytes"] = run.activation_bytes
+        return record
+
+
+def _by_location(run, states: dict[str, int]) -> dict[str, int]:
+    """Model-state bytes by kind, and, with offload, where the optimizer's states are instead."""
+    if run.cfg.offload == "disk":
+        return {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
+    if run.cfg.offload == "cpu":  # what stays on the device, what the host holds
+        return {**states, "optimizer": 0, "optimizer_on_host": run.optimizer.host_bytes()}
+    return states

@@ -1,0 +1,121 @@
+"""strata's packages import downward only (docs/architecture.md, "Layers"), never in a cycle, and
+import strata modules at the top of the file, where the graph can be read."""
+
+import ast
+import os
+from collections import defaultdict
+
+import strata
+
+ROOT = os.path.dirname(strata.__file__)
+
+# Lowest first. A module may import from its own layer and the layers below; a module belongs to
+# the layer of the longest prefix that names it.
+LAYERS = [
+    ("errors", ("strata.errors", "strata.files")),
+    ("facts", ("strata.model.config", "strata.model.presets", "strata.plan.hardware")),
+    ("rules", ("strata.rules", "strata.config")),
+    ("model", ("strata.model",)),
+    ("plan", ("strata.plan",)),
+    ("distributed", ("strata.distributed",)),
+    ("checkpoint, data, memory", ("strata.checkpoint", "strata.data", "strata.memory")),
+    ("parallel", ("strata.parallel",)),
+    ("train, infer", ("strata.train", "strata.infer")),
+    ("tools", ("strata.tools",)),
+    ("cli", ("strata.cli", "strata.demo", "strata.__main__")),
+]
+# Where a function may import a strata module: the CLI's handlers import the engine only when they
+# run, so that parsing flags and `--help` never import torch.
+LAZY_IMPORTS_ALLOWED = ("strata.cli",)
+
+
+def _modules() -> dict[str, str]:
+    """module name -> file path, for every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                parts = os.path.relpath(path, os.path.dirname(ROOT))[:-3].split(os.sep)
+                found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> int:
+    best, rank = "", None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, rank = prefix, index
+    assert rank is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
+    return rank
+
+
+def _imports(module: str) -> list[tuple[str, bool]]:
+    """(imported strata module, imported inside a function) for each strata import of a module."""
+    tree = ast.parse(open(MODULES[module]).read())
+    found = []
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, in_function) for a in child.names if a.name.startswith("strata"))
+            elif isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("strata"):
+                for alias in child.names:  # `from strata.checkpoint import store` imports a module
+                    target = f"{child.module}.{alias.name}"
+                    found.append((target if target in MODULES else child.module, in_function))
+            visit(child, inner)
+    visit(tree, False)
+    return found
+
+
+def test_every_import_goes_down_the_layers():
+    upward = []
+    for module in MODULES:
+        for target, _ in _imports(module):
+            if layer_of(target) > layer_of(module):
+                upward.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                              f"({LAYERS[layer_of(target)][0]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph = defaultdict(set)
+    for module in MODULES:
+        for target, _ in _imports(module):
+            if target != module and not module.startswith(target + "."):  # a package's own __init__
+                graph[module].add(target)
+    state, stack, cycles = {}, [], []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+    for module in sorted(MODULES):
+        if module not in state:
+            visit(module)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_strata_modules_are_imported_at_the_top_of_the_file():
+    lazy = [f"{module} imports {target} inside a function" for module in MODULES
+            if not module.startswith(LAZY_IMPORTS_ALLOWED)
+            for target, in_function in _imports(module) if in_function]
+    assert not lazy, "\n".join(lazy)
+
+
+def test_the_layers_are_the_ones_the_architecture_document_shows():
+    doc = open(os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")).read()
+    for name, prefixes in LAYERS:
+        for prefix in prefixes:
+            assert prefix.removeprefix("strata.").replace(".", "/") in doc, (name, prefix)
