@@ -86,14 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     prep = data_sub.add_parser("prepare", help="text -> tokenizer + token shards")
     prep.add_argument("--source", nargs="+", default=["shakespeare"],
-                      help="'shakespeare', text files or directories of .txt files")
-    prep.add_argument("--tokenizer", default="bpe:8192", help="bpe:N to train one, or a tokenizer.json")
+                      help="'shakespeare', .txt, .jsonl or .parquet files, or directories of .txt files")
+    prep.add_argument("--text-field", default="text", help="the text's field (.jsonl) or column (.parquet)")
+    prep.add_argument("--tokenizer", default="bpe:8192",
+                      help="bpe:N to train one, a tokenizer.json, or a Hugging Face model directory (its "
+                           "tokenizer.json, BOS and EOS)")
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--val-fraction", type=float, default=0.05)
 
     add_generate_flags(sub.add_parser("generate", help="sample from a checkpoint: one process, --tp N, --pp N"))
 
-    conv = sub.add_parser("convert", help="Hugging Face <-> strata checkpoints (LLaMA and GPT-2 families)")
+    conv = sub.add_parser("convert", help="Hugging Face <-> strata checkpoints (Llama, Qwen2/3, Mistral, Gemma, "
+                                          "GPT-2, BLOOM)")
     direction = conv.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="a local Hugging Face model (config.json + safetensors)")
     direction.add_argument("--to-hf", metavar="CKPT", help="a strata checkpoint (or save directory), any layout")
@@ -229,7 +233,7 @@ def _dispatch(args, argv) -> int:
         return _train(args, argv)
     if args.command == "data":
         from strata.data.prepare import prepare
-        meta = prepare(args.source, args.out, args.tokenizer, args.val_fraction)
+        meta = prepare(args.source, args.out, args.tokenizer, args.val_fraction, args.text_field)
         print(f"wrote {args.out}: vocab {meta['vocab_size']}, train {meta['splits']['train']['tokens']:,} "
               f"tokens, val {meta['splits']['val']['tokens']:,} tokens")
         return 0

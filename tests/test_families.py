@@ -250,3 +250,32 @@ def test_every_family_places_every_parameter_under_tensor_parallelism():
             module = name.rsplit(".", 1)[0]
             path = module.split(".", 2)[2] if module.startswith("blocks.") else module
             assert placement.get(path) in ("column", "row", "vocabulary", "replicated"), (family, name)
+
+
+# --- fine-tuning a converted model on one's own data, with its own tokenizer -------------------------
+def test_fine_tune_a_converted_model_on_jsonl_and_parquet_with_its_tokenizer_then_generate(tmp_path, capsys):
+    from test_data import model_tokenizer_dir, write_sources
+
+    from strata.checkpoint import store
+    from strata.data.tokenizer import load_tokenizer
+    from strata.infer.cli import end_of_text_ids
+    hf_dir = model_tokenizer_dir(tmp_path / "hf")  # its tokenizer.json and a config.json, replaced below
+    hf_model("llama2").save_pretrained(hf_dir)  # bos 1, eos 2: transformers' LlamaConfig defaults
+    assert strata_main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ck")]) == 0
+    sources = write_sources(tmp_path)
+    assert strata_main(["data", "prepare", "--source", *sources, "--tokenizer", str(hf_dir),
+                        "--out", str(tmp_path / "data")]) == 0
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["document_prefix"], meta["end_of_text"]) == (VOCAB, [1], 2)
+    summary = train(TrainConfig(init_from=str(tmp_path / "ck"), data=str(tmp_path / "data"), steps=2, micro_batch=2,
+                                global_batch=2, seq_len=16, progress=False, eval_batches=1, peak_flops=1e10,
+                                save=str(tmp_path / "tuned")))
+    assert len(summary["losses"]) == 2
+    for checkpoint in ("ck", "tuned"):  # the model's EOS ends answers, in the converted and the tuned one
+        path = store.resolve(str(tmp_path / checkpoint))
+        tokenizer = load_tokenizer(store.verified_file(path, "tokenizer.json"))
+        assert end_of_text_ids(store.read_state(path), tokenizer) == {2}
+    capsys.readouterr()
+    assert strata_main(["generate", "--checkpoint", str(tmp_path / "tuned"), "--prompt", "the cat",
+                        "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")

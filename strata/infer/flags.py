@@ -19,7 +19,7 @@ def add_flags(gen) -> None:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens (CTRL's)")
     gen.add_argument("--stop", action="append", default=[], help="stop an answer at this text (repeatable); "
-                                                                 "answers also stop at the tokenizer's end-of-text")
+                                                                 "answers also stop at the model's end-of-text (EOS)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--nproc", type=int, help="processes to start (default: tp x pp)")
     gen.add_argument("--tp", type=int, default=1, help="split every layer over N processes (tensor parallel)")
