@@ -279,3 +279,41 @@ def test_fine_tune_a_converted_model_on_jsonl_and_parquet_with_its_tokenizer_the
     assert strata_main(["generate", "--checkpoint", str(tmp_path / "tuned"), "--prompt", "the cat",
                         "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("the cat")
+
+
+# The released config.json files (their model cards' repositories; written by transformers 4.x,
+# so in the older rope_theta / rope_scaling form) read into the presets.
+RELEASED = {
+    "llama3.1-405b": {"model_type": "llama", "hidden_act": "silu", "hidden_size": 16384, "intermediate_size": 53248,
+                      "max_position_embeddings": 131072, "mlp_bias": False, "attention_bias": False,
+                      "num_attention_heads": 128, "num_hidden_layers": 126, "num_key_value_heads": 8,
+                      "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+                      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                      "tie_word_embeddings": False, "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": 128001},
+    "qwen2.5-7b": {"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+                   "max_position_embeddings": 131072, "max_window_layers": 28, "num_attention_heads": 28,
+                   "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                   "sliding_window": 131072, "tie_word_embeddings": False, "use_mrope": False,
+                   "use_sliding_window": False, "vocab_size": 152064},
+    "mistral-7b": {"model_type": "mistral", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+                   "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+                   "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+                   "tie_word_embeddings": False, "vocab_size": 32000},
+    "gemma-7b": {"model_type": "gemma", "attention_bias": False, "head_dim": 256, "hidden_act": "gelu",
+                 "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3072, "intermediate_size": 24576,
+                 "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 28,
+                 "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+                 "vocab_size": 256000},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_a_released_config_json_reads_as_the_preset(name):
+    import dataclasses
+
+    from strata.checkpoint.hf import model_config_from_hf
+
+    def plain(cfg):  # n_kv_heads may be None or the head count: the same model
+        return dataclasses.replace(cfg, n_kv_heads=cfg.kv_heads if cfg.kv_heads != cfg.n_heads else None)
+    assert plain(model_config_from_hf(RELEASED[name], name)) == plain(PRESETS[name])
