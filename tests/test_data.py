@@ -91,3 +91,78 @@ def test_windows_never_cross_shards():
 def test_missing_data_dir_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="strata data prepare"):
         open_split(str(tmp_path), "train")
+
+
+# --- .jsonl and .parquet sources, a Hugging Face model's tokenizer ---------------------------------
+DOCUMENTS = ["the cat sat on the mat", "a dog ran", "the end of the story"] * 20
+
+
+def model_tokenizer_dir(root, vocab_size: int = 251, add_bos: bool = True):
+    """A Hugging Face model directory as far as data prepare reads it: a word-piece-sized BPE with
+    Llama's special tokens (<unk> 0, <s> 1, </s> 2), a post-processor that puts <s> before a text
+    (as Llama's and Gemma's do), and config.json's vocabulary and BOS/EOS ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(DOCUMENTS, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"],
+                                                                 show_progress=False))
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    root.mkdir()
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": vocab_size, "bos_token_id": 1,
+                                                  "eos_token_id": [2, 0]}))
+    return root
+
+
+def write_sources(root, field="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (root / "docs.jsonl").write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(DOCUMENTS)))
+    pq.write_table(pa.table({field: DOCUMENTS}), root / "docs.parquet")
+    return [str(root / "docs.jsonl"), str(root / "docs.parquet")]
+
+
+def test_jsonl_and_parquet_documents_are_each_framed_by_the_models_bos_and_eos(tmp_path):
+    sources = write_sources(tmp_path, field="body")
+    meta = prepare(sources, str(tmp_path / "out"), str(model_tokenizer_dir(tmp_path / "hf")), 0.1, text_field="body")
+    assert meta["vocab_size"] == 251 and meta["document_prefix"] == [1] and meta["end_of_text"] == 2
+    stream = np.concatenate([np.fromfile(tmp_path / "out" / f"{split}_000.bin", dtype=np.uint16)
+                             for split in ("train", "val")])  # (val is the tail of each file: order differs)
+    assert (stream == 1).sum() == (stream == 2).sum() == 2 * len(DOCUMENTS)
+    train = np.fromfile(tmp_path / "out" / "train_000.bin", dtype=np.uint16)
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    first = train[1:list(train).index(2)].tolist()
+    assert train[0] == 1 and tokenizer.decode(first) == DOCUMENTS[0]
+
+
+def test_without_a_bos_in_its_tokenizer_a_document_is_followed_by_eos_only(tmp_path):
+    meta = prepare(write_sources(tmp_path)[:1], str(tmp_path / "out"),
+                   str(model_tokenizer_dir(tmp_path / "hf", add_bos=False)), 0.1)
+    assert meta["document_prefix"] == [] and meta["end_of_text"] == 2
+
+
+@pytest.mark.parametrize("lines,needle", [
+    (['{"text": "fine"}', '{"txt": "typo"}'], "docs.jsonl: line 2 has no 'text' field"),
+    (['{"text": "fine"}', "", '{"text": 3}'], "docs.jsonl: line 3: 'text' holds a JSON int, not text"),
+    (['{"text": "fine"', '{"text": "x"}'], "docs.jsonl: line 1 is not JSON"),
+])
+def test_a_bad_jsonl_line_is_one_line_naming_the_file_and_line(tmp_path, lines, needle, capsys):
+    from strata.cli import main as strata_main
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    assert strata_main(["data", "prepare", "--source", str(tmp_path / "docs.jsonl"), "--tokenizer", "bpe:300",
+                        "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("strata: error: --source ") and err.count("\n") == 1, err
+
+
+def test_a_parquet_file_without_the_column_or_with_a_null_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"body": ["a", None]}), tmp_path / "a.parquet")
+    with pytest.raises(ConfigError, match="has no column 'text' \\(columns: body"):
+        prepare([str(tmp_path / "a.parquet")], str(tmp_path / "o1"), "bpe:300")
+    with pytest.raises(ConfigError, match="row 1 has no 'body' \\(null\\)"):
+        prepare([str(tmp_path / "a.parquet")], str(tmp_path / "o2"), "bpe:300", text_field="body")

@@ -50,7 +50,7 @@ def add_generate_flags(gen) -> None:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens (CTRL's)")
     gen.add_argument("--stop", action="append", default=[], help="stop an answer at this text (repeatable); "
-                                                                 "answers also stop at the tokenizer's end-of-text")
+                                                                 "answers also stop at the model's end-of-text (EOS)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--nproc", type=int, help="processes to start (default: tp x pp)")
     gen.add_argument("--tp", type=int, default=1, help="split every layer over N processes (tensor parallel)")
@@ -98,8 +98,11 @@ def _data(sub) -> None:
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     prep = data_sub.add_parser("prepare", help="text -> tokenizer + token shards")
     prep.add_argument("--source", nargs="+", default=["shakespeare"],
-                      help="'shakespeare', text files or directories of .txt files")
-    prep.add_argument("--tokenizer", default="bpe:8192", help="bpe:N to train one, or a tokenizer.json")
+                      help="'shakespeare', .txt, .jsonl or .parquet files, or directories of .txt files")
+    prep.add_argument("--text-field", default="text", help="the text's field (.jsonl) or column (.parquet)")
+    prep.add_argument("--tokenizer", default="bpe:8192",
+                      help="bpe:N to train one, a tokenizer.json, or a Hugging Face model directory (its "
+                           "tokenizer.json, BOS and EOS)")
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--val-fraction", type=float, default=0.05)
 
@@ -109,7 +112,8 @@ def _generate(sub) -> None:
 
 
 def _convert(sub) -> None:
-    conv = sub.add_parser("convert", help="Hugging Face <-> strata checkpoints (LLaMA and GPT-2 families)")
+    conv = sub.add_parser("convert", help="Hugging Face <-> strata checkpoints (Llama, Qwen2/3, Mistral, Gemma, "
+                                          "GPT-2, BLOOM)")
     direction = conv.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="a local Hugging Face model (config.json + safetensors)")
     direction.add_argument("--to-hf", metavar="CKPT", help="a strata checkpoint (or save directory), any layout")

@@ -46,8 +46,8 @@ def run_plan(args) -> int:
             raise ConfigError(f"no layout of {cluster.world} x {cluster.device.name} runs {args.model}{need}")
         shown = distinct(ranked)[:args.top]
     if args.json:
-        print(json.dumps({"model": args.model, "world": cluster.world, "device": cluster.device.name,
-                          "layouts": [e.to_json() for e in shown]}, indent=1))
+        print(json.dumps({"model": args.model, "parameters": model.num_params(), "world": cluster.world,
+                          "device": cluster.device.name, "layouts": [e.to_json() for e in shown]}, indent=1))
     else:
         print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) on {args.nodes} x {args.gpus_per_node} "
               f"{cluster.device.name}, global batch {work.global_batch} x {work.seq_len} tokens, {work.precision}\n")

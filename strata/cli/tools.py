@@ -30,7 +30,7 @@ def check_outputs(args) -> None:
 
 def data_command(args, argv: list[str]) -> int:
     from strata.data.prepare import prepare
-    meta = prepare(args.source, args.out, args.tokenizer, args.val_fraction)
+    meta = prepare(args.source, args.out, args.tokenizer, args.val_fraction, args.text_field)
     print(f"wrote {args.out}: vocab {meta['vocab_size']}, train {meta['splits']['train']['tokens']:,} "
           f"tokens, val {meta['splits']['val']['tokens']:,} tokens")
     return 0

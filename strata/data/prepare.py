@@ -4,21 +4,25 @@ Output directory:
   tokenizer.json                       the tokenizer used
   train_000.bin, train_001.bin, ...    token ids, raw little-endian uint16 (uint32 for vocabularies
   val_000.bin                          over 65,536), memory-mapped by the loader
-  meta.json                            vocab size, dtype, token counts per shard, split, sources
+  meta.json                            vocab size, dtype, token counts per shard, split, sources,
+                                       the ids framing each document
 
-Each document is encoded and followed by the end-of-text token; the last `val_fraction` of every
-document goes to validation, so both splits cover every source."""
+Sources are .txt files (one document each), .jsonl files (one per line) and .parquet files (one
+per row), see strata/data/sources.py. Each document is encoded and followed by the end-of-text
+token (a Hugging Face model's tokenizer: its EOS, and its BOS before the document when it adds
+one); the last `val_fraction` of every source file goes to validation, so both splits cover
+every source."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 
-from strata.data.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe
+from strata.data.sources import read_documents
+from strata.data.tokenizer import document_tokenizer
 from strata.errors import ConfigError
 from strata.files import check_output_dir
 
@@ -59,54 +63,30 @@ def source_files(sources: list[str]) -> list[str]:
     return files
 
 
-def read_text(path: str) -> str:
-    """A source file's text; text that is not UTF-8 is refused, not silently replaced."""
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--source {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
-
-
 def prepare(sources: list[str], out_dir: str, tokenizer_spec: str = "bpe:8192",
-            val_fraction: float = 0.05) -> dict:
+            val_fraction: float = 0.05, text_field: str = "text") -> dict:
     """Tokenize `sources` into `out_dir`; returns the metadata written to meta.json."""
     if not 0 < val_fraction < 1:
         raise ConfigError("must be in (0, 1): training validates on this split", "val_fraction", val_fraction)
     check_output_dir(out_dir, "out")
     files = source_files(sources)
-    texts = [read_text(f) for f in files]
-    if not any(text.strip() for text in texts):
+    documents = [read_documents(f, text_field) for f in files]  # per file, its documents
+    if not any(text.strip() for texts in documents for text in texts):
         raise ConfigError(f"--source {' '.join(sources)}: the corpus is empty ({len(files)} file(s), no text)")
-
-    if tokenizer_spec.startswith("bpe:"):
-        size = tokenizer_spec[4:]
-        if not size.isdigit() or not 257 <= int(size) <= 1 << 20:
-            raise ConfigError(f"--tokenizer {tokenizer_spec}: want bpe:N with N from 257 to 1048576")
-        tokenizer = train_bpe(texts, int(size))
-    elif tokenizer_spec.endswith(".json") and os.path.isfile(tokenizer_spec):
-        try:
-            tokenizer = load_tokenizer(tokenizer_spec)
-        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a bad file
-            raise ConfigError(f"--tokenizer {tokenizer_spec}: not a tokenizer.json that `tokenizers` reads "
-                              f"({str(e).splitlines()[0][:200]})") from None
-    else:
-        raise ConfigError(f"--tokenizer {tokenizer_spec}: want bpe:N or the path of a tokenizer.json")
-
-    vocab_size = tokenizer.get_vocab_size()
-    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-    eot = tokenizer.token_to_id(END_OF_TEXT)
+    framing = document_tokenizer(tokenizer_spec, [text for texts in documents for text in texts])
+    dtype = np.uint16 if framing.vocab_size <= 1 << 16 else np.uint32
     train_parts, val_parts = [], []
-    for encoding in tokenizer.encode_batch(texts):
-        ids = np.asarray(encoding.ids + ([eot] if eot is not None else []), dtype=dtype)
+    for texts in documents:
+        ids = np.concatenate([np.asarray(encoded, dtype=dtype) for encoded in framing.encode(texts)])
         cut = len(ids) - int(len(ids) * val_fraction)
         train_parts.append(ids[:cut])
         val_parts.append(ids[cut:])
 
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    meta = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, "sources": files,
-            "val_fraction": val_fraction, "splits": {}}
+    framing.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    meta = {"vocab_size": framing.vocab_size, "dtype": np.dtype(dtype).name, "sources": files,
+            "val_fraction": val_fraction, "document_prefix": list(framing.prefix),
+            "end_of_text": framing.end_of_text, "splits": {}}
     for split, parts in (("train", train_parts), ("val", val_parts)):
         stream = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
         shards = []

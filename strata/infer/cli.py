@@ -7,6 +7,7 @@ import io
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -67,15 +68,17 @@ def _tokenizer(checkpoint_path: str):
 
 
 class StopStrings:
-    """stop(row, answer ids): the answer's text contains a stop string, or its last token is the
-    end-of-text token. Decodes only the answer's tail: enough tokens for the longest stop string."""
+    """stop(row, answer ids): the answer's text contains a stop string, or its last token is an
+    end-of-text token (one id, several, or None). Decodes only the answer's tail: enough tokens for
+    the longest stop string."""
 
-    def __init__(self, tokenizer, stops: list[str], end_of_text: int | None):
-        self.tokenizer, self.stops, self.end_of_text = tokenizer, stops, end_of_text
+    def __init__(self, tokenizer, stops: list[str], end_of_text: int | Iterable[int] | None):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.end_of_text = frozenset([end_of_text] if isinstance(end_of_text, int) else end_of_text or ())
         self.tail = 4 * max((len(s) for s in stops), default=0) + 2  # a character is at most 4 bytes
 
     def __call__(self, row: int, answer: list[int]) -> bool:
-        if answer[-1] == self.end_of_text:
+        if answer[-1] in self.end_of_text:
             return True
         if not self.stops:
             return False
@@ -84,8 +87,9 @@ class StopStrings:
 
     def cut(self, answer: list[int]) -> str:
         """The answer's text, up to its first stop string or its end-of-text token."""
-        if self.end_of_text in answer:
-            answer = answer[:answer.index(self.end_of_text)]
+        ends = [i for i, token in enumerate(answer) if token in self.end_of_text]
+        if ends:
+            answer = answer[:ends[0]]
         text = self.tokenizer.decode(answer)
         for s in self.stops:
             if s in text:
@@ -209,7 +213,8 @@ def _requests(args) -> Requests:
     if not os.path.isdir(args.checkpoint):
         raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory")
     path = store.resolve(args.checkpoint)
-    cfg = store.model_config(store.read_state(path), path)
+    state = store.read_state(path)
+    cfg = store.model_config(state, path)
     check_tensor_parallel(cfg, args.tp)
     layout = None
     if args.pp > 1:
@@ -221,10 +226,19 @@ def _requests(args) -> Requests:
     check_length(prompts, args.max_new_tokens, cfg.max_seq_len)
     stops = None
     if tokenizer is not None:
-        stops = StopStrings(tokenizer, args.stop, tokenizer.token_to_id(END_OF_TEXT))
+        stops = StopStrings(tokenizer, args.stop, end_of_text_ids(state, tokenizer))
     elif args.stop:
         raise ConfigError(f"--stop {args.stop[0]!r}: the checkpoint has no tokenizer.json to find text with")
     return Requests(prompts, texts, tokenizer, stops, layout)
+
+
+def end_of_text_ids(state: dict, tokenizer) -> frozenset[int]:
+    """The ids that end an answer: a converted model's EOS (its config.json's eos_token_id, one id
+    or a list: Llama 3.1 Instruct ends turns with three), and strata's <|endoftext|> when the
+    vocabulary has it."""
+    eos = ((state.get("hf") or {}).get("config") or {}).get("eos_token_id")
+    ids = [*(eos if isinstance(eos, list) else [eos]), tokenizer.token_to_id(END_OF_TEXT)]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
 def _generate(args, requests: Requests, tp_group, stage, peers) -> int:

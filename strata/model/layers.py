@@ -15,18 +15,57 @@ from torch import nn
 from strata.model.config import ModelConfig
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, width: int | None = None) -> nn.Module:
+    """The model's norm over `width` features (d_model unless given: a head's q and k)."""
+    width = width or cfg.d_model
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        return nn.RMSNorm(width, eps=cfg.norm_eps)
+    if cfg.norm == "gemma_rmsnorm":
+        return GemmaRMSNorm(width, eps=cfg.norm_eps)
+    return nn.LayerNorm(width, eps=cfg.norm_eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm that scales by (1 + weight), the weight stored as Gemma's checkpoints store it (0
+    means scale 1), computed in at least fp32 and cast back after scaling (transformers'
+    GemmaRMSNorm: "Llama does x.to(float16) * w whilst Gemma is (x * w).to(float16)")."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        compute = torch.promote_types(x.dtype, torch.float32)  # fp64 training stays fp64
+        h = x.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(compute))).to(x.dtype)
 
 
 # --- positions -----------------------------------------------------------------------------------
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotation frequency of each pair of a head's features, (head_dim / 2,) in fp64; with
+    rope_type "llama3", scaled as transformers' `_compute_llama3_parameters` does (Llama 3.1):
+    wavelengths 2π/f shorter than C/high_freq_factor keep f, longer than C/low_freq_factor take
+    f/factor, and those between blend the two, C being the original context."""
+    head_dim = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if cfg.rope_type != "llama3":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_seq_len
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelength < context / high) & ~(wavelength > context / low)
+    return torch.where(between, blended, scaled)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (max_seq_len, head_dim), in the "rotate half" layout that Hugging Face
     LLaMA checkpoints use, so weights convert without permuting rows."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_frequencies(cfg))
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -57,10 +96,15 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         kv_dim = cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
+        # Qwen3: one norm over each head's features, shared by all heads, before RoPE
+        # (transformers' Qwen3Attention applies q_norm to q_proj(x).view(..., head_dim)).
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
 
     def forward(self, x, rope=None, bias=None, cache=None):
         """x: (batch, seq, d_model). rope: (cos, sin) from this position on, (positions, head_dim),
@@ -68,8 +112,11 @@ class Attention(nn.Module):
         None for plain causal attention. cache: a per-layer KV cache with
         `.update(k, v) -> (keys, values)`."""
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope[0][..., :seq, :], rope[1][..., :seq, :]
@@ -87,18 +134,23 @@ class Attention(nn.Module):
 
 
 def attention_bias(q_len: int, start: int, pad: torch.Tensor | None, alibi: torch.Tensor | None,
-                   dtype, device) -> torch.Tensor | None:
+                   dtype, device, window: int | None = None) -> torch.Tensor | None:
     """The additive mask for queries at slots start .. start + q_len - 1 over keys at slots
-    0 .. start + q_len - 1: -inf above the causal diagonal and, for a real query, on its row's
-    padding slots (pad[row] left-padding slots, in generation); plus ALiBi's distance penalty
-    (slot distances equal position distances: padding is a shift). None when plain causal
-    attention does it: no padding, no ALiBi, and a fresh sequence or a single query."""
-    if pad is None and alibi is None and (start == 0 or q_len == 1):
-        return None
+    0 .. start + q_len - 1: -inf above the causal diagonal, with a sliding window on keys W or
+    more slots back (transformers' sliding_window_overlay: key > query - W), and, for a real
+    query, on its row's padding slots (pad[row] left-padding slots, in generation); plus ALiBi's
+    distance penalty (slot distances equal position distances: padding is a shift). None when
+    plain causal attention does it: no padding, no ALiBi, no window reached, and a fresh sequence
+    or a single query."""
     k_len = start + q_len
+    windowed = window is not None and k_len > window
+    if pad is None and alibi is None and not windowed and (start == 0 or q_len == 1):
+        return None
     q_slot = torch.arange(start, k_len, device=device)[:, None]
     k_slot = torch.arange(k_len, device=device)[None, :]
     hidden = k_slot > q_slot  # (q, k)
+    if windowed:
+        hidden = hidden | (k_slot <= q_slot - window)
     if pad is not None:  # a padding query may see earlier padding, so its row stays finite
         k_padding = k_slot < pad[:, None, None]  # (batch, 1, k)
         q_real = q_slot >= pad[:, None, None]  # (batch, q, 1)
@@ -121,6 +173,14 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class GeGLU(SwiGLU):
+    """Gemma's MLP: SwiGLU's layout with the tanh GELU as the gate (transformers' GemmaMLP with
+    hidden_act gelu_pytorch_tanh)."""
+
+    def forward(self, x):
+        return self.w_down(F.gelu(self.w_gate(x), approximate="tanh") * self.w_up(x))
 
 
 class GeluMLP(nn.Module):
@@ -150,7 +210,7 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
+        self.mlp = {"swiglu": SwiGLU, "geglu": GeGLU, "gelu": GeluMLP}[cfg.mlp](cfg)
 
     def forward(self, x, rope=None, bias=None, cache=None):
         x = x + self.attn(self.attn_norm(x), rope, bias, cache)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from strata.model.config import ModelConfig
 
-_GPT = dict(norm="layernorm", position="learned", mlp="gelu", tie_embeddings=True, bias=True)
-_LLAMA = dict(norm="rmsnorm", position="rope", mlp="swiglu", tie_embeddings=False, bias=False)
+_GPT = dict(norm="layernorm", position="learned", mlp="gelu", tie_embeddings=True, bias=True, family="gpt2")
+_LLAMA = dict(norm="rmsnorm", position="rope", mlp="swiglu", tie_embeddings=False, bias=False, family="llama")
+# Llama 3.1's RoPE scaling (its config.json's rope_scaling): 8x the 8,192-token pre-training context
+_LLAMA31_ROPE = dict(rope_theta=500000.0, rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                     rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
 
 PRESETS: dict[str, ModelConfig] = {
     # Tests: LLaMA-style with grouped-query attention, well under 1M parameters.
@@ -26,12 +29,12 @@ PRESETS: dict[str, ModelConfig] = {
     # read the same input in parallel, which changes no cost the planner counts.
     "gpt-j-6b": ModelConfig(vocab_size=50400, n_layers=28, d_model=4096, n_heads=16, d_ff=16384,
                             max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu",
-                            tie_embeddings=False, bias=True),
+                            tie_embeddings=False, bias=True, family="gptj"),
     # Llama 3.2 1B (Meta 2024; the shape of its Hugging Face config.json): 16 layers, hidden 2048,
     # 32 heads with 8 KV heads, SwiGLU 8192, a 128,256-token vocabulary, tied embeddings, RoPE theta
-    # 500,000; 1,235,814,400 parameters. The context here is Llama 3's pre-training length, 8192:
-    # the released model stretches it to 128K with llama3 RoPE scaling, which strata does not have.
-    # The shape the GPU check trains (bench/gpu_check.py).
+    # 500,000; 1,235,814,400 parameters. The context here is Llama 3's pre-training length, 8192,
+    # without the released model's llama3 RoPE scaling to 128K (see llama3.1-405b for that): the
+    # shape the GPU check trains (bench/gpu_check.py).
     "llama-1b": ModelConfig(vocab_size=128256, n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
                             max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0,
                             **{**_LLAMA, "tie_embeddings": True}),
@@ -50,7 +53,35 @@ PRESETS: dict[str, ModelConfig] = {
     # BigScience 2022: ALiBi positions and a layernorm after the embedding.
     "bloom-176b": ModelConfig(vocab_size=250880, n_layers=70, d_model=14336, n_heads=112, d_ff=57344,
                               max_seq_len=2048, norm="layernorm", position="alibi", mlp="gelu",
-                              tie_embeddings=True, bias=True, embedding_norm=True),
+                              tie_embeddings=True, bias=True, embedding_norm=True, family="bloom"),
+    # Meta 2024, the Hugging Face config.json of Meta-Llama-3-8B / -70B: a 128,256-token vocabulary,
+    # 8 KV heads, RoPE theta 500,000, an 8,192-token context; 8,030,261,248 and 70,553,706,496 parameters.
+    "llama3-8b": ModelConfig(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                             max_seq_len=8192, rope_theta=500000.0, **_LLAMA),
+    "llama3-70b": ModelConfig(vocab_size=128256, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                              max_seq_len=8192, rope_theta=500000.0, **_LLAMA),
+    # Meta-Llama-3.1-405B's config.json: 126 layers, hidden 16384, 128 heads (8 KV), 131,072 positions
+    # through llama3 RoPE scaling; 405,853,388,800 parameters.
+    "llama3.1-405b": ModelConfig(vocab_size=128256, n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,
+                                 d_ff=53248, max_seq_len=131072, **_LLAMA31_ROPE, **_LLAMA),
+    # Qwen2.5-7B / -72B's config.json (Qwen team 2024): biases on q, k, v; RoPE theta 1,000,000;
+    # norm eps 1e-6; a 152,064-row vocabulary; 131,072 positions; 7,615,616,512 and 72,706,203,648 parameters.
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, d_ff=18944,
+                              max_seq_len=131072, norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True,
+                              **{**_LLAMA, "family": "qwen2"}),
+    "qwen2.5-72b": ModelConfig(vocab_size=152064, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=29568,
+                               max_seq_len=131072, norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True,
+                               **{**_LLAMA, "family": "qwen2"}),
+    # Mistral-7B-v0.1's config.json (Jiang et al. 2023): a 4,096-token sliding window over a 32,768-position
+    # context, 8 KV heads; 7,241,732,096 parameters.
+    "mistral-7b": ModelConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                              max_seq_len=32768, sliding_window=4096, **{**_LLAMA, "family": "mistral"}),
+    # gemma-7b's config.json (Gemma Team 2024): 16 heads of 256 over a 3,072 width, GeGLU 24,576,
+    # a 256,000-token vocabulary tied to the head, (1 + w) RMSNorm, embeddings x sqrt(3072);
+    # 8,537,680,896 parameters.
+    "gemma-7b": ModelConfig(vocab_size=256000, n_layers=28, d_model=3072, n_heads=16, d_head=256, d_ff=24576,
+                            max_seq_len=8192, norm="gemma_rmsnorm", mlp="geglu", tie_embeddings=True,
+                            scale_embeddings=True, norm_eps=1e-6, family="gemma"),
 }
 
 

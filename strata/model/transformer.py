@@ -49,7 +49,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.register_buffer("alibi", torch.empty(0), persistent=False)
         if cfg.position == "rope":
-            self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.rope_cos, self.rope_sin = rope_tables(cfg)
         if cfg.position == "alibi":
             self.alibi = alibi_slopes(cfg.n_heads)
 
@@ -58,7 +58,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter from (seed, its name); rebuild the position tables."""
         for name, param in self.named_parameters():
-            param.copy_(initial_value(name, tuple(param.shape), seed, self.cfg.n_layers))
+            param.copy_(initial_value(name, tuple(param.shape), seed, self.cfg.n_layers, self.cfg.norm))
         self.reset_buffers()
 
     @torch.no_grad()
@@ -66,7 +66,7 @@ class Transformer(nn.Module):
         cfg, sample = self.cfg, next(self.parameters())  # any layer: a pipeline stage may lack the embedding
         device, dtype = sample.device, sample.dtype
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables(cfg)
             self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
         if cfg.position == "alibi":
             self.alibi = alibi_slopes(cfg.n_heads).to(device, dtype)
@@ -88,7 +88,8 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[start:], self.rope_sin[start:]) if positions is None else \
                 (self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         alibi = self.alibi if self.cfg.position == "alibi" else None
-        bias = attention_bias(seq, start, cache.pad if cache is not None else None, alibi, h.dtype, h.device)
+        bias = attention_bias(seq, start, cache.pad if cache is not None else None, alibi, h.dtype, h.device,
+                              self.cfg.sliding_window)
         for i, block in enumerate(self.blocks.values()):
             h = block(h, rope, bias, cache[i] if cache is not None else None)
         if cache is not None:
@@ -102,6 +103,10 @@ class Transformer(nn.Module):
 
     def embed_tokens(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(tokens)
+        if self.cfg.scale_embeddings:
+            # transformers' GemmaTextScaledWordEmbedding: sqrt(hidden) as an fp32 tensor, cast to
+            # the activations' dtype before multiplying (in bf16 sqrt(3072) = 55.4256 becomes 55.5)
+            h = h * torch.tensor(self.cfg.d_model ** 0.5).to(h.dtype)
         if self.pos_embed is not None:
             if positions is None:
                 positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
@@ -117,11 +122,14 @@ class Transformer(nn.Module):
         return self.head(h)
 
 
-def initial_value(name: str, shape: tuple[int, ...], seed: int, n_layers: int) -> torch.Tensor:
-    """The initial value of the logical (unsharded) parameter `name`, in fp32 on the CPU."""
+def initial_value(name: str, shape: tuple[int, ...], seed: int, n_layers: int,
+                  norm: str = "rmsnorm") -> torch.Tensor:
+    """The initial value of the logical (unsharded) parameter `name`, in fp32 on the CPU. Every
+    norm (attn_norm, mlp_norm, final_norm, embed_norm, attn.q_norm, attn.k_norm) starts as the
+    identity: weight 1, or 0 for the norm that scales by (1 + weight) (cfg.norm)."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name and leaf == "weight":
-        return torch.ones(shape)
+        return torch.zeros(shape) if norm == "gemma_rmsnorm" else torch.ones(shape)
     if leaf == "bias":
         return torch.zeros(shape)
     std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(_RESIDUAL_OUTPUTS) else INIT_STD

@@ -64,5 +64,5 @@ def local_initial_values(model: Transformer, seed: int, tp_group):
 
     def init(name: str) -> torch.Tensor:
         spec = specs[name]
-        return spec.local(initial_value(name, spec.full_shape, seed, model.cfg.n_layers), rank, world)
+        return spec.local(initial_value(name, spec.full_shape, seed, model.cfg.n_layers, model.cfg.norm), rank, world)
     return init

@@ -40,9 +40,8 @@ class PipelineLayout:
 def unit_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
     """Forward FLOPs per token of each unit: embedding (a lookup: ~d), each block (its matmuls and
     attention scores), head (the vocabulary projection)."""
-    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    matmuls = 2 * d * d + 2 * d * kv + (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_ff
-    block = 2 * matmuls + 4 * seq_len * d
+    d = cfg.d_model
+    block = 2 * cfg.block_matmul_params() + 4 * cfg.attended_positions(seq_len) * cfg.q_dim
     return [float(d)] + [float(block)] * cfg.n_layers + [2.0 * d * cfg.vocab_size]
 
 

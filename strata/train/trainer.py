@@ -65,6 +65,7 @@ class Run:
     activation_bytes: int | None = None  # saved for backward by one micro-batch (counted once)
     pieces: list | None = None  # what this rank holds of each logical tensor (checkpoints)
     checkpointer: store.Checkpointer | None = None
+    hf_origin: dict | None = None  # a converted model's Hugging Face config, names and dtype: saved along
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -147,6 +148,7 @@ def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
         if resume and reader.rngs:  # the same rank's streams; under a smaller old world, rank 0's
             shards.set_rng_state(reader.rngs.get(run.rank, reader.rngs[0]))
     run.parallel.after_step()  # ZeRO-1/2: gather every rank's loaded shard into the parameters
+    run.hf_origin = manifest.get("hf")  # so --to-hf and generate still know the model it came from
     return manifest
 
 
@@ -158,6 +160,8 @@ def save_checkpoint(run: Run, step: int) -> str:
              "data_position": {"step": step, "sequences": step * run.cfg.global_batch}}
     if run.scaler is not None:
         state["loss_scaler"] = run.scaler.state_dict()
+    if run.hf_origin is not None:
+        state["hf"] = run.hf_origin
     tokenizer = os.path.join(run.cfg.data, "tokenizer.json")
     return run.checkpointer.save(step, tensors, meta, state, (tokenizer,) if os.path.isfile(tokenizer) else ())
 

@@ -1,0 +1,54 @@
+"""What a model family's description is, and the helpers the descriptions share (the registry of
+families is strata/model/families/__init__.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from strata.errors import ConfigError
+from strata.model.config import ModelConfig
+
+PLACEMENTS = ("column", "row", "vocabulary", "replicated")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # ModelConfig.family
+    model_types: tuple[str, ...]  # the Hugging Face model_type values it reads (none: planning only)
+    tensor_parallel: dict[str, str]
+    # hf config.json, where (for errors) -> ModelConfig
+    config_from_hf: Callable[[dict, str], ModelConfig] | None = None
+    # ModelConfig, the original config.json ({} when none) -> config.json
+    config_to_hf: Callable[[ModelConfig, dict], dict] | None = None
+    # Hugging Face tensors, ModelConfig, where -> strata's tensors
+    tensors_from_hf: Callable[[dict, ModelConfig, str], dict] | None = None
+    # strata's tensors, ModelConfig, the original file's tensor names (or None) -> Hugging Face's
+    tensors_to_hf: Callable[[dict, ModelConfig, list | None], dict] | None = None
+
+    @property
+    def converts(self) -> bool:
+        return self.config_from_hf is not None
+
+
+# --- what the descriptions share --------------------------------------------------------------
+def refuse_set(hf: dict, where: str, *keys: str) -> None:
+    """One line naming the first of `keys` that the config.json turns on (strata does not compute it)."""
+    for key in keys:
+        if hf.get(key):
+            raise ConfigError(f"{where}: config.json: {key}={hf[key]!r} is not supported")
+
+
+def check_choice(hf: dict, where: str, key: str, valid: tuple, default) -> None:
+    """The config.json's `key` (or its default when absent) is one of `valid`."""
+    value = hf.get(key, default)
+    if value not in valid:
+        raise ConfigError(f"{where}: config.json: {key}={value!r} is not supported; valid: "
+                          f"{', '.join(map(str, valid))}")
+
+
+def tied_head_to_hf(out: dict, tensors: dict, cfg: ModelConfig, keys: list | None, name: str) -> None:
+    """A tied head is no tensor of strata's; a file that stored it anyway gets it back (a copy:
+    safetensors refuses two names on one storage)."""
+    if cfg.tie_embeddings and keys is not None and name in keys:
+        out[name] = tensors["embed.weight"].clone()

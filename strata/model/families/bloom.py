@@ -1,0 +1,95 @@
+"""BLOOM (BigScience 2022): LayerNorm, a LayerNorm right after the token embedding
+(word_embeddings_layernorm), ALiBi instead of position embeddings, the tanh GELU with a 4x MLP,
+biases everywhere, the head tied to the embedding.
+
+Its fused query_key_value is laid out per head: output rows (heads, 3, head_dim), q, k and v of
+head 0, then of head 1, ... (transformers' BloomAttention._reshape); it is split into strata's
+q, k and v and interleaved back. Files with or without the "transformer." prefix both read.
+
+ALiBi's slopes are a buffer per head, not a parameter: under tensor parallelism each rank takes
+the slopes of the heads it holds."""
+
+from __future__ import annotations
+
+import torch
+
+from strata.errors import ConfigError
+from strata.model.config import ModelConfig
+from strata.model.families.base import Family, refuse_set, tied_head_to_hf
+from strata.model.families.gpt2 import strip_prefix, written_prefix
+
+NAME = "bloom"
+LAYER = {"input_layernorm": "attn_norm", "self_attention.dense": "attn.wo", "post_attention_layernorm": "mlp_norm",
+         "mlp.dense_h_to_4h": "mlp.w_in", "mlp.dense_4h_to_h": "mlp.w_out"}
+TOP = {"word_embeddings.weight": "embed.weight", "word_embeddings_layernorm.weight": "embed_norm.weight",
+       "word_embeddings_layernorm.bias": "embed_norm.bias", "ln_f.weight": "final_norm.weight",
+       "ln_f.bias": "final_norm.bias"}
+FUSED = "self_attention.query_key_value"
+TENSOR_PARALLEL = {"embed": "vocabulary", "embed_norm": "replicated", "final_norm": "replicated",
+                   "attn_norm": "replicated", "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
+                   "attn.wo": "row", "mlp_norm": "replicated", "mlp.w_in": "column", "mlp.w_out": "row"}
+# ALiBi needs no position table; BLOOM was trained on 2,048-token sequences (BigScience 2022)
+TRAINED_CONTEXT = 2048
+
+
+def config_from_hf(hf: dict, where: str) -> ModelConfig:
+    refuse_set(hf, where, "apply_residual_connection_post_layernorm")
+    d = hf.get("hidden_size") or hf["n_embed"]  # n_embed: BloomConfig's older name
+    return ModelConfig(vocab_size=hf["vocab_size"], n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"],
+                       d_ff=4 * d, max_seq_len=hf.get("seq_length") or TRAINED_CONTEXT, norm="layernorm",
+                       position="alibi", mlp="gelu", tie_embeddings=True, bias=True, embedding_norm=True,
+                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), family=NAME)
+
+
+def config_to_hf(cfg: ModelConfig, original: dict) -> dict:
+    hf = {k: v for k, v in original.items() if k != "n_embed"}
+    hf.update(model_type="bloom", architectures=hf.get("architectures") or ["BloomForCausalLM"],
+              vocab_size=cfg.vocab_size, n_layer=cfg.n_layers, hidden_size=cfg.d_model, n_head=cfg.n_heads,
+              layer_norm_epsilon=cfg.norm_eps, seq_length=cfg.max_seq_len, tie_word_embeddings=True)
+    return hf
+
+
+def tensors_from_hf(hf_tensors: dict, cfg: ModelConfig, where: str) -> dict:
+    heads, head_dim = cfg.n_heads, cfg.head_dim
+    out = {}
+    for name, value in strip_prefix(hf_tensors)[0].items():
+        if name == "lm_head.weight":
+            continue  # tied
+        parts = name.split(".")
+        if name in TOP:
+            out[TOP[name]] = value
+        elif parts[0] == "h" and len(parts) >= 4 and ".".join(parts[2:-1]) == FUSED:
+            per_head = value.view(heads, 3, head_dim, *value.shape[1:])  # rows: (head, q|k|v, feature)
+            for i, proj in enumerate(("wq", "wk", "wv")):
+                out[f"blocks.{parts[1]}.attn.{proj}.{parts[-1]}"] = per_head[:, i].reshape(
+                    heads * head_dim, *value.shape[1:]).contiguous()
+        elif parts[0] == "h" and len(parts) >= 4 and ".".join(parts[2:-1]) in LAYER:
+            out[f"blocks.{parts[1]}.{LAYER['.'.join(parts[2:-1])]}.{parts[-1]}"] = value
+        else:
+            raise ConfigError(f"{where}: unexpected tensor {name!r} for a BLOOM model")
+    return out
+
+
+def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
+    prefix, heads, head_dim = written_prefix(keys), cfg.n_heads, cfg.head_dim
+    reverse, top = {v: k for k, v in LAYER.items()}, {v: k for k, v in TOP.items()}
+    out = {}
+    for name, value in tensors.items():
+        if name in top:
+            out[prefix + top[name]] = value
+            continue
+        _, block, rest = name.split(".", 2)
+        module, leaf = rest.rsplit(".", 1)
+        if module in ("attn.wq", "attn.wk", "attn.wv"):
+            continue  # interleaved below
+        out[f"{prefix}h.{block}.{reverse[module]}.{leaf}"] = value
+    for block in range(cfg.n_layers):
+        for leaf in ("weight", "bias"):
+            q, k, v = (tensors[f"blocks.{block}.attn.{p}.{leaf}"] for p in ("wq", "wk", "wv"))
+            fused = torch.stack([t.reshape(heads, head_dim, *t.shape[1:]) for t in (q, k, v)], dim=1)
+            out[f"{prefix}h.{block}.{FUSED}.{leaf}"] = fused.reshape(3 * heads * head_dim, *q.shape[1:])
+    tied_head_to_hf(out, tensors, cfg, keys, "lm_head.weight")
+    return out
+
+
+FAMILY = Family(NAME, ("bloom",), TENSOR_PARALLEL, config_from_hf, config_to_hf, tensors_from_hf, tensors_to_hf)

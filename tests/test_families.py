@@ -1,0 +1,319 @@
+"""Model families against transformers: for each family, a random-weight Hugging Face model with
+awkward shapes (a vocabulary of 251, one KV head where the family allows it, Qwen3 and Gemma with
+head_dim != hidden / heads, Llama 3.1's RoPE scaling, Mistral's sliding window shorter than the
+prompts) converts with `strata convert --from-hf`, gives transformers' logits, goes back bit for
+bit, fine-tunes in fp64, and plans with transformers' parameter count; the presets count what
+transformers counts."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from strata.checkpoint.hf import hf_config_from_model
+from strata.checkpoint.models import resolve_model
+from strata.cli import main as strata_main
+from strata.config import TrainConfig
+from strata.infer.cli import load_for_inference
+from strata.infer.generate import generate
+from strata.model.config import ModelConfig
+from strata.model.families import FAMILIES
+from strata.model.layers import rope_frequencies
+from strata.model.presets import PRESETS
+from strata.model.transformer import build_model
+from strata.train.trainer import train
+
+transformers = pytest.importorskip("transformers", reason="the interop tests need transformers (pip install -e '.[dev]')")
+
+VOCAB = 251  # odd: no tensor-parallel degree divides it
+SMALL = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+
+
+def _configs():
+    t = transformers
+    return {
+        "llama2": t.LlamaConfig(**SMALL, num_attention_heads=6, num_key_value_heads=1, max_position_embeddings=64,
+                                rms_norm_eps=1e-5),
+        # head_dim 16 with theta 500,000 puts wavelengths in all three of llama3's bands (< 16, 16-64, > 64)
+        "llama3.1": t.LlamaConfig(**{**SMALL, "hidden_size": 64}, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, tie_word_embeddings=True, rope_parameters=LLAMA31_ROPE),
+        "qwen2": t.Qwen2Config(**SMALL, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64),
+        "qwen3": t.Qwen3Config(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                               max_position_embeddings=64),
+        "mistral": t.MistralConfig(**SMALL, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                                   sliding_window=16),
+        "gemma": t.GemmaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                               max_position_embeddings=64),
+        "gpt2": t.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64, bos_token_id=1,
+                             eos_token_id=2),
+        "bloom": t.BloomConfig(vocab_size=VOCAB, hidden_size=48, n_layer=2, n_head=6),  # 6 heads: ALiBi's odd rule
+    }
+
+
+CASES = list(_configs())
+PROMPT_LENGTHS = (3, 11, 40)  # 40 passes Mistral's window of 16
+
+
+def hf_model(case: str):
+    """A random-weight transformers model; every parameter moved off its initial value (norm
+    weights included, so a name swapped between two norms would show)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_configs()[case]).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def prompt(length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+
+
+@pytest.fixture(scope="module", params=CASES)
+def converted(request, tmp_path_factory):
+    """(case, directory with hf/ and ck/, the transformers model)."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = hf_model(request.param)
+    model.save_pretrained(root / "hf")
+    assert strata_main(["convert", "--from-hf", str(root / "hf"), "--out", str(root / "ck")]) == 0
+    return request.param, root, model
+
+
+def max_relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def test_logits_equal_transformers(converted):
+    _, root, theirs = converted
+    ours, _ = load_for_inference(str(root / "ck"))
+    for length in PROMPT_LENGTHS:
+        with torch.no_grad():
+            assert max_relative_difference(ours(prompt(length)), theirs(prompt(length)).logits) < 1e-4, length
+
+
+def test_the_round_trip_is_bit_identical_and_transformers_loads_it(converted):
+    _, root, theirs = converted
+    assert strata_main(["convert", "--to-hf", str(root / "ck"), "--out", str(root / "back")]) == 0
+    original, back = load_file(str(root / "hf" / "model.safetensors")), load_file(str(root / "back" / "model.safetensors"))
+    assert set(back) == set(original)
+    for name, value in original.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(root / "back")).float().eval()
+    with torch.no_grad():
+        for length in PROMPT_LENGTHS:
+            assert torch.equal(reloaded(prompt(length)).logits, theirs(prompt(length)).logits)
+
+
+def test_six_fp64_steps_from_the_converted_weights_lower_the_loss(converted):
+    _, root, _ = converted
+    summary = train(TrainConfig(init_from=str(root / "ck"), dtype="fp64", steps=6, micro_batch=4, global_batch=4,
+                                seq_len=16, lr=3e-3, progress=False, eval_batches=2, peak_flops=1e10))
+    assert len(summary["losses"]) == 6 and all(map(torch.isfinite, torch.tensor(summary["losses"])))
+    (_, before), (_, after) = summary["val_losses"]  # the same validation batches, before and after
+    assert after < before, summary["val_losses"]
+
+
+def test_plan_reads_the_directory_with_transformers_parameter_count(converted, capsys):
+    _, root, theirs = converted
+    assert resolve_model(str(root / "hf")).num_params() == theirs.num_parameters()
+    assert strata_main(["plan", "--model", str(root / "hf"), "--gpus-per-node", "1", "--global-batch", "8",
+                        "--seq-len", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == theirs.num_parameters()
+
+
+# --- Mistral's sliding window in generation --------------------------------------------------------
+def test_sliding_window_logits_and_greedy_tokens_equal_transformers(tmp_path):
+    """A window of 16 over 64-token prompts: the prefill masks it as transformers' training does, and
+    40 greedy tokens (the KV cache holding 104 positions, the window sliding over them) are
+    transformers' generate(do_sample=False)."""
+    model = hf_model("mistral")
+    with torch.no_grad():
+        for p in model.parameters():  # sharper logits: greedy choices far from ties
+            p.mul_(3.0)
+    model.save_pretrained(tmp_path / "hf")
+    assert strata_main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 0
+    ours, _ = load_for_inference(str(tmp_path / "ck"))
+    prompts = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert max_relative_difference(ours(prompts), model(prompts).logits) < 1e-4
+        expected = model.generate(prompts, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                  pad_token_id=0)[:, 64:]
+    produced = torch.stack(list(generate(ours, prompts.tolist(), max_new_tokens=40)), dim=1)
+    assert torch.equal(produced, expected)
+
+
+# --- the pieces, one at a time ---------------------------------------------------------------------
+def test_llama3_rope_frequencies_are_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    config = _configs()["llama3.1"]
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layers=2, d_model=64, n_heads=4, d_ff=80, max_seq_len=128,
+                      rope_theta=500000.0, rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                      rope_high_freq_factor=4.0, rope_original_max_seq_len=64)
+    ours = rope_frequencies(cfg)
+    torch.testing.assert_close(ours.float(), theirs, rtol=1e-6, atol=0)
+    plain = rope_frequencies(ModelConfig(**{**cfg.to_dict(), "rope_type": "default", **dict.fromkeys(
+        ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"))}))
+    assert (ours[0] == plain[0]) and (ours[-1] == plain[-1] / 8)  # the fastest kept, the slowest / factor
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3.1-405b", "qwen2.5-7b", "qwen2.5-72b",
+                                  "mistral-7b", "gemma-7b", "llama-7b", "gpt2-124m"])
+def test_preset_counts_equal_transformers_on_the_meta_device(name):
+    cfg = PRESETS[name]
+    hf = hf_config_from_model(cfg, None)
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert cfg.num_params() == model.num_parameters()
+    assert cfg.num_params() == sum(p.numel() for p in build_model(cfg, seed=None).parameters())
+
+
+PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
+             "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648, "mistral-7b": 7_241_732_096,
+             "gemma-7b": 8_537_680_896}
+
+
+def test_new_presets_have_the_published_counts_and_a_family():
+    for name, count in PUBLISHED.items():
+        assert PRESETS[name].num_params() == count, name
+    assert all(cfg.family in FAMILIES for cfg in PRESETS.values())
+
+
+def test_flops_count_the_query_width_and_the_window():
+    gemma, mistral = PRESETS["gemma-7b"], PRESETS["mistral-7b"]
+    assert gemma.flops_per_token(1024) == 6 * gemma.num_params() + 12 * 28 * 16 * 256 * 1024
+    assert mistral.flops_per_token(8192) == 6 * mistral.num_params() + 12 * 32 * 4096 * 4096
+
+
+def test_a_manifest_written_before_families_reads_the_same():
+    for name in ("tiny", "tiny-gpt2", "llama-70b", "bloom-176b", "gpt-j-6b"):
+        cfg = PRESETS[name]
+        old = {k: v for k, v in cfg.to_dict().items() if k in OLD_FIELDS}
+        assert ModelConfig.from_dict(old) == cfg, name
+
+
+OLD_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len", "n_kv_heads", "norm",
+              "position", "mlp", "tie_embeddings", "bias", "embedding_norm", "norm_eps", "rope_theta")
+
+
+def test_new_parameters_start_as_identity_norms():
+    gemma = build_model(ModelConfig(**{**PRESETS["tiny"].to_dict(), "norm": "gemma_rmsnorm", "mlp": "geglu",
+                                       "family": "gemma"}), seed=0)
+    assert torch.equal(gemma.blocks["0"].attn_norm.weight, torch.zeros(64))  # (1 + 0): scale 1
+    qwen3 = build_model(ModelConfig(**{**PRESETS["tiny"].to_dict(), "qk_norm": True, "d_head": 32,
+                                       "family": "qwen3"}), seed=0)
+    assert torch.equal(qwen3.blocks["1"].attn.k_norm.weight, torch.ones(32))
+    assert qwen3.blocks["0"].attn.wq.weight.shape == (4 * 32, 64)
+
+
+@pytest.mark.parametrize("case,change,needle", [
+    ("llama2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type 'yarn'"),
+    ("llama2", {"attention_bias": True}, "attention_bias=True is not supported"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+     "use_sliding_window with max_window_layers=1"),
+    ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ("gemma", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
+    ("bloom", {"apply_residual_connection_post_layernorm": True}, "apply_residual_connection_post_layernorm"),
+    ("mistral", {"sliding_window": 0}, "sliding_window=0 must be a whole number"),
+])
+def test_unsupported_options_are_one_line_naming_the_key(case, change, needle, tmp_path, capsys):
+    hf = {**_configs()[case].to_dict(), **change}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
+    assert strata_main(["plan", "--model", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_a_model_its_family_cannot_write_is_refused_on_export():
+    from strata.errors import ConfigError
+    windowed_llama = ModelConfig(**{**PRESETS["tiny"].to_dict(), "sliding_window": 8})
+    assert windowed_llama.family == "llama"
+    with pytest.raises(ConfigError, match="cannot hold this model's sliding_window=8"):
+        hf_config_from_model(windowed_llama, None)
+    with pytest.raises(ConfigError, match="'gptj' has no Hugging Face conversion"):
+        hf_config_from_model(PRESETS["gpt-j-6b"], None)
+
+
+def test_every_family_places_every_parameter_under_tensor_parallelism():
+    cases = {"llama": "tiny", "gpt2": "tiny-gpt2", "gptj": "gpt-j-6b", "bloom": "bloom-176b", "qwen2": "qwen2.5-7b",
+             "mistral": "mistral-7b", "gemma": "gemma-7b", "qwen3": None}
+    for family, preset in cases.items():
+        cfg = PRESETS[preset] if preset else ModelConfig(**{**PRESETS["tiny"].to_dict(), "qk_norm": True,
+                                                            "family": "qwen3"})
+        placement = FAMILIES[family].tensor_parallel
+        for name, _ in build_model(cfg, seed=None).named_parameters():
+            module = name.rsplit(".", 1)[0]
+            path = module.split(".", 2)[2] if module.startswith("blocks.") else module
+            assert placement.get(path) in ("column", "row", "vocabulary", "replicated"), (family, name)
+
+
+# --- fine-tuning a converted model on one's own data, with its own tokenizer -------------------------
+def test_fine_tune_a_converted_model_on_jsonl_and_parquet_with_its_tokenizer_then_generate(tmp_path, capsys):
+    from test_data import model_tokenizer_dir, write_sources
+
+    from strata.checkpoint import store
+    from strata.data.tokenizer import load_tokenizer
+    from strata.infer.cli import end_of_text_ids
+    hf_dir = model_tokenizer_dir(tmp_path / "hf")  # its tokenizer.json and a config.json, replaced below
+    hf_model("llama2").save_pretrained(hf_dir)  # bos 1, eos 2: transformers' LlamaConfig defaults
+    assert strata_main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ck")]) == 0
+    sources = write_sources(tmp_path)
+    assert strata_main(["data", "prepare", "--source", *sources, "--tokenizer", str(hf_dir),
+                        "--out", str(tmp_path / "data")]) == 0
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["document_prefix"], meta["end_of_text"]) == (VOCAB, [1], 2)
+    summary = train(TrainConfig(init_from=str(tmp_path / "ck"), data=str(tmp_path / "data"), steps=2, micro_batch=2,
+                                global_batch=2, seq_len=16, progress=False, eval_batches=1, peak_flops=1e10,
+                                save=str(tmp_path / "tuned")))
+    assert len(summary["losses"]) == 2
+    for checkpoint in ("ck", "tuned"):  # the model's EOS ends answers, in the converted and the tuned one
+        path = store.resolve(str(tmp_path / checkpoint))
+        tokenizer = load_tokenizer(store.verified_file(path, "tokenizer.json"))
+        assert end_of_text_ids(store.read_state(path), tokenizer) == {2}
+    capsys.readouterr()
+    assert strata_main(["generate", "--checkpoint", str(tmp_path / "tuned"), "--prompt", "the cat",
+                        "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+
+
+# The released config.json files (their model cards' repositories; written by transformers 4.x,
+# so in the older rope_theta / rope_scaling form) read into the presets.
+RELEASED = {
+    "llama3.1-405b": {"model_type": "llama", "hidden_act": "silu", "hidden_size": 16384, "intermediate_size": 53248,
+                      "max_position_embeddings": 131072, "mlp_bias": False, "attention_bias": False,
+                      "num_attention_heads": 128, "num_hidden_layers": 126, "num_key_value_heads": 8,
+                      "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+                      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                      "tie_word_embeddings": False, "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": 128001},
+    "qwen2.5-7b": {"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+                   "max_position_embeddings": 131072, "max_window_layers": 28, "num_attention_heads": 28,
+                   "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                   "sliding_window": 131072, "tie_word_embeddings": False, "use_mrope": False,
+                   "use_sliding_window": False, "vocab_size": 152064},
+    "mistral-7b": {"model_type": "mistral", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+                   "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+                   "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+                   "tie_word_embeddings": False, "vocab_size": 32000},
+    "gemma-7b": {"model_type": "gemma", "attention_bias": False, "head_dim": 256, "hidden_act": "gelu",
+                 "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3072, "intermediate_size": 24576,
+                 "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 28,
+                 "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+                 "vocab_size": 256000},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_a_released_config_json_reads_as_the_preset(name):
+    import dataclasses
+
+    from strata.checkpoint.hf import model_config_from_hf
+
+    def plain(cfg):  # n_kv_heads may be None or the head count: the same model
+        return dataclasses.replace(cfg, n_kv_heads=cfg.kv_heads if cfg.kv_heads != cfg.n_heads else None)
+    assert plain(model_config_from_hf(RELEASED[name], name)) == plain(PRESETS[name])
