@@ -46,6 +46,9 @@ TRAIN_HELP = {
     "timeout": "seconds a collective may take before it fails",
     "eval_every": "validate every N steps (0: only at the start and the end)",
     "metrics": "write one JSON object per step to this file (rank 0)",
+    "tensorboard": "write TensorBoard event files into this directory (rank 0; needs the tensorboard package)",
+    "run_dir": "one directory for the run: config.toml, metrics, TensorBoard events, loss plot, checkpoints, log "
+               "(--metrics, --save, --tensorboard still win)",
     "save": "save checkpoints under this directory", "save_every": "save every N steps (0: at the end)",
     "resume": "resume from a checkpoint, a save directory (its latest), or 'auto' (--save's latest, if any)",
     "keep": "keep only the newest N checkpoints (0: all)",
@@ -148,8 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_generate_flags(bench_sub.add_parser("generate", help="generation latency against answer length "
                                                                    "(TTFT, TPOT, a fit, a plot; --compare with transformers)"))
 
-    launch = sub.add_parser("launch", help="start this node's ranks of a multi-node job from a hostfile")
-    launch.add_argument("--hostfile", required=True, help="DeepSpeed-style: one 'HOST slots=N' per line; the first is the master")
+    launch = sub.add_parser("launch", help="start this node's ranks of a multi-node job from a hostfile, "
+                                           "or write an sbatch script for Slurm")
+    launch.add_argument("--hostfile", help="DeepSpeed-style: one 'HOST slots=N' per line; the first is the master")
+    launch.add_argument("--slurm-script", metavar="FILE", help="write an sbatch script for the command instead "
+                                                               "(one srun task per rank)")
+    launch.add_argument("--nodes", type=int, help="with --slurm-script: nodes of the job")
+    launch.add_argument("--gpus-per-node", type=int, help="with --slurm-script: GPUs (ranks) per node")
+    launch.add_argument("--socket-ifname", help="with --slurm-script: the network interface for gloo and NCCL "
+                                                "(default: the one holding the master's address, found in the job)")
     launch.add_argument("--master-port", type=int, default=29500)
     launch.add_argument("--node-rank", type=int, help="this node's rank (default: found from its addresses)")
     launch.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
@@ -338,6 +348,10 @@ def _launch(args) -> int:
         raise ConfigError("strata launch: give the strata command to run after the flags, e.g. "
                           "`strata launch --hostfile hosts -- train --model small`")
     launched = build_parser().parse_args(command)
+    from strata import cli_slurm
+    if args.slurm_script is not None:
+        return cli_slurm.write_script(args, launched, command, _checked_train)
+    cli_slurm.check_hostfile_flags(args)
     if launched.command not in LAUNCHED_COMMANDS or (launched.command == "bench" and launched.bench_command != "comm"):
         raise ConfigError(f"strata launch -- {command[0]}: runs train, doctor or bench comm on every node")
     hosts = parse_hostfile(args.hostfile)
@@ -438,8 +452,14 @@ def ranks_checked() -> dict[str, str]:
 
 
 def _train(args, argv) -> int:
-    launched_by_torchrun = "LOCAL_RANK" in os.environ
     argv = ["train", *argv[1:]] if argv[:1] == ["train"] else argv
+    from strata.distributed.slurm import started_by_srun
+    if started_by_srun():  # a task of srun: its node's ranks run, or it becomes a rank (strata/cli_slurm.py)
+        from strata.cli_slurm import join_job
+        exit_code = join_job(args, argv, _checked_train)
+        if exit_code is not None:
+            return exit_code
+    launched_by_torchrun = "LOCAL_RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched_by_torchrun else None
     cfg, argv = _checked_train(args, argv, world_size, launched_by_torchrun)
     if cfg.nproc > 1 and not launched_by_torchrun:

@@ -64,6 +64,8 @@ class TrainConfig:
     eval_every: int = 0  # 0: only before the first and after the last step
     eval_batches: int = 4
     metrics: str | None = None
+    tensorboard: str | None = None  # a directory of TensorBoard event files (rank 0 writes)
+    run_dir: str | None = None  # one directory for the run: config, metrics, events, plot, checkpoints, log
     save: str | None = None
     save_every: int = 0  # 0: only at the end (when --save is given)
     keep: int = 0  # keep only the newest N checkpoints (0: all)
@@ -74,6 +76,13 @@ class TrainConfig:
     progress: bool = True
     trace: str | None = None  # pipeline: write the last step's timeline as a Chrome/Perfetto trace
     peak_flops: float | None = None  # FLOP/s per device for MFU; default: measured once and cached
+
+    def __post_init__(self):
+        if self.run_dir:  # the run directory's paths for the outputs not given (strata/train/run_dir.py)
+            from strata.train.run_dir import default_outputs
+            for name, path in default_outputs(self.run_dir).items():
+                if getattr(self, name) is None:
+                    setattr(self, name, path)
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -201,9 +210,10 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
     _need(cfg.resume in (None, "auto") or os.path.isdir(cfg.resume), "resume", cfg.resume,
           "no such directory (or 'auto': --save's latest, if any)")
     _need(cfg.init_from is None or os.path.isdir(cfg.init_from), "init_from", cfg.init_from, "no such directory")
-    _need(cfg.init_from is None or cfg.resume is None, "init_from", cfg.init_from,
-          "not with --resume: choose one (--resume continues a run, --init-from starts a new one from a "
-          "checkpoint's weights)")
+    # --resume auto with --init-from: continue the run if it saved a checkpoint, else start it from the weights
+    _need(cfg.init_from is None or cfg.resume in (None, "auto"), "init_from", cfg.init_from,
+          "not with --resume DIR: choose one (--resume continues a run, --init-from starts a new one from a "
+          "checkpoint's weights; with --resume auto, the run continues from its own checkpoint when it has one)")
     _need(cfg.init_from is None or cfg.n_layers is None, "n_layers", cfg.n_layers,
           "not with --init-from (the checkpoint fixes the model's shape)")
     for name in ("keep", "max_restarts"):

@@ -34,6 +34,7 @@ from strata.train import metrics as m
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at
 from strata.train.preflight import DONE, check_same_model, checked_model, model_shape, preflight, resume_source
+from strata.train.run_dir import RunOutputs
 
 PARAM_DTYPE = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32, "fp16": torch.float32}
 AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -284,7 +285,7 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
     checkpoint, and with keep_state the full final parameters (gathered, on every rank)."""
     run = setup(cfg, checked)
     is_main = run.rank == 0
-    writer = m.MetricsWriter(cfg.metrics, is_main, resume_step=run.start_step)
+    writer = RunOutputs(cfg, is_main, run.start_step, run.world_size)  # metrics file, TensorBoard, --run-dir
     peak = cfg.peak_flops or m.device_peak(run.device, cfg.dtype)
     seq_len = run.train_data.seq_len
     tokens_per_step = cfg.global_batch * seq_len
