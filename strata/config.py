@@ -3,6 +3,7 @@ and validated once, up front, before any process group exists."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import tomllib
@@ -75,6 +76,10 @@ class TrainConfig:
     eval_every: int = _key(0, "validate every N steps (0: only at the start and the end)")
     eval_batches: int = _key(4, "validation batches (of the global batch) each time")
     metrics: str | None = _key(None, "write one JSON object per step to this file (rank 0)")
+    tensorboard: str | None = _key(None, "write TensorBoard event files into this directory (rank 0; needs the "
+                                         "tensorboard package)")
+    run_dir: str | None = _key(None, "one directory for the run: config.toml, metrics, TensorBoard events, loss "
+                                     "plot, checkpoints, log (--metrics, --save, --tensorboard still win)")
     save: str | None = _key(None, "save checkpoints under this directory")
     save_every: int = _key(0, "save every N steps (0: at the end)")
     keep: int = _key(0, "keep only the N checkpoints written last (0: all)")
@@ -89,12 +94,27 @@ class TrainConfig:
     trace: str | None = _key(None, "write the last step's pipeline timeline as a Chrome/Perfetto trace (JSON)")
     peak_flops: float | None = _key(None, "peak FLOP/s per device for MFU (default: a matmul measured once, cached)")
 
+    def __post_init__(self):
+        if self.run_dir:  # the run directory's paths for the outputs not given
+            for name, path in run_dir_outputs(self.run_dir).items():
+                if getattr(self, name) is None:
+                    setattr(self, name, path)
+
     @classmethod
     def keys(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def run_dir_outputs(run_dir: str) -> dict[str, str]:
+    """The paths a run directory (--run-dir) gives the outputs not set otherwise
+    (strata/train/run_dir.py writes the rest of it)."""
+    paths = {"metrics": os.path.join(run_dir, "metrics.jsonl"), "save": os.path.join(run_dir, "ckpt")}
+    if importlib.util.find_spec("tensorboard") is not None:  # events when they can be written
+        paths["tensorboard"] = os.path.join(run_dir, "tb")
+    return paths
 
 
 def load_toml(path: str) -> dict:
@@ -215,9 +235,10 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
     _need(cfg.resume in (None, "auto") or os.path.isdir(cfg.resume), "resume", cfg.resume,
           "no such directory (or 'auto': --save's latest, if any)")
     _need(cfg.init_from is None or os.path.isdir(cfg.init_from), "init_from", cfg.init_from, "no such directory")
-    _need(cfg.init_from is None or cfg.resume is None, "init_from", cfg.init_from,
-          "not with --resume: choose one (--resume continues a run, --init-from starts a new one from a "
-          "checkpoint's weights)")
+    # --resume auto with --init-from: continue the run if it saved a checkpoint, else start it from the weights
+    _need(cfg.init_from is None or cfg.resume in (None, "auto"), "init_from", cfg.init_from,
+          "not with --resume DIR: choose one (--resume continues a run, --init-from starts a new one from a "
+          "checkpoint's weights; with --resume auto, the run continues from its own checkpoint when it has one)")
     _need(cfg.init_from is None or cfg.n_layers is None, "n_layers", cfg.n_layers,
           "not with --init-from (the checkpoint fixes the model's shape)")
     for name in ("keep", "max_restarts"):

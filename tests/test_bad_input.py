@@ -390,12 +390,55 @@ CASES = [
     (["doctor", "--global-batch", "0"], "--global-batch: only with --bandwidth"),
     (["doctor", "--hostfile", "{file.hosts_binary}"], "not UTF-8 text"),
     (["calibrate", "--nproc", "1000"], "--nproc 1000: must be between 1 and"),
+    # --- run outputs, Slurm -------------------------------------------------------------------------------
+    ([*TRAIN, "--tensorboard", "{file.a_file}"], "--tensorboard {file.a_file}: is a file; want a directory"),
+    ([*TRAIN, "--run-dir", "{file.a_file}"], "--run-dir {file.a_file}: is a file; want a directory"),
+    ([*TRAIN, "--run-dir", "a_file/run"], "a_file is a file, so nothing can be made under it"),
+    ([*TRAIN, "--tensorboard", ""], "--tensorboard '': give a directory"),
+    (["launch", "--slurm-script", "/nonexistent/dir/job.sh", "--nodes", "2", "--gpus-per-node", "8", "--", "train"],
+     "--slurm-script /nonexistent/dir/job.sh: the directory /nonexistent/dir does not exist"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "0", "--gpus-per-node", "8", "--", "train"],
+     "--nodes 0: must be >= 1"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "2", "--gpus-per-node", "-1", "--", "train"],
+     "--gpus-per-node -1: must be >= 1"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "2", "--", "train"], "give the job's size, --nodes N"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "1", "--gpus-per-node", "2", "--socket-ifname", "eth0;reboot",
+      "--", "train"], "--socket-ifname eth0;reboot: not a network interface name"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "1", "--gpus-per-node", "2", "--", "doctor"],
+     "writes a script for train only"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "2", "--gpus-per-node", "2", "--", "train", "--tp", "3"],
+     "--tp 3: tp x pp = 3 does not divide the world size 4"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "1", "--gpus-per-node", "2", "--", "train", "--nproc", "2"],
+     "--nproc 2: leave it out of the command"),
+    (["launch", "--slurm-script", "job.sh", "--hostfile", "{file.hosts_lo}", "--nodes", "1", "--gpus-per-node", "2",
+      "--", "train"], "--slurm-script: not with --hostfile"),
+    (["launch", "--hostfile", "{file.hosts_lo}", "--nodes", "2", "--", "train"], "--nodes: only with --slurm-script"),
+    (["launch", "--slurm-script", "job.sh", "--nodes", "1", "--gpus-per-node", "2", "--dry-run", "--", "train"],
+     "--dry-run: only with --hostfile"),
+    (["launch", "--", "train"], "give --hostfile FILE"),
+]
+
+# A task srun started: Slurm's variables, set here by hand (one node, two tasks).
+SRUN_TASK = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+             "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost"}
+SLURM_CASES = [  # (args, needle, environment)
+    (TRAIN, "SLURM_JOB_NODELIST 'node[01-': a '[' is not closed", {**SRUN_TASK, "SLURM_JOB_NODELIST": "node[01-"}),
+    (TRAIN, "SLURM_JOB_NODELIST 'a,,b': an empty name", {**SRUN_TASK, "SLURM_JOB_NODELIST": "a,,b"}),
+    (TRAIN, "SLURM_NTASKS 'two': want a whole number >= 1", {**SRUN_TASK, "SLURM_NTASKS": "two"}),
+    (TRAIN, "SLURM_PROCID 2: must be below SLURM_NTASKS 2", {**SRUN_TASK, "SLURM_PROCID": "2"}),
+    (TRAIN, "MASTER_PORT '0': valid 1-65535", {**SRUN_TASK, "MASTER_PORT": "0"}),
+    (TRAIN, "the master node localhost resolves to 127.0.0.1 (loopback)",
+     {**SRUN_TASK, "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,node2"}),
+    ([*TRAIN, "--nproc", "2"], "--nproc 2: starts 2 ranks on each node, so srun must run one task per node", SRUN_TASK),
+    ([*TRAIN, "--max-restarts", "1"], "--max-restarts 1: srun starts each rank itself", SRUN_TASK),
+    ([*TRAIN, "--lr", "-1"], "--lr -1.0: must be > 0", SRUN_TASK),
 ]
 
 
-@pytest.mark.parametrize("args,needle", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
-def test_bad_input_is_one_line_exit_code_2_and_no_traceback(fx, args, needle):
-    result = run_strata(*(_fill(a, fx) for a in args), cwd=fx["root"])
+@pytest.mark.parametrize("args,needle,env", [(a, n, None) for a, n in CASES] + SLURM_CASES,
+                         ids=[" ".join(a)[:60] for a, _ in CASES] + [f"srun: {n[:50]}" for _, n, _ in SLURM_CASES])
+def test_bad_input_is_one_line_exit_code_2_and_no_traceback(fx, args, needle, env):
+    result = run_strata(*(_fill(a, fx) for a in args), cwd=fx["root"], env=env)
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]

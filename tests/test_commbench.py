@@ -1,50 +1,21 @@
-"""`strata bench comm`: the table and JSON, and its bus bandwidth against a direct timing of
-`dist.all_reduce` in the same processes."""
+"""`strata bench comm`: the table and JSON, the bus-bandwidth factors and sizes (its agreement with
+a direct timing of `dist.all_reduce` depends on the machine's load: bench/timing_checks.py)."""
 
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from strata.cli import main as strata_main
-from strata.tools.commbench import BUS_FACTOR, measure, parse_size, sizes_between
-
-from distributed import run_on_ranks
-
-SIZE = 64 * 2**20
-
-
-def _bench_and_direct(rounds):
-    """Alternate the benchmark and a plain timed dist.all_reduce of 64 MiB; medians of each."""
-    bench, direct = [], []
-    tensor = torch.ones(SIZE // 4)
-    for _ in range(rounds):
-        bench.append(measure("all_reduce", SIZE, dist.group.WORLD, "world", iters=3)["busbw"])
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(3):
-            dist.all_reduce(tensor)
-        seconds = torch.tensor([(time.perf_counter() - started) / 3], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        direct.append(SIZE / seconds.item() * BUS_FACTOR["all_reduce"](dist.get_world_size()))
-    return statistics.median(bench), statistics.median(direct)
-
-
-def test_the_64_mib_all_reduce_bus_bandwidth_agrees_with_a_direct_timing():
-    bench, direct = run_on_ranks(_bench_and_direct, 2, 9, timeout=300)[0]
-    assert bench == pytest.approx(direct, rel=0.10), (bench, direct)
+from strata.tools.commbench import BUS_FACTOR, parse_size, sizes_between
 
 
 def test_bus_bandwidth_factors_and_sizes():
     assert BUS_FACTOR["all_reduce"](4) == 1.5 and BUS_FACTOR["all_gather"](4) == 0.75
     assert BUS_FACTOR["sendrecv"](8) == BUS_FACTOR["broadcast"](8) == 1
-    assert parse_size("64M") == SIZE and parse_size("1K") == 1024 and parse_size("4096") == 4096
+    assert parse_size("64M") == 64 * 2**20 and parse_size("1K") == 1024 and parse_size("4096") == 4096
     assert sizes_between(1024, 16384, 4) == [1024, 4096, 16384]
 
 

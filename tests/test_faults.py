@@ -124,18 +124,16 @@ def _skip_a_collective(timeout_s):
     if dist.get_rank() == 1:
         time.sleep(timeout_s + 4)
         return None
-    started = time.monotonic()
     try:
         comm.all_reduce(x, group, "dp")
     except RuntimeError as e:
-        return time.monotonic() - started, str(e)
-    return time.monotonic() - started, "no error"
+        return str(e)
+    return "no error"
 
 
 def test_a_rank_that_skips_a_collective_gets_a_timeout_error_naming_it():
     timeout_s = 3
-    elapsed, message = run_on_ranks(_skip_a_collective, 2, timeout_s, collective_timeout=timeout_s, timeout=120)[0]
-    assert elapsed < timeout_s + 10, elapsed
+    message = run_on_ranks(_skip_a_collective, 2, timeout_s, collective_timeout=timeout_s, timeout=120)[0]
     assert "collective all_reduce #2 on process group 'dp' (ranks [0, 1])" in message, message
     assert "ranks that did not arrive: 1 (last entered #1 all_reduce)" in message, message
 

@@ -168,8 +168,6 @@ def test_bench_generate_against_transformers(tmp_path):
         assert r["decode_tokens_per_s"] == pytest.approx(r["batch"] / (r["tpot_ms"] / 1000))
     for fit in report["fits"]:
         assert fit["per_token"] > 0
-    strata_fit = next(f for f in report["fits"] if f["engine"] == "strata" and f["batch"] == 1)
-    assert strata_fit["r2"] >= 0.9, strata_fit  # time grows linearly with the answer
     assert (tmp_path / "latency.png").stat().st_size > 10_000
 
 
@@ -206,30 +204,6 @@ def test_serving_plan_splits_a_model_that_does_not_fit_one_card():
     best = layouts[0]
     assert best["fits"] and best["tp"] > 1
     assert best["memory_bytes"] <= 80e9
-
-
-def test_calibrated_plan_predicts_the_decode_time_of_another_model(tmp_path):
-    """Calibrate on narrow models, then predict `small` (which calibration never ran) at batch 1
-    and 4, and time it: the prediction is within 35% of what strata's loop takes."""
-    from strata.tools.calibrate import decode_seconds
-    profile = tmp_path / "profile.json"
-    result = strata("calibrate", "--inference", "--out", profile)
-    assert result.returncode == 0, result.stderr
-    measured = json.loads(profile.read_text())["inference"]
-    assert measured["per_layer_s"] > 0 and measured["memory_bandwidth"] > 1e8
-    times = [p["layer_s"] for p in measured["points"].values()]
-    assert times == sorted(times)  # wider layers, more bytes, more time
-    model = build_model(get_preset("small"), seed=0)
-    for batch in (1, 4):
-        result = strata("plan", "--inference", "--model", "small", "--device", "cpu-local", "--gpus-per-node", 1,
-                        "--precision", "fp32", "--profile", profile, "--context", 36, "--batch", batch, "--json")
-        assert result.returncode == 0, result.stderr
-        predicted = json.loads(result.stdout)["layouts"][0]["token_latency_s"]
-        actual = decode_seconds(model, batch=batch)
-        assert 0.65 < predicted / actual < 1.5, (batch, predicted, actual)
-    result = strata("plan", "--inference", "--model", "small", "--device", "cpu-local", "--gpus-per-node", 1,
-                    "--precision", "fp32", "--profile", profile)
-    assert f"{measured['per_layer_s'] * 1e6:.0f} us per layer" in result.stdout and "calibrated on cpu" in result.stdout
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -174,8 +174,15 @@ def _bench(sub) -> None:
 
 
 def _launch(sub) -> None:
-    launch = sub.add_parser("launch", help="start this node's ranks of a multi-node job from a hostfile")
-    launch.add_argument("--hostfile", required=True, help="DeepSpeed-style: one 'HOST slots=N' per line; the first is the master")
+    launch = sub.add_parser("launch", help="start this node's ranks of a multi-node job from a hostfile, "
+                                           "or write an sbatch script for Slurm")
+    launch.add_argument("--hostfile", help="DeepSpeed-style: one 'HOST slots=N' per line; the first is the master")
+    launch.add_argument("--slurm-script", metavar="FILE", help="write an sbatch script for the command instead "
+                                                               "(one srun task per rank)")
+    launch.add_argument("--nodes", type=int, help="with --slurm-script: nodes of the job")
+    launch.add_argument("--gpus-per-node", type=int, help="with --slurm-script: GPUs (ranks) per node")
+    launch.add_argument("--socket-ifname", help="with --slurm-script: the network interface for gloo and NCCL "
+                                                "(default: the one holding the master's address, found in the job)")
     launch.add_argument("--master-port", type=int, default=29500)
     launch.add_argument("--node-rank", type=int, help="this node's rank (default: found from its addresses)")
     launch.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")

@@ -70,6 +70,32 @@ def run_serving_plan(args) -> int:
     from strata.checkpoint.models import resolve_model  # torch comes with checkpoints: only when planning
     model = resolve_model(args.model)
     context = model.max_seq_len if args.context is None else args.context
+    _check_serving_flags(args, model, context)
+    names = [n.strip() for n in args.device.split(",") if n.strip()]
+    profile = _inference_profile(args, names)
+    overheads = _overheads(args, profile)
+    work = Serving(model, args.batch, context, args.precision)
+    shown, best = [], {}
+    for name in names:
+        ranked = _serving_layouts_on(name, args, work, overheads, profile)
+        if ranked[0].fits:
+            best[name] = ranked[0]
+        shown += [(name, e) for e in ranked[:args.top]]
+    if args.json:
+        print(json.dumps({"model": args.model, "batch": args.batch, "context": context, "precision": args.precision,
+                          "overheads": overheads.__dict__,
+                          "layouts": [{"device": n, **e.to_json()} for n, e in shown]}, indent=1))
+        return 0
+    print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) serving in {args.precision}, batch {args.batch}, "
+          f"{context} tokens of context, on up to {args.gpus_per_node} device(s) each; overheads "
+          f"{overheads.per_layer_s * 1e6:.0f} us per layer + {overheads.per_token_s * 1e6:.0f} us per token "
+          f"({overheads.source})\n")
+    print(serving_table(shown) + "\n")
+    print("\n".join(_serving_summary(names, best, args.gpus_per_node)))
+    return 0
+
+
+def _check_serving_flags(args, model, context: int) -> None:
     checks = [(args.batch >= 1, f"--batch {args.batch}: must be >= 1"),
               (1 <= context <= model.max_seq_len, f"--context {context}: must be between 1 and the model's "
                                                    f"{model.max_seq_len}"),
@@ -83,63 +109,61 @@ def run_serving_plan(args) -> int:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    names = [n.strip() for n in args.device.split(",") if n.strip()]
-    profile = None
-    if args.profile or CPU_LOCAL in names:
-        if not os.path.isfile(args.profile or default_profile_path()):
-            raise ConfigError(f"--profile {args.profile or default_profile_path()}: no such file; "
-                              f"run `strata calibrate --inference` first")
-        profile = load_profile(args.profile).get("inference")
-        if profile is None:
-            raise ConfigError(f"--profile {args.profile or default_profile_path()}: no inference calibration in it; "
-                              f"run `strata calibrate --inference` first")
+
+
+def _inference_profile(args, names: list[str]) -> dict | None:
+    """What `strata calibrate --inference` measured, when a profile is named or cpu-local is asked for."""
+    if not (args.profile or CPU_LOCAL in names):
+        return None
+    path = args.profile or default_profile_path()
+    if not os.path.isfile(path):
+        raise ConfigError(f"--profile {path}: no such file; run `strata calibrate --inference` first")
+    profile = load_profile(args.profile).get("inference")
+    if profile is None:
+        raise ConfigError(f"--profile {path}: no inference calibration in it; run `strata calibrate --inference` first")
+    return profile
+
+
+def _overheads(args, profile: dict | None) -> Overheads:
+    """Per-layer and per-token overheads: the defaults, the calibrated ones, or the flags'."""
     overheads = Overheads()
     if profile is not None:
         overheads = Overheads(profile["per_layer_s"], profile["per_token_s"], f"calibrated on {profile['device']}")
     if args.per_layer_us is not None or args.per_token_us is not None:
         overheads = Overheads(overheads.per_layer_s if args.per_layer_us is None else args.per_layer_us * 1e-6,
                               overheads.per_token_s if args.per_token_us is None else args.per_token_us * 1e-6, "given")
-    work = Serving(model, args.batch, context, args.precision)
-    shown, best = [], {}
-    for name in names:
-        read_bandwidth = ()
-        if name == CPU_LOCAL:
-            read_bandwidth = tuple(sorted((float(b), bw) for b, bw in profile["decode_bandwidth"].items()))
-            device = Device(CPU_LOCAL, profile["memory_bytes"], {args.precision: profile["matmul_flops"]},
-                            profile["memory_bandwidth"], None)
-            link = 1e9  # processes on one machine: shared memory (TP is not worth it on one CPU)
-        elif name in DEVICES:
-            device = DEVICES[name]
-            link = bandwidth(args.intra or ("nvlink" if device.nvlink_bandwidth else "pcie"), "--intra", device)
-        else:
-            raise ConfigError(f"--device {name}: valid: {', '.join([*DEVICES, CPU_LOCAL])}")
-        ranked = serving_layouts(work, device, args.gpus_per_node, link, 5e-6, overheads,
-                                 args.efficiency or (DEFAULT_EFFICIENCY if name != CPU_LOCAL else 1.0), read_bandwidth)
-        if ranked[0].fits:
-            best[name] = ranked[0]
-        shown += [(name, e) for e in ranked[:args.top]]
-    if args.json:
-        print(json.dumps({"model": args.model, "batch": args.batch, "context": context, "precision": args.precision,
-                          "overheads": overheads.__dict__,
-                          "layouts": [{"device": n, **e.to_json()} for n, e in shown]}, indent=1))
-        return 0
-    print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) serving in {args.precision}, batch {args.batch}, "
-          f"{context} tokens of context, on up to {args.gpus_per_node} device(s) each; overheads "
-          f"{overheads.per_layer_s * 1e6:.0f} us per layer + {overheads.per_token_s * 1e6:.0f} us per token "
-          f"({overheads.source})\n")
-    print(serving_table(shown))
-    print()
+    return overheads
+
+
+def _serving_layouts_on(name: str, args, work, overheads: Overheads, profile: dict | None) -> list:
+    """Every tp x pp on up to --gpus-per-node devices named `name`, fastest first."""
+    read_bandwidth = ()
+    if name == CPU_LOCAL:
+        read_bandwidth = tuple(sorted((float(b), bw) for b, bw in profile["decode_bandwidth"].items()))
+        device = Device(CPU_LOCAL, profile["memory_bytes"], {args.precision: profile["matmul_flops"]},
+                        profile["memory_bandwidth"], None)
+        link = 1e9  # processes on one machine: shared memory (TP is not worth it on one CPU)
+    elif name in DEVICES:
+        device = DEVICES[name]
+        link = bandwidth(args.intra or ("nvlink" if device.nvlink_bandwidth else "pcie"), "--intra", device)
+    else:
+        raise ConfigError(f"--device {name}: valid: {', '.join([*DEVICES, CPU_LOCAL])}")
+    return serving_layouts(work, device, args.gpus_per_node, link, 5e-6, overheads,
+                           args.efficiency or (DEFAULT_EFFICIENCY if name != CPU_LOCAL else 1.0), read_bandwidth)
+
+
+def _serving_summary(names: list[str], best: dict, devices: int) -> list[str]:
+    lines = []
     for name in names:
         if name not in best:
-            print(f"{name}: no layout on {args.gpus_per_node} device(s) holds the weights and the KV cache")
+            lines.append(f"{name}: no layout on {devices} device(s) holds the weights and the KV cache")
             continue
         e = best[name]
-        print(f"{name}: {e.describe()} serves it fastest: {e.token_latency_s * 1e3:.2f} ms per output token "
-              f"({e.memory_bytes / 1e9:.1f} GB per device)")
-    if len(best) > 1:
-        first, *others = [n for n in names if n in best]
-        for name in others:
-            ratio = best[name].token_latency_s / best[first].token_latency_s
-            print(f"{name} takes {ratio:.2f}x the time per token of {first} "
-                  f"({'slower' if ratio > 1 else 'faster'} by {abs(ratio - 1):.0%})")
-    return 0
+        lines.append(f"{name}: {e.describe()} serves it fastest: {e.token_latency_s * 1e3:.2f} ms per output token "
+                     f"({e.memory_bytes / 1e9:.1f} GB per device)")
+    first, *others = [n for n in names if n in best] or [None]
+    for name in others:
+        ratio = best[name].token_latency_s / best[first].token_latency_s
+        lines.append(f"{name} takes {ratio:.2f}x the time per token of {first} "
+                     f"({'slower' if ratio > 1 else 'faster'} by {abs(ratio - 1):.0%})")
+    return lines

@@ -46,8 +46,13 @@ def ranks_checked() -> dict[str, str]:
 
 
 def train_command(args, argv: list[str]) -> int:
-    launched_by_torchrun = "LOCAL_RANK" in os.environ
     argv = ["train", *argv[1:]] if argv[:1] == ["train"] else argv
+    from strata.cli import slurm
+    if slurm.started_by_srun():  # a task of srun: its node's ranks run, or it becomes a rank
+        exit_code = slurm.join_job(args, argv, checked_train)
+        if exit_code is not None:
+            return exit_code
+    launched_by_torchrun = "LOCAL_RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched_by_torchrun else None
     cfg, argv = checked_train(args, argv, world_size, launched_by_torchrun)
     if cfg.nproc > 1 and not launched_by_torchrun:
@@ -81,6 +86,10 @@ def launch_command(args, argv: list[str]) -> int:
         raise ConfigError("strata launch: give the strata command to run after the flags, e.g. "
                           "`strata launch --hostfile hosts -- train --model small`")
     launched = build_parser().parse_args(command)
+    from strata.cli import slurm
+    if args.slurm_script is not None:
+        return slurm.write_script(args, launched, command, checked_train)
+    slurm.check_hostfile_flags(args)
     if launched.command not in LAUNCHED_COMMANDS or (launched.command == "bench" and launched.bench_command != "comm"):
         raise ConfigError(f"strata launch -- {command[0]}: runs train, doctor or bench comm on every node")
     hosts = parse_hostfile(args.hostfile)

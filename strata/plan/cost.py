@@ -198,73 +198,113 @@ def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     return e
 
 
-def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
-    cfg, lay = work.model, layout
-    t, p, d, v, b, s = lay.tp, lay.pp, lay.dp, lay.virtual_stages, lay.micro_batch, work.seq_len
-    h, V = cfg.d_model, cfg.vocab_size
+@dataclass(frozen=True)
+class _Terms:
+    """What every pipeline rank of a layout shares: sizes of one micro-batch, rates, message times."""
+    act_bytes: int  # bytes per activation element
+    precision: str  # mixed | fp32: how the model states are counted
+    micro_batches: int  # per pipeline per step
+    tokens: int  # per micro-batch
+    peak: float  # FLOP/s of the device in the run's precision
+    rate: float  # FLOP/s the compute reaches
+    activation_per_layer: float  # bytes one block keeps for backward, per micro-batch
+    attention_fwd: float  # FLOPs per token per block of the scores and values
+    tp_message: float  # bytes of one tensor-parallel collective
+    tp_collective_s: float
+    tp_collectives_per_block: int
+    pp_message: float  # bytes sent between stages per micro-batch
+    pp_send_s: float
+
+
+def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> _Terms:
+    cfg, b, s, t = work.model, lay.micro_batch, work.seq_len, lay.tp
     act_bytes = BYTES["bf16" if work.precision in ("bf16", "fp16") else "fp32"]
-    precision = "mixed" if act_bytes == 2 else "fp32"
-    m = work.global_batch // (d * b)  # micro-batches per pipeline per step
-    tokens = b * s
     peak = cluster.device.peak_flops.get(work.precision, max(cluster.device.peak_flops.values()))
-    rate = peak * cluster.efficiency_at(tokens) * rate_scale
-    per_layer = activation_bytes_per_layer(s, b, h, cfg.n_heads, t, lay.sequence_parallel, lay.checkpointing,
-                                           fused_attention=True) * act_bytes / 2
-    attention_fwd = 4 * h * s  # per token per block: scores and values
-    tp_msg = b * s * h * act_bytes
-    tp_op = "all_gather" if lay.sequence_parallel else "all_reduce"
-    one_tp = collective_seconds(cluster, tp_op, tp_msg, t, 1)
-    tp_ops_per_block = 2 * (2 if lay.sequence_parallel else 1) * (2 + (1 if lay.checkpointing == "full" else 0))
-    pp_msg = b * s * h * act_bytes / (t if lay.sequence_parallel else 1)
-    one_p2p = collective_seconds(cluster, "send", pp_msg, p, t * d) if p > 1 else 0.0
+    tp_message = b * s * cfg.d_model * act_bytes
+    pp_message = b * s * cfg.d_model * act_bytes / (t if lay.sequence_parallel else 1)
+    return _Terms(
+        act_bytes, "mixed" if act_bytes == 2 else "fp32", work.global_batch // (lay.dp * b), b * s, peak,
+        peak * cluster.efficiency_at(b * s) * rate_scale,
+        activation_bytes_per_layer(s, b, cfg.d_model, cfg.n_heads, t, lay.sequence_parallel, lay.checkpointing,
+                                   fused_attention=True) * act_bytes / 2,
+        4 * cfg.d_model * s, tp_message,
+        collective_seconds(cluster, "all_gather" if lay.sequence_parallel else "all_reduce", tp_message, t, 1),
+        2 * (2 if lay.sequence_parallel else 1) * (2 + (1 if lay.checkpointing == "full" else 0)),
+        pp_message, collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.dp) if lay.pp > 1 else 0.0)
 
-    # each pipeline rank: its memory and its time for one micro-batch; the largest of each counts
-    memory, worst = None, None
-    for rank, load in enumerate(stage_loads(cfg, p, v, s)):
-        states = model_state_bytes(load.params / t, lay.zero, d, precision, work.optimizer)
-        in_flight = _micro_batches_in_flight(lay, m, rank)
-        activations = per_layer * load.blocks * in_flight
-        activations += (b * s * h * act_bytes if load.first else 0) + (tokens * V / t * (act_bytes + 4) if load.last else 0)
-        rank_memory = {"weights": states.weights, "gradients": states.grads,
-                       "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
-                       "activations": activations,
-                       "buffers": _buffers(lay, load, t, act_bytes)}
-        if memory is None or sum(rank_memory.values()) > sum(memory.values()):
-            memory = rank_memory
-        fwd = tokens * load.flops_per_token / t
-        recompute = {"none": 0.0, "selective": tokens * attention_fwd * load.blocks / t, "full": fwd}[lay.checkpointing]
-        tp_ops = load.blocks * tp_ops_per_block
-        tp_comm = tp_ops * one_tp
-        if t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
-            tp_ops += load.first + load.last
-            tp_comm += (load.first + load.last) * one_tp + \
-                3 * load.last * collective_seconds(cluster, "all_reduce", b * s * 4, t, 1)
-        pp_comm = 2 * v * one_p2p * (p > 1)
-        t_fwd = fwd / rate + (tp_comm + pp_comm) / 2
-        t_bwd = (2 * fwd + recompute) / rate + (tp_comm + pp_comm) / 2
-        if worst is None or t_fwd + t_bwd > worst["time"]:
-            worst = {"time": t_fwd + t_bwd, "fwd": t_fwd, "bwd": t_bwd, "compute": (3 * fwd + recompute) / rate,
-                     "tp_comm": tp_comm, "tp_ops": tp_ops, "load": load}
-    load, t_fwd, t_bwd = worst["load"], worst["fwd"], worst["bwd"]
 
+def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
+    """Bytes one pipeline rank holds at its peak, by kind."""
+    cfg, t = work.model, lay.tp
+    states = model_state_bytes(load.params / t, lay.zero, lay.dp, terms.precision, work.optimizer)
+    activations = terms.activation_per_layer * load.blocks * _micro_batches_in_flight(lay, terms.micro_batches, rank)
+    activations += (terms.tokens * cfg.d_model * terms.act_bytes if load.first else 0) + \
+        (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
+    return {"weights": states.weights, "gradients": states.grads,
+            "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
+            "activations": activations, "buffers": _buffers(lay, load, t, terms.act_bytes)}
+
+
+@dataclass(frozen=True)
+class _RankTime:
+    """One pipeline rank's time for one micro-batch: forward and backward (each with half of the
+    communication), the compute alone, and its tensor-parallel collectives."""
+    forward: float
+    backward: float
+    compute: float
+    tp_seconds: float
+    tp_collectives: int
+    load: StageLoad
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) -> _RankTime:
+    t, p = lay.tp, lay.pp
+    fwd = terms.tokens * load.flops_per_token / t
+    recompute = {"none": 0.0, "selective": terms.tokens * terms.attention_fwd * load.blocks / t,
+                 "full": fwd}[lay.checkpointing]
+    tp_collectives = load.blocks * terms.tp_collectives_per_block
+    tp_seconds = tp_collectives * terms.tp_collective_s
+    if t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
+        tp_collectives += load.first + load.last
+        tp_seconds += (load.first + load.last) * terms.tp_collective_s + \
+            3 * load.last * collective_seconds(cluster, "all_reduce", terms.tokens * 4, t, 1)
+    pp_seconds = 2 * lay.virtual_stages * terms.pp_send_s * (p > 1)
+    return _RankTime(fwd / terms.rate + (tp_seconds + pp_seconds) / 2,
+                     (2 * fwd + recompute) / terms.rate + (tp_seconds + pp_seconds) / 2,
+                     (3 * fwd + recompute) / terms.rate, tp_seconds, tp_collectives, load)
+
+
+def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
+    """Each pipeline rank's memory and time for one micro-batch (the largest of each counts), then
+    the step: m micro-batches, the bubble, the data-parallel communication not hidden, the optimizer."""
+    cfg, lay, s = work.model, layout, work.seq_len
+    terms = _terms(work, cluster, lay, rate_scale)
+    loads = stage_loads(cfg, lay.pp, lay.virtual_stages, s)
+    memory = max((_rank_memory(work, lay, terms, rank, load) for rank, load in enumerate(loads)),
+                 key=lambda kinds: sum(kinds.values()))
+    slowest = max((_rank_time(cluster, lay, terms, load) for load in loads), key=lambda rank: rank.total)
+    m, t, p, v = terms.micro_batches, lay.tp, lay.pp, lay.virtual_stages
     ring = (1 if lay.sequence_parallel else 2) * (t - 1) / t
-    comm_bytes = {"tp": worst["tp_ops"] * ring * tp_msg * m, "pp": 2 * v * m * pp_msg * (p > 1)}
-    comm_seconds = {"tp": worst["tp_comm"] * m, "pp": 2 * v * m * one_p2p * (p > 1)}
-    grad_bytes = load.params / t * act_bytes
-    dp_total, dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, grad_bytes, m, t_fwd, t_bwd, load.blocks)
-    comm_seconds["dp"] = dp_total
-
-    bubble_time = _bubble_time(lay, m, worst["time"])
-    step = m * worst["time"] + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, load.params / t)
+    comm_bytes = {"tp": slowest.tp_collectives * ring * terms.tp_message * m, "pp": 2 * v * m * terms.pp_message * (p > 1)}
+    comm_seconds = {"tp": slowest.tp_seconds * m, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
+    grad_bytes = slowest.load.params / t * terms.act_bytes
+    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, grad_bytes, m, slowest.forward,
+                                                                      slowest.backward, slowest.load.blocks)
+    bubble_time = _bubble_time(lay, m, slowest.total)
+    step = m * slowest.total + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, slowest.load.params / t)
     tokens_per_step = work.global_batch * s
-    params = cfg.num_params()
-    recomputed = {"none": 0, "selective": cfg.n_layers * attention_fwd, "full": 2 * params + cfg.n_layers * attention_fwd}
-    hardware_flops = tokens_per_step * (6 * params + 3 * cfg.n_layers * attention_fwd + recomputed[lay.checkpointing])
-    world = d * t * p
+    params, attention = cfg.num_params(), cfg.n_layers * terms.attention_fwd
+    recomputed = {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing]
+    hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
+    world = lay.dp * t * p
     return Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes, memory, comm_seconds, comm_bytes,
-                    compute_s=m * worst["compute"], bubble=bubble_time / step, step_time_s=step,
+                    compute_s=m * slowest.compute, bubble=bubble_time / step, step_time_s=step,
                     tokens_per_s=tokens_per_step / step, tflops_per_device=hardware_flops / step / world / 1e12,
-                    mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / peak)
+                    mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak)
 
 
 def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:

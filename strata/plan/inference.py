@@ -17,11 +17,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.plan.cost import log_interpolate, stage_loads
 from strata.plan.hardware import Device
 from strata.rules.constants import DEFAULT_EFFICIENCY
 from strata.rules.dtypes import DTYPES
+from strata.rules.layout import check_tensor_parallel
 
 # bytes per weight and per cached value: the run dtypes, and int8 (weights quantized for serving)
 BYTES = {**{name: DTYPES[name].bytes for name in ("fp32", "bf16", "fp16")}, "int8": 1}
@@ -129,12 +131,12 @@ def small_all_reduce_s(nbytes: float, ranks: int, bandwidth: float, latency: flo
 def serving_layouts(work: Serving, device: Device, devices: int, link_bandwidth: float, link_latency: float,
                     overheads: Overheads, efficiency: float = DEFAULT_EFFICIENCY,
                     read_bandwidth: tuple[tuple[float, float], ...] = ()) -> list[ServingEstimate]:
-    """Every tp x pp on up to `devices` devices (tp dividing the heads), those that fit first,
-    then by the latency of a token."""
+    """Every tp x pp on up to `devices` devices that generation runs (the training rules for tp; one
+    block at least per stage), those that fit first, then by the latency of a token."""
     cfg = work.model
     out = []
     for tp in _powers_of_two(devices):
-        if cfg.n_heads % tp or (cfg.kv_heads % tp and tp % cfg.kv_heads) or cfg.d_ff % tp:
+        if not _splits(cfg, tp):
             continue
         for pp in _powers_of_two(devices // tp):
             if pp > cfg.n_layers:
@@ -142,6 +144,14 @@ def serving_layouts(work: Serving, device: Device, devices: int, link_bandwidth:
             out.append(estimate_serving(work, device, tp, pp, link_bandwidth, link_latency, overheads, efficiency,
                                         read_bandwidth))
     return sorted(out, key=lambda e: (not e.fits, e.token_latency_s, e.devices))
+
+
+def _splits(cfg: ModelConfig, tp: int) -> bool:
+    try:
+        check_tensor_parallel(cfg, tp)
+    except ConfigError:
+        return False
+    return True
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -8,7 +8,7 @@ import os
 from strata.errors import ConfigError
 from strata.files import cache_dir, read_json_object
 from strata.model.config import ModelConfig
-from strata.plan.cost import Cluster, Workload
+from strata.plan.cost import BYTES, Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device
 from strata.rules.layout import check_workload
 
@@ -86,8 +86,8 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
 
 def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str,
              optimizer: str = "adamw") -> Workload:
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise ConfigError(f"--precision {precision}: valid: bf16, fp16, fp32")
+    if precision not in BYTES:
+        raise ConfigError(f"--precision {precision}: valid: {', '.join(BYTES)}")
     if optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--optimizer {optimizer}: valid: adamw, sgd (with momentum)")
     seq_len = model.max_seq_len if seq_len is None else seq_len

@@ -14,6 +14,7 @@ from strata.plan.cost import Cluster
 from strata.plan.hardware import DEVICES
 from strata.plan.inputs import build_cluster, cpu_local_cluster, default_profile_path, load_profile, workload
 from strata.plan.search import explain, search
+from strata.rules.dtypes import DTYPES
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split")
 
@@ -43,7 +44,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
     if given:
         raise ConfigError(f"--parallel auto chooses the layout; drop --{given[0].replace('_', '-')} "
                           f"(or use --parallel manual)")
-    precision = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.dtype, "fp32")
+    precision = cfg.dtype if DTYPES[cfg.dtype].autocast else "fp32"  # what the planner prices
     global_batch = cfg.global_batch or cfg.micro_batch * world_size
     work = workload(model, global_batch, cfg.seq_len, precision)
     cluster = local_cluster(world_size)

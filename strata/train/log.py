@@ -10,13 +10,14 @@ from tqdm import tqdm
 from strata.distributed import comm
 from strata.train import metrics as m
 from strata.train.optim import lr_at
+from strata.train.run_dir import RunOutputs
 
 
 class RunLog:
     def __init__(self, run):
         cfg = run.cfg
         self.is_main = run.rank == 0
-        self.writer = m.MetricsWriter(cfg.metrics, self.is_main, resume_step=run.start_step)
+        self.writer = RunOutputs(cfg, self.is_main, run.start_step, run.world_size)  # metrics, TensorBoard, --run-dir
         self.peak = cfg.peak_flops or m.device_peak(run.device, cfg.dtype)
         seq_len = run.train_data.seq_len
         self.tokens_per_step = cfg.global_batch * seq_len

@@ -30,8 +30,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2
     start = time.perf_counter()
     small @ small
     synchronize(device)
-    rate = 2 * 256 ** 3 / max(time.perf_counter() - start, 1e-9)
-    size = max(256, min(size, int((rate * 0.2 / 2) ** (1 / 3)) // 64 * 64))
+    size = matmul_size_for(2 * 256 ** 3 / max(time.perf_counter() - start, 1e-9), size)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     a @ b  # warm-up: kernels chosen, caches and clocks up
@@ -43,6 +42,12 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
+
+
+def matmul_size_for(rate: float, largest: int = 2048) -> int:
+    """The side of the square matmul that takes about 0.2 s at `rate` FLOP/s (2n^3 FLOPs), in
+    multiples of 64, between 256 and `largest`."""
+    return max(256, min(largest, int((rate * 0.2 / 2) ** (1 / 3)) // 64 * 64))
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:

@@ -14,6 +14,7 @@ from strata.data.loader import check_token_ids, check_windows, read_meta
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
+from strata.train.run_dir import check_outputs
 
 DONE = "STRATA_PREFLIGHT"  # set in the ranks' environment once the launcher has run the checks
 
@@ -62,6 +63,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
     """Check the run's files; returns notes to print once (how the resume point was found).
     Raises ConfigError / CorruptError with one line."""
     notes = []
+    check_outputs(cfg)  # --run-dir, --tensorboard
     for flag, path in (("--metrics", cfg.metrics), ("--trace", cfg.trace), ("--save", cfg.save),
                        ("--offload-dir", cfg.offload_dir)):
         wants_dir = flag in ("--save", "--offload-dir")

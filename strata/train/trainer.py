@@ -75,18 +75,16 @@ def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
 
 
 def setup(cfg: TrainConfig, checked: bool = False) -> Run:
-    """checked: the run's files were checked already (train/preflight.py), in this process."""
+    """Everything the loop needs: the process groups, the data, the model split and wrapped for
+    this rank, the optimizer, and the state to start from. checked: the run's files were checked
+    already (train/preflight.py), in this process."""
     device = pick_device(cfg.device)
     rank, world_size, owns_process_group = init_distributed(device, cfg.timeout)
     checked_model(cfg, world_size)
     cfg.global_batch = global_batch_size(cfg, world_size)
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
-    mesh = dims.build_mesh(device.type)
-    dp_group = mesh["dp"].get_group() if mesh is not None and dims.dp > 1 else None
-    tp_group = mesh["tp"].get_group() if mesh is not None and dims.tp > 1 else None
-    pp_group = mesh["pp"].get_group() if mesh is not None and dims.pp > 1 else None
+    groups = _groups(dims, device)
     dp_rank, tp_rank, pp_rank = (dims.coordinates(rank)[d] for d in ("dp", "tp", "pp"))
-
     notes = preflight(cfg) if not checked and DONE not in os.environ else []  # else the launcher has run it
     if rank == 0 and notes:
         print("\n".join(notes), file=sys.stderr, flush=True)
@@ -97,42 +95,59 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     model_cfg = base.with_overrides(vocab_size=train_source.vocab_size)
     seq_len = sequence_length(cfg, model_cfg)
     stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
-
     torch.manual_seed(cfg.seed)
-    model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), dp_group, tp_group,
-                                  (stage_layout, pp_rank, pp_group) if stage_layout is not None else None)
+    model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
+                                  (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank)
-    run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, dp_group, tp_group, model, parallel, optimizer,
-              BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
-              BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp))
-    run.owns_process_group = owns_process_group
+    run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
+              optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
+              BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
+              owns_process_group=owns_process_group)
     if cfg.dtype == "fp16":
         run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
     if stage_layout is not None:
-        run.pp_group, run.stage_layout = pp_group, stage_layout
-        if model_cfg.tie_embeddings:
-            run.embedding_group = embedding_group(dims, rank, cfg.timeout)
-        # what passes between stages: the hidden states, 1/tp of the sequence under sequence parallelism
-        shape = (cfg.micro_batch, seq_len // (cfg.tp if cfg.sequence_parallel else 1), model_cfg.d_model)
-        run.pipeline = PipelineExecutor(chunk_views(model, stage_layout, pp_rank), stage_layout, cfg.schedule,
-                                        pp_group, shape, parameter_dtype(cfg.dtype), device, lambda: autocast(run), model)
+        _add_pipeline(run, stage_layout, pp_rank, groups["pp"], seq_len)
     run.pieces = shards.local_pieces(model, parallel, tp_rank, dims.tp)
     if cfg.save:
         # Saves coordinate on a gloo group of their own, so a background save never interleaves
         # with training's collectives.
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout)) if world_size > 1 else None
         run.checkpointer = store.Checkpointer(cfg.save, rank, world_size, group, cfg.keep, cfg.async_save)
-    source, _ = resume_source(cfg)  # the launcher (or rank 0, see preflight) printed how it was found
+    _restore(run)
+    return run
+
+
+def _groups(dims: ParallelDims, device: torch.device) -> dict[str, object]:
+    """The process group of each mesh dimension with more than one rank (None where it has one)."""
+    mesh = dims.build_mesh(device.type)
+    return {name: mesh[name].get_group() if mesh is not None and getattr(dims, name) > 1 else None
+            for name in ("dp", "tp", "pp")}
+
+
+def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) -> None:
+    cfg = run.cfg
+    run.pp_group, run.stage_layout = pp_group, stage_layout
+    if run.model_cfg.tie_embeddings:
+        run.embedding_group = embedding_group(run.dims, run.rank, cfg.timeout)
+    # what passes between stages: the hidden states, 1/tp of the sequence under sequence parallelism
+    shape = (cfg.micro_batch, seq_len // (cfg.tp if cfg.sequence_parallel else 1), run.model_cfg.d_model)
+    run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, cfg.schedule,
+                                    pp_group, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
+                                    run.model)
+
+
+def _restore(run: Run) -> None:
+    """Resume from a checkpoint (--resume, --resume auto, a restart), or start from one's weights."""
+    source, _ = resume_source(run.cfg)  # the launcher (or rank 0, see preflight) printed how it was found
     if source is not None:
         state = load_checkpoint(run, source, resume=True)
         run.start_step = state["step"]
         if run.scaler is not None and "loss_scaler" in state:
             run.scaler.load_state_dict(state["loss_scaler"])
-        if rank == 0:
+        if run.rank == 0:
             print(f"resuming from {store.resolve(source)} at step {run.start_step}", file=sys.stderr, flush=True)
-    elif cfg.init_from:
-        load_checkpoint(run, cfg.init_from, resume=False)
-    return run
+    elif run.cfg.init_from:
+        load_checkpoint(run, run.cfg.init_from, resume=False)
 
 
 def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
