@@ -206,7 +206,7 @@ CASES = [
     (["train", "--sequence-parallel"], "--sequence-parallel: needs tp 2 or more"),
     (["train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33"],
      "--seq-len 33: must be a multiple of tp 2"),
-    (["train", "--model", "bloom-176b", "--nproc", "2", "--tp", "2"], "--tp 2: ALiBi models run with tp 1"),
+    (["train", "--model", "bloom-176b", "--nproc", "3", "--tp", "3"], "--tp 3: must divide the model's 112 attention"),
     (["train", "--zero", "2"], "--zero 2: ZeRO shards states across data-parallel ranks, and dp is 1"),
     (["train", "--zero", "4"], "--zero 4: valid: 0, 1, 2, 3"),
     (["train", "--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),

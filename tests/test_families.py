@@ -18,7 +18,7 @@ from strata.config import TrainConfig
 from strata.infer.cli import load_for_inference
 from strata.infer.generate import generate
 from strata.model.config import ModelConfig
-from strata.model.families import FAMILIES
+from strata.model.families import FAMILIES, PLACEMENTS
 from strata.model.layers import rope_frequencies
 from strata.model.presets import PRESETS
 from strata.model.transformer import build_model
@@ -245,11 +245,8 @@ def test_every_family_places_every_parameter_under_tensor_parallelism():
     for family, preset in cases.items():
         cfg = PRESETS[preset] if preset else ModelConfig(**{**PRESETS["tiny"].to_dict(), "qk_norm": True,
                                                             "family": "qwen3"})
-        placement = FAMILIES[family].tensor_parallel
         for name, _ in build_model(cfg, seed=None).named_parameters():
-            module = name.rsplit(".", 1)[0]
-            path = module.split(".", 2)[2] if module.startswith("blocks.") else module
-            assert placement.get(path) in ("column", "row", "vocabulary", "replicated"), (family, name)
+            assert FAMILIES[family].placement(name.rsplit(".", 1)[0]) in PLACEMENTS, (family, name)
 
 
 # --- fine-tuning a converted model on one's own data, with its own tokenizer -------------------------

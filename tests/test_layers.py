@@ -119,3 +119,47 @@ def test_the_layers_are_the_ones_the_architecture_document_shows():
     for name, prefixes in LAYERS:
         for prefix in prefixes:
             assert prefix.removeprefix("strata.").replace(".", "/") in doc, (name, prefix)
+
+
+# --- a model family's layout is known only to its description ------------------------------------
+# Words of parameter paths that say nothing about a layout (containers, leaves).
+GENERIC_PATH_WORDS = {"weight", "bias", "model", "layers", "transformer", "h", "norm"}  # norm: a config field too
+# Outside strata/model (the model and its families) no module names a family's layer.
+LAYOUT_FREE = ("strata/parallel", "strata/train", "strata/plan", "strata/checkpoint", "strata/memory",
+               "strata/infer", "strata/tools", "strata/rules", "strata/data", "strata/distributed", "strata/cli")
+
+
+def _family_path_words() -> set[str]:
+    """Every word of every parameter path of every family, in strata's names and in Hugging Face's."""
+    from strata.model.config import ModelConfig
+    from strata.model.families import FAMILIES
+    from strata.model.presets import PRESETS
+    from strata.model.transformer import build_model
+    words = set()
+    for family in FAMILIES.values():
+        shapes = [c for c in PRESETS.values() if c.family == family.name] or [PRESETS["tiny"]]
+        for preset in shapes:
+            cfg = ModelConfig.from_dict({**preset.to_dict(), "vocab_size": 8, "n_layers": 1, "d_model": 8,
+                                         "n_heads": 2, "n_kv_heads": None, "d_head": None, "d_ff": 8,
+                                         "max_seq_len": 8, "qk_norm": family.name == "qwen3"})
+            state = build_model(cfg, seed=None).state_dict()  # on the meta device
+            names = list(state) + (list(family.tensors_to_hf(state, cfg, None)) if family.converts else [])
+            words |= {word for name in names for word in name.split(".") if not word.isdigit()}
+    return words - GENERIC_PATH_WORDS
+
+
+def test_no_module_outside_the_model_names_a_family_layer():
+    words = _family_path_words()
+    assert {"embed", "blocks", "head", "wq", "w_down", "q_norm", "lm_head", "q_proj", "c_attn"} <= words
+    offenders = []
+    for module, path in MODULES.items():
+        if not path.replace(os.sep, "/").split("/strata/", 1)[-1].startswith(tuple(p[7:] for p in LAYOUT_FREE)):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Attribute) and node.attr in words:
+                offenders.append(f"{module}:{node.lineno} .{node.attr}")
+            is_path = isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                node.value.replace(".", "").replace("_", "").isalnum()
+            if is_path and set(node.value.split(".")) & words:
+                offenders.append(f"{module}:{node.lineno} {node.value!r}")
+    assert not offenders, offenders

@@ -39,14 +39,10 @@ class KVCache:
 
     def __init__(self, model, batch: int, max_len: int, pad: torch.Tensor | None = None):
         self.keys, self.values = [], []
-        for block in model.blocks.values():
-            attn = block.attn
-            weight = attn.wk.weight
-            with torch.no_grad():  # the projection's own output width, whatever layer implements it
-                kv_heads = attn.wk(weight.new_zeros(1, 1, weight.shape[1])).shape[-1] // attn.head_dim
-            shape = (batch, kv_heads, max_len, attn.head_dim)
-            self.keys.append(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
-            self.values.append(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+        for block in model.layers().values():
+            keys, values = block.empty_kv_cache(batch, max_len)
+            self.keys.append(keys)
+            self.values.append(values)
         self.layers = [LayerKVCache(self, i) for i in range(len(self.keys))]
         self.max_len, self.pos = max_len, 0
         self.pad = pad if pad is not None and bool(pad.any()) else None

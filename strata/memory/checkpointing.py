@@ -58,13 +58,13 @@ def apply_checkpointing(model, mode: str, chunks: list[range] | None = None) -> 
     kind, k = parse(mode)
     if kind == "none":
         return
+    layers = model.layers()
     if chunks is None:
-        chunks = [range(0, 0)] if not len(model.blocks) else \
-            [range(min(map(int, model.blocks)), max(map(int, model.blocks)) + 1)]
-    for key, block in model.blocks.items():
+        chunks = [range(min(layers), max(layers) + 1)] if layers else []
+    for index, block in layers.items():
         if kind == "selective":
-            block.attn.core = _checkpointed(block.attn.core)
+            block.wrap_core_attention(_checkpointed)
             continue
-        start = next(c.start for c in chunks if int(key) in c)
-        if kind == "full" or int(key) - start < k:
+        start = next(c.start for c in chunks if index in c)
+        if kind == "full" or index - start < k:
             block.forward = _checkpointed(block.forward)

@@ -132,6 +132,13 @@ class ModelConfig:
     def num_params(self) -> int:
         """Exact parameter count, computed from the shapes (the same as summing model.parameters(),
         and as transformers' num_parameters() of the same model)."""
+        inputs, block, outputs = self.unit_params()
+        return inputs + self.n_layers * block + outputs
+
+    def unit_params(self) -> tuple[int, int, int]:
+        """Parameters of the model's units (Transformer.units: what the pipeline cuts between and
+        ZeRO-3 gathers): (the input layers, one block, the output layers; a tied head counts in
+        the inputs)."""
         d, f, b = self.d_model, self.d_ff, int(self.bias)
         q_dim, kv_dim = self.q_dim, self.kv_heads * self.head_dim
         norm = self.norm_params(d)
@@ -139,10 +146,10 @@ class ModelConfig:
         qk_norms = 2 * self.norm_params(self.head_dim) if self.qk_norm else 0
         mlp_bias = b * ((2 if self.gated_mlp else 1) * f + d)
         block = 2 * norm + self.block_matmul_params() + attn_bias + qk_norms + mlp_bias
-        embed = self.vocab_size * d
-        pos = self.max_seq_len * d if self.position == "learned" else 0
-        head = 0 if self.tie_embeddings else self.vocab_size * d + b * self.vocab_size
-        return embed + pos + self.n_layers * block + norm + head + (norm if self.embedding_norm else 0)
+        inputs = self.vocab_size * d + (self.max_seq_len * d if self.position == "learned" else 0) + \
+            (norm if self.embedding_norm else 0)
+        outputs = norm + (0 if self.tie_embeddings else self.vocab_size * d + b * self.vocab_size)
+        return inputs, block, outputs
 
     def attended_positions(self, seq_len: int) -> int:
         """How many keys a query is counted against: the sequence, or the sliding window."""

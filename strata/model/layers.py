@@ -215,3 +215,18 @@ class Block(nn.Module):
     def forward(self, x, rope=None, bias=None, cache=None):
         x = x + self.attn(self.attn_norm(x), rope, bias, cache)
         return x + self.mlp(self.mlp_norm(x))
+
+    def empty_kv_cache(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed keys and values for generation, (batch, kv_heads, max_len, head_dim) each, with
+        the KV heads this block computes (all, a slice, or those its query heads read under tensor
+        parallelism: the projection's own output width, whatever layer implements it)."""
+        attn, weight = self.attn, self.attn.wk.weight
+        with torch.no_grad():
+            kv_heads = attn.wk(weight.new_zeros(1, 1, weight.shape[1])).shape[-1] // attn.head_dim
+        shape = (batch, kv_heads, max_len, attn.head_dim)
+        return (torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+                torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+
+    def wrap_core_attention(self, wrap) -> None:
+        """Selective checkpointing's hook: the core attention becomes wrap(core attention)."""
+        self.attn.core = wrap(self.attn.core)

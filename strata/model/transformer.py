@@ -12,6 +12,7 @@ states when the final norm is gone."""
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 
@@ -48,6 +49,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.register_buffer("alibi", torch.empty(0), persistent=False)
+        self.heads = range(cfg.n_heads)  # the query heads this model computes (a slice under tensor parallelism)
         if cfg.position == "rope":
             self.rope_cos, self.rope_sin = rope_tables(cfg)
         if cfg.position == "alibi":
@@ -69,7 +71,61 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg)
             self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
         if cfg.position == "alibi":
-            self.alibi = alibi_slopes(cfg.n_heads).to(device, dtype)
+            self.alibi = alibi_slopes(cfg.n_heads)[self.heads.start:self.heads.stop].to(device, dtype)
+
+    # --- the structure parallelism reads --------------------------------------------------------
+    # Tensor, pipeline and data parallelism, checkpointing and the trainer reach the layers through
+    # these methods and the family's placement table, never by a layer's name (tests/test_layers.py).
+    def layers(self) -> dict[int, nn.Module]:
+        """The blocks this model (or pipeline stage) holds, by global index: the units the pipeline
+        cuts between, activation checkpointing wraps and ZeRO-3 gathers one at a time."""
+        return {int(key): block for key, block in self.blocks.items()}
+
+    def input_layers(self) -> list[nn.Module]:
+        """What turns token ids into the first block's input (with any weights): the first unit."""
+        return [m for m in (self.embed, self.pos_embed, self.embed_norm) if m is not None]
+
+    def output_layers(self) -> list[nn.Module]:
+        """What turns the last block's output into logits (a tied head's matrix is the input's)."""
+        return [m for m in (self.final_norm, self.head) if m is not None]
+
+    def units(self) -> list[list[nn.Module]]:
+        """The model as ZeRO-3 gathers it: the inputs, each block, the outputs."""
+        return [self.input_layers(), *[[block] for block in self.layers().values()], self.output_layers()]
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The token embedding's matrix when the head reads it too (and this model holds it)."""
+        return self.embed.weight if self.cfg.tie_embeddings and self.embed is not None else None
+
+    def keep(self, layers: set[int], inputs: bool, outputs: bool) -> None:
+        """Remove every layer not held here (a pipeline stage, on the meta device). A last stage of
+        a tied model keeps the embedding: its head reads it."""
+        for key in list(self.blocks.keys()):
+            if int(key) not in layers:
+                del self.blocks[key]
+        if not inputs:
+            self.pos_embed = self.embed_norm = None
+            if not (outputs and self.cfg.tie_embeddings):
+                self.embed = None
+        if not outputs:
+            self.final_norm = self.head = None
+
+    def view(self, layers, outputs: bool) -> "Transformer":
+        """A module that runs just `layers` (a pipeline chunk): a shallow copy sharing every layer,
+        hook and parameter, with its own table of submodules; without outputs it stops at the
+        hidden states."""
+        view = copy.copy(self)
+        view._modules = dict(self._modules)
+        view.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in layers})
+        if not outputs:
+            view.final_norm = view.head = None
+        return view
+
+    def keep_heads(self, heads: range) -> None:
+        """Compute only these query heads (tensor parallelism): ALiBi's slopes are per head."""
+        self.heads = heads
+        if self.cfg.position == "alibi" and self.alibi.numel():
+            self.alibi = alibi_slopes(self.cfg.n_heads)[heads.start:heads.stop].to(self.alibi)
 
     # --- forward ----------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache=None,

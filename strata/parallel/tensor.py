@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.distributed import comm
+from strata.model.families import get_family
 from strata.parallel import tensor_comm as tpc
 
 
@@ -205,50 +206,85 @@ class GatherLogits(nn.Module):
 
 # --- applying it to the model ------------------------------------------------------------------
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
-    """Swap the layers of strata's Transformer (built on the meta device) for tensor-parallel ones;
+    """Swap the layers of strata's Transformer (built on the meta device) for tensor-parallel ones,
+    each as its family's description places it (PLACEMENTS in strata/model/families/base.py);
     their `tp_specs` say how each parameter is cut from the logical one."""
     cfg = model.cfg
+    family = get_family(cfg.family)
     rank, world = _tp(group)
-    d, hd, bias = cfg.d_model, cfg.head_dim, cfg.bias
-    padded_vocab = math.ceil(cfg.vocab_size / world) * world
-    saver = tpc.SequenceParallelSaver(group) if sequence_parallel else None
-    convert = (lambda module, args, out: tpc.gather_seq(out, group, saver)) if sequence_parallel else \
-        (lambda module, args, out: tpc.copy_to_tp(out, group))
+    split = _Splitter(cfg, group, sequence_parallel)
     with torch.device("meta"):
-        model.embed = VocabParallelEmbedding(cfg.vocab_size, d, group, padded_vocab)
-        if model.head is not None:
-            model.head = ColumnParallelLinear(d, cfg.vocab_size, bias, group, padded_vocab)
-        model.criterion = VocabParallelCrossEntropy(cfg.vocab_size, padded_vocab, group)
+        for name, module in list(model.named_modules()):
+            placement = family.placement(name)
+            if placement is not None:
+                replacement = split(placement, module)
+                if replacement is not module:
+                    model.set_submodule(name, replacement)
+        model.criterion = VocabParallelCrossEntropy(cfg.vocab_size, split.padded_vocab, group)
         model.gather_logits = GatherLogits(cfg.vocab_size, group)
-        for block in model.blocks.values():
-            attn, mlp = block.attn, block.mlp
-            attn.wq = ColumnParallelLinear(d, cfg.n_heads * hd, bias, group)
-            if cfg.kv_heads % world == 0:
-                attn.wk = ColumnParallelLinear(d, cfg.kv_heads * hd, bias, group)
-                attn.wv = ColumnParallelLinear(d, cfg.kv_heads * hd, bias, group)
-            else:  # fewer KV heads than ranks: keep K and V whole, use this rank's KV head
-                q_per_rank, q_per_kv = cfg.n_heads // world, cfg.n_heads // cfg.kv_heads
-                first = rank * q_per_rank // q_per_kv
-                used = range(first, (rank * q_per_rank + q_per_rank - 1) // q_per_kv + 1)
-                attn.wk = ReplicatedKVLinear(d, cfg.kv_heads, hd, bias, used)
-                attn.wv = ReplicatedKVLinear(d, cfg.kv_heads, hd, bias, used)
-            attn.wo = RowParallelLinear(cfg.n_heads * hd, d, bias, group, sequence_parallel)
-            if cfg.mlp == "swiglu":
-                mlp.w_gate = ColumnParallelLinear(d, cfg.d_ff, bias, group)
-                mlp.w_up = ColumnParallelLinear(d, cfg.d_ff, bias, group)
-                mlp.w_down = RowParallelLinear(cfg.d_ff, d, bias, group, sequence_parallel)
-            else:
-                mlp.w_in = ColumnParallelLinear(d, cfg.d_ff, bias, group)
-                mlp.w_out = RowParallelLinear(cfg.d_ff, d, bias, group, sequence_parallel)
-    norms = [m for b in model.blocks.values() for m in (b.attn_norm, b.mlp_norm)] + [model.final_norm]
-    for norm in norms:  # one input conversion per column-parallel group, on the norm before it
-        norm.register_forward_hook(convert)
-        if sequence_parallel:  # the norm sees 1/t of the tokens: its gradient is a part
-            norm.tp_specs = {name: ShardSpec(tuple(p.shape), None, partial_grad=True)
-                             for name, p in norm.named_parameters()}
+    heads = cfg.n_heads // world
+    model.keep_heads(range(rank * heads, (rank + 1) * heads))
     if sequence_parallel:  # blocks run on this rank's slice of the sequence
         model.to_blocks = SplitSequence(group)
-        _keep_shards_for_backward(model, saver)
+        _keep_shards_for_backward(model, split.saver)
+
+
+class _Splitter:
+    """placement, single-device module -> its tensor-parallel replacement (or the module itself,
+    marked), for one model and group."""
+
+    def __init__(self, cfg, group, sequence_parallel: bool):
+        self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        self.rank, self.world = _tp(group)
+        self.padded_vocab = math.ceil(cfg.vocab_size / self.world) * self.world
+        self.saver = tpc.SequenceParallelSaver(group) if sequence_parallel else None
+
+    def __call__(self, placement: str, module: nn.Module) -> nn.Module:
+        return getattr(self, placement)(module)
+
+    def vocabulary(self, module):
+        if isinstance(module, nn.Embedding):
+            return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, self.group, self.padded_vocab)
+        return ColumnParallelLinear(module.in_features, module.out_features, module.bias is not None, self.group,
+                                    self.padded_vocab)
+
+    def column(self, module):
+        return ColumnParallelLinear(module.in_features, module.out_features, module.bias is not None, self.group)
+
+    def kv_column(self, module):
+        cfg = self.cfg
+        if cfg.kv_heads % self.world == 0:
+            return self.column(module)
+        # fewer KV heads than ranks: keep K and V whole, use the KV heads this rank's query heads read
+        q_per_rank, q_per_kv = cfg.n_heads // self.world, cfg.n_heads // cfg.kv_heads
+        used = range(self.rank * q_per_rank // q_per_kv, (self.rank * q_per_rank + q_per_rank - 1) // q_per_kv + 1)
+        return ReplicatedKVLinear(module.in_features, cfg.kv_heads, cfg.head_dim, module.bias is not None, used)
+
+    def row(self, module):
+        return RowParallelLinear(module.in_features, module.out_features, module.bias is not None, self.group,
+                                 self.sequence_parallel)
+
+    def input_norm(self, module):
+        # the input conversion of the column-parallel group this norm feeds: one per group
+        if self.sequence_parallel:
+            module.register_forward_hook(lambda m, args, out: tpc.gather_seq(out, self.group, self.saver))
+            _partial_gradients(module)  # it sees 1/t of the tokens
+        else:
+            module.register_forward_hook(lambda m, args, out: tpc.copy_to_tp(out, self.group))
+        return module
+
+    def head_norm(self, module):
+        _partial_gradients(module)  # it sees this rank's heads only
+        return module
+
+    def replicated(self, module):
+        return module
+
+
+def _partial_gradients(module: nn.Module) -> None:
+    """A replicated module whose gradient on each rank is a part of the whole: summed over the group."""
+    module.tp_specs = {name: ShardSpec(tuple(p.shape), None, partial_grad=True)
+                       for name, p in module.named_parameters()}
 
 
 def _keep_shards_for_backward(model: nn.Module, saver: "tpc.SequenceParallelSaver") -> None:

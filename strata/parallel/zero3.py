@@ -46,13 +46,6 @@ class Unit:
         self.ready = 0
 
 
-def transformer_units(model: nn.Module) -> list[list[nn.Module]]:
-    """strata's Transformer cut into units: embedding, each block, final norm + head."""
-    first = [m for m in (model.embed, model.pos_embed, model.embed_norm) if m is not None]
-    last = [m for m in (model.final_norm, model.head) if m is not None]
-    return [first, *[[block] for block in model.blocks.values()], last]
-
-
 class ShardParameters:
     """ZeRO-3, the sharding strategy data parallelism uses at stage 3 (strata/parallel/data.py)."""
 
@@ -68,9 +61,8 @@ class ShardParameters:
         self.dp_size, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self._pending: list = []
         names = {id(p): n for n, p in model.named_parameters()}
-        tied = model.cfg.tie_embeddings  # the head reads the embedding last: keep it gathered
-        self.units = [Unit(i, mods, keep_after_forward=(i == 0 and tied))
-                      for i, mods in enumerate(transformer_units(model))]
+        tied = model.tied_weight() is not None  # the head reads the first unit's matrix last: keep it
+        self.units = [Unit(i, mods, keep_after_forward=(i == 0 and tied)) for i, mods in enumerate(model.units())]
         self.pieces, self.shard_params = [], []
         for unit in self.units:
             for module in unit.modules:

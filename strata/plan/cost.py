@@ -142,7 +142,7 @@ class StageLoad:
     """What one pipeline rank holds and computes (all its chunks together)."""
     flops_per_token: float  # forward
     params: float
-    blocks: int
+    layers: int  # transformer blocks
     first: bool  # holds the embedding
     last: bool  # holds the head (and the loss)
 
@@ -152,11 +152,7 @@ def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLo
     """Per pipeline rank, from strata's own cut (balanced by forward FLOPs: the embedding with the
     first chunk, the head with the last), so an uneven stage costs what it costs."""
     costs = unit_costs(cfg, seq_len)
-    d, norm = cfg.d_model, cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    embed = cfg.vocab_size * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0) + \
-        (norm if cfg.embedding_norm else 0)
-    head = norm + (0 if cfg.tie_embeddings else cfg.vocab_size * d + int(cfg.bias) * cfg.vocab_size)
-    block = (cfg.num_params() - embed - head) / cfg.n_layers
+    embed, block, head = cfg.unit_params()
     if p == 1:
         blocks_of_rank = [cfg.n_layers]
     else:
@@ -167,7 +163,7 @@ def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLo
         first, last = rank == 0, rank == p - 1
         params = blocks * block + (embed if first else 0) + (head if last else 0)
         if last and not first and cfg.tie_embeddings:
-            params += cfg.vocab_size * d  # the last stage's copy of the tied embedding
+            params += cfg.vocab_size * cfg.d_model  # the last stage's copy of the tied embedding
         flops = blocks * costs[1] + (costs[0] if first else 0) + (costs[-1] if last else 0)
         loads.append(StageLoad(flops, params, blocks, first, last))
     return tuple(loads)
@@ -237,7 +233,7 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
     states = model_state_bytes(load.params / t, lay.zero, lay.dp, terms.precision, work.optimizer)
-    activations = terms.activation_per_layer * load.blocks * _micro_batches_in_flight(lay, terms.micro_batches, rank)
+    activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
     activations += (terms.tokens * cfg.d_model * terms.act_bytes if load.first else 0) + \
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
     return {"weights": states.weights, "gradients": states.grads,
@@ -264,9 +260,9 @@ class _RankTime:
 def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) -> _RankTime:
     t, p = lay.tp, lay.pp
     fwd = terms.tokens * load.flops_per_token / t
-    recompute = {"none": 0.0, "selective": terms.tokens * terms.attention_fwd * load.blocks / t,
+    recompute = {"none": 0.0, "selective": terms.tokens * terms.attention_fwd * load.layers / t,
                  "full": fwd}[lay.checkpointing]
-    tp_collectives = load.blocks * terms.tp_collectives_per_block
+    tp_collectives = load.layers * terms.tp_collectives_per_block
     tp_seconds = tp_collectives * terms.tp_collective_s
     if t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
         tp_collectives += load.first + load.last
@@ -293,7 +289,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     comm_seconds = {"tp": slowest.tp_seconds * m, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
     grad_bytes = slowest.load.params / t * terms.act_bytes
     comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, grad_bytes, m, slowest.forward,
-                                                                      slowest.backward, slowest.load.blocks)
+                                                                      slowest.backward, slowest.load.layers)
     bubble_time = _bubble_time(lay, m, slowest.total)
     step = m * slowest.total + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, slowest.load.params / t)
     tokens_per_step = work.global_batch * s
@@ -329,7 +325,7 @@ def _buffers(lay: Layout, load: StageLoad, t: int, act_bytes: int) -> float:
     one prefetched) and one unit's staged gradients."""
     if lay.zero < 3:
         return 0.0
-    unit = load.params / t / (load.blocks + load.first + load.last) * act_bytes
+    unit = load.params / t / (load.layers + load.first + load.last) * act_bytes
     return 3 * unit
 
 

@@ -101,14 +101,14 @@ def estimate_serving(work: Serving, device: Device, tp: int, pp: int, link_bandw
     lookup = cfg.vocab_size * cfg.d_model + (cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0)
     memory, memory_s, compute_s, overhead_s, tp_comm_s = [], 0.0, 0.0, 0.0, 0.0
     for load in stage_loads(cfg, pp, 1, max(work.context, 1)):  # strata's own pipeline cut
-        kv = kv_cache_bytes(cfg, b, work.context, work.precision, tp, load.blocks)
+        kv = kv_cache_bytes(cfg, b, work.context, work.precision, tp, load.layers)
         memory.append((load.params * nbytes / tp, kv))
         read = load.params - (lookup if load.first and not (load.last and cfg.tie_embeddings) else 0)
         memory_s += (read * nbytes / tp + kv * micro / b) / bandwidth  # a micro-batch's share of the cache
-        compute_s += (2 * read / tp + 4 * load.blocks * work.context * cfg.d_model / tp) * micro / flops_rate
-        overhead_s += load.blocks * overheads.per_layer_s
+        compute_s += (2 * read / tp + 4 * load.layers * work.context * cfg.d_model / tp) * micro / flops_rate
+        overhead_s += load.layers * overheads.per_layer_s
         if tp > 1:  # two all-reduces of micro x d activations per layer
-            tp_comm_s += load.blocks * 2 * small_all_reduce_s(micro * cfg.d_model * nbytes, tp, link_bandwidth,
+            tp_comm_s += load.layers * 2 * small_all_reduce_s(micro * cfg.d_model * nbytes, tp, link_bandwidth,
                                                               link_latency)
     overhead_s += overheads.per_token_s
     pp_comm_s = (pp - 1) * (link_latency + micro * cfg.d_model * nbytes / link_bandwidth)

@@ -71,15 +71,6 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
         raise ConfigError(f"must divide the model's {model.kv_heads} KV heads or be a multiple of them", "tp", tp)
     if model.d_ff % tp:
         raise ConfigError(f"must divide the model's d_ff {model.d_ff}", "tp", tp)
-    if tp > 1 and model.position == "alibi":
-        raise ConfigError("ALiBi models run with tp 1 for now", "tp", tp)
-    # Options whose parameters the tensor-parallel layers do not split yet (issue 18's next phase
-    # drives the split from the family descriptions): q/k/v biases without the others, per-head
-    # q/k norms (replicated, their gradients to be summed over the group), GeGLU's gate.
-    unsplit = [name for name, on in (("qkv_bias", model.qkv_bias), ("qk_norm", model.qk_norm),
-                                     ("mlp='geglu'", model.mlp == "geglu")) if on]
-    if tp > 1 and unsplit:
-        raise ConfigError(f"{model.family} models ({unsplit[0]}) run with tp 1 for now", "tp", tp)
 
 
 def check_schedule(layout: Layout) -> None:

@@ -266,7 +266,7 @@ def pipeline_forward_backward(run: Run, micro_batches) -> torch.Tensor:
     with run.parallel.backward(is_last_micro_batch=False):
         loss_sum = run.pipeline.step(micro_batches)
     if run.embedding_group is not None:  # before the dp reduction, while every rank's gradient is whole
-        comm.all_reduce(run.model.embed.weight.grad, run.embedding_group, "embedding")
+        comm.all_reduce(run.model.tied_weight().grad, run.embedding_group, "embedding")
     run.parallel.reduce_gradients()
     comm.all_reduce(loss_sum, run.pp_group, "pp")  # only the last stage had it
     return loss_sum

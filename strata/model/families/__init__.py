@@ -7,22 +7,40 @@ A description says
 - how to read a Hugging Face `config.json` into a ModelConfig (refusing, in one line naming the
   key, an option strata's model does not compute), and how to write one back over the original;
 - how to rename (and re-lay-out) tensors from Hugging Face's names to strata's and back;
-- `tensor_parallel`: per parameter path, inside a block (the path under `blocks.N.`) or at the
-  top of the model, its placement: "column" (output features split), "row" (input features
-  split, bias replicated), "vocabulary" (rows of the vocabulary split, padded) or "replicated".
+- `tensor_parallel`: per module path (a block's as `blocks.*.<path>`), its placement (PLACEMENTS in
+  base.py: vocabulary, column, kv_column, row, input_norm, head_norm, replicated), from which
+  strata/parallel/tensor.py splits the model, the row placements being the outputs sequence
+  parallelism keeps split.
 
-Adding a family is one file here, one line in FAMILIES, and its tests (docs/architecture.md)."""
+The model's structure (its units: the input layers, each block, the output layers; what a pipeline
+stage keeps; the tied matrix) is the Transformer's interface (`units`, `layers`, `keep`, `view`,
+`tied_weight`, `keep_heads` in strata/model/transformer.py), and its parameter counts per unit are
+`ModelConfig.unit_params`: ZeRO-3, the pipeline, checkpointing, the trainer and the planner read
+those, and no module outside strata/model names a layer (tests/test_layers.py).
+
+Adding a family is one file here (found by the registry below), its tests and its docs
+(docs/architecture.md, "Adding a model family")."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families import bloom, gemma, gpt2, gptj, llama, mistral, qwen2, qwen3
 from strata.model.families.base import PLACEMENTS, Family  # noqa: F401 - the description's type, here too
 
-# --- the registry ---------------------------------------------------------------------------------
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY,
-                                                  gemma.FAMILY, gpt2.FAMILY, bloom.FAMILY, gptj.FAMILY)}
+
+# --- the registry: every module of this package but base.py describes one family (its FAMILY) -------
+def _described() -> dict[str, Family]:
+    found = {}
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
+        family = importlib.import_module(f"{__name__}.{module}").FAMILY
+        found[family.name] = family
+    return found
+
+
+FAMILIES: dict[str, Family] = _described()
 
 
 def get_family(name: str) -> Family:

@@ -5,17 +5,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 
-PLACEMENTS = ("column", "row", "vocabulary", "replicated")
+# Where a module's parameters go under 1-D tensor parallelism (strata/parallel/tensor.py does it).
+PLACEMENTS = {
+    "vocabulary": "rows of the vocabulary split across ranks, padded to a multiple of t (embedding, head)",
+    "column": "output features split: a slice of the heads or of d_ff per rank (a bias split alike)",
+    "kv_column": "K or V: split by KV head, or whole on every rank when there are fewer KV heads than ranks "
+                 "(each rank uses its query heads' KV heads; gradients summed)",
+    "row": "input features split, the partial outputs summed (reduce-scattered under sequence parallelism: "
+           "the outputs it keeps split); the bias added once",
+    "input_norm": "whole on every rank; its output feeds column-parallel layers, so the group's one input "
+                  "conversion follows it (under sequence parallelism it sees 1/t of the tokens: gradient summed)",
+    "head_norm": "whole on every rank, over each head's features (q/k norms): each rank normalises its own "
+                 "heads, gradient summed",
+    "replicated": "whole on every rank, with a whole gradient (position table, the embedding's norm)",
+}
 
 
 @dataclass(frozen=True)
 class Family:
     name: str  # ModelConfig.family
     model_types: tuple[str, ...]  # the Hugging Face model_type values it reads (none: planning only)
+    # module path (a block's as "blocks.*.<path>") -> its placement (PLACEMENTS)
     tensor_parallel: dict[str, str]
     # hf config.json, where (for errors) -> ModelConfig
     config_from_hf: Callable[[dict, str], ModelConfig] | None = None
@@ -29,6 +44,19 @@ class Family:
     @property
     def converts(self) -> bool:
         return self.config_from_hf is not None
+
+    def placement(self, module_name: str) -> str | None:
+        """The tensor-parallel placement of the module at this path (None: a container, or a layer
+        without parameters)."""
+        for pattern, placement in self.tensor_parallel.items():
+            if fnmatchcase(module_name, pattern):
+                return placement
+        return None
+
+
+def in_blocks(placements: dict[str, str]) -> dict[str, str]:
+    """Placements of the modules inside every block, by their path in a block."""
+    return {f"blocks.*.{path}": placement for path, placement in placements.items()}
 
 
 # --- what the descriptions share --------------------------------------------------------------

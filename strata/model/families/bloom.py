@@ -16,7 +16,7 @@ import torch
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.families.base import Family, refuse_set, tied_head_to_hf
-from strata.model.families.gpt2 import strip_prefix, written_prefix
+from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, strip_prefix, written_prefix
 
 NAME = "bloom"
 LAYER = {"input_layernorm": "attn_norm", "self_attention.dense": "attn.wo", "post_attention_layernorm": "mlp_norm",
@@ -25,9 +25,10 @@ TOP = {"word_embeddings.weight": "embed.weight", "word_embeddings_layernorm.weig
        "word_embeddings_layernorm.bias": "embed_norm.bias", "ln_f.weight": "final_norm.weight",
        "ln_f.bias": "final_norm.bias"}
 FUSED = "self_attention.query_key_value"
-TENSOR_PARALLEL = {"embed": "vocabulary", "embed_norm": "replicated", "final_norm": "replicated",
-                   "attn_norm": "replicated", "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
-                   "attn.wo": "row", "mlp_norm": "replicated", "mlp.w_in": "column", "mlp.w_out": "row"}
+# GPT-2's split; the embedding's norm sees whole sequences (before sequence parallelism splits them).
+# ALiBi's slopes are per head: each rank takes its heads' (Transformer.keep_heads).
+TENSOR_PARALLEL = {"embed": "vocabulary", "embed_norm": "replicated", "final_norm": "input_norm",
+                   **BLOCK_TENSOR_PARALLEL}
 # ALiBi needs no position table; BLOOM was trained on 2,048-token sequences (BigScience 2022)
 TRAINED_CONTEXT = 2048
 

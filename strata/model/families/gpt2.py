@@ -11,7 +11,7 @@ import torch
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, check_choice, refuse_set, tied_head_to_hf
+from strata.model.families.base import Family, check_choice, in_blocks, refuse_set, tied_head_to_hf
 
 NAME = "gpt2"
 LAYER = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.w_in",
@@ -19,9 +19,12 @@ LAYER = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_proj": "attn.wo", "mlp
 TOP = {"wte.weight": "embed.weight", "wpe.weight": "pos_embed.weight", "ln_f.weight": "final_norm.weight",
        "ln_f.bias": "final_norm.bias"}
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-TENSOR_PARALLEL = {"embed": "vocabulary", "pos_embed": "replicated", "final_norm": "replicated",
-                   "attn_norm": "replicated", "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
-                   "attn.wo": "row", "mlp_norm": "replicated", "mlp.w_in": "column", "mlp.w_out": "row"}
+# Megatron's split, as Llama's, with the GELU MLP's two matrices
+BLOCK_TENSOR_PARALLEL = in_blocks({"attn_norm": "input_norm", "attn.wq": "column", "attn.wk": "kv_column",
+                                   "attn.wv": "kv_column", "attn.wo": "row", "mlp_norm": "input_norm",
+                                   "mlp.w_in": "column", "mlp.w_out": "row"})
+TENSOR_PARALLEL = {"embed": "vocabulary", "pos_embed": "replicated", "final_norm": "input_norm",
+                   **BLOCK_TENSOR_PARALLEL}
 
 
 def config_from_hf(hf: dict, where: str) -> ModelConfig:

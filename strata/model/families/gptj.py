@@ -7,9 +7,9 @@ GPT-2's, and so is their split."""
 from __future__ import annotations
 
 from strata.model.families.base import Family
-from strata.model.families.gpt2 import TENSOR_PARALLEL
+from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL
 
 NAME = "gptj"
 
-FAMILY = Family(NAME, (), {**{path: p for path, p in TENSOR_PARALLEL.items() if path != "pos_embed"},
-                           "head": "vocabulary"})
+FAMILY = Family(NAME, (), {"embed": "vocabulary", "head": "vocabulary", "final_norm": "input_norm",
+                           **BLOCK_TENSOR_PARALLEL})

@@ -12,7 +12,7 @@ from functools import partial
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, check_choice, refuse_set, tied_head_to_hf
+from strata.model.families.base import Family, check_choice, in_blocks, refuse_set, tied_head_to_hf
 
 NAME = "llama"
 # a Hugging Face module inside model.layers.N -> strata's inside blocks.N
@@ -23,10 +23,10 @@ TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_
        "lm_head.weight": "head.weight"}
 # Megatron's split (Shoeybi et al. 2019): q, k, v and the MLP's first matrices by output features,
 # the output projections by input features; the norms whole on every rank.
-TENSOR_PARALLEL = {"embed": "vocabulary", "head": "vocabulary", "final_norm": "replicated",
-                   "attn_norm": "replicated", "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
-                   "attn.wo": "row", "mlp_norm": "replicated", "mlp.w_gate": "column", "mlp.w_up": "column",
-                   "mlp.w_down": "row"}
+TENSOR_PARALLEL = {"embed": "vocabulary", "head": "vocabulary", "final_norm": "input_norm",
+                   **in_blocks({"attn_norm": "input_norm", "attn.wq": "column", "attn.wk": "kv_column",
+                                "attn.wv": "kv_column", "attn.wo": "row", "mlp_norm": "input_norm",
+                                "mlp.w_gate": "column", "mlp.w_up": "column", "mlp.w_down": "row"})}
 _DERIVED = ".rotary_emb.inv_freq"  # a buffer some old conversions saved: rebuilt, never read
 
 

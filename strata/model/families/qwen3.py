@@ -6,14 +6,14 @@ Sliding windows as Qwen2's (off in the released models)."""
 from __future__ import annotations
 
 from strata.model.config import ModelConfig
-from strata.model.families.base import check_choice, refuse_set
+from strata.model.families.base import check_choice, in_blocks, refuse_set
 from strata.model.families.llama import LAYER, TENSOR_PARALLEL, llama_style, shape_from_hf, shape_to_hf
 from strata.model.families.qwen2 import sliding_window_from_hf, sliding_window_to_hf
 
 NAME = "qwen3"
 QWEN3_LAYER = {**LAYER, "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
 # the q/k norms act on every head alike: whole on every rank (each rank's heads add to their gradient)
-QWEN3_TENSOR_PARALLEL = {**TENSOR_PARALLEL, "attn.q_norm": "replicated", "attn.k_norm": "replicated"}
+QWEN3_TENSOR_PARALLEL = {**TENSOR_PARALLEL, **in_blocks({"attn.q_norm": "head_norm", "attn.k_norm": "head_norm"})}
 
 
 def config_from_hf(hf: dict, where: str) -> ModelConfig:

@@ -10,7 +10,6 @@ gradients are summed over the first and last stage (Megatron's embedding group),
 
 from __future__ import annotations
 
-import copy
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -24,43 +23,22 @@ from strata.rules.pipeline_cut import PipelineLayout
 def keep_stage(model: Transformer, layout: PipelineLayout, pp_rank: int) -> None:
     """Remove, in place, every layer this rank's chunks do not hold (on the meta-device model)."""
     chunks = layout.chunks_of(pp_rank)
-    mine = {str(b) for c in chunks for b in layout.blocks_of(c)}
-    for key in list(model.blocks.keys()):
-        if key not in mine:
-            del model.blocks[key]
-    first, last = 0 in chunks, layout.num_chunks - 1 in chunks
-    if not first:
-        model.pos_embed = model.embed_norm = None
-        if not (last and model.head is None):  # tied: the last stage's head reads the embedding
-            model.embed = None
-    if not last:
-        model.final_norm = model.head = None
+    model.keep({b for c in chunks for b in layout.blocks_of(c)}, inputs=0 in chunks,
+               outputs=layout.num_chunks - 1 in chunks)
 
 
 def tied_copy(model: Transformer, layout: PipelineLayout, pp_rank: int) -> nn.Parameter | None:
     """The last stage's copy of a tied embedding (None elsewhere, and when not tied)."""
-    chunks = layout.chunks_of(pp_rank)
-    if model.cfg.tie_embeddings and layout.num_chunks - 1 in chunks and 0 not in chunks:
-        return model.embed.weight
-    return None
+    return model.tied_weight() if 0 not in layout.chunks_of(pp_rank) else None
 
 
 def chunk_views(model: Transformer, layout: PipelineLayout, pp_rank: int) -> dict[int, Transformer]:
-    """chunk -> a module that runs just that chunk. With one chunk per rank it is the rank's model;
-    otherwise a shallow copy sharing every layer, hook and parameter, with its own table of
-    submodules (so removing the other chunks' blocks from it leaves the rank's model whole)."""
+    """chunk -> a module that runs just that chunk: the rank's model when it runs one chunk, else a
+    view of it holding the chunk's blocks (so removing the others leaves the rank's model whole)."""
     chunks = layout.chunks_of(pp_rank)
     if len(chunks) == 1:
         return {chunks[0]: model}
-    views = {}
-    for c in chunks:
-        view = copy.copy(model)
-        view._modules = dict(model._modules)
-        view.blocks = nn.ModuleDict({str(b): model.blocks[str(b)] for b in layout.blocks_of(c)})
-        if c != layout.num_chunks - 1:
-            view.final_norm = view.head = None  # stops at the hidden states
-        views[c] = view
-    return views
+    return {c: model.view(layout.blocks_of(c), outputs=c == layout.num_chunks - 1) for c in chunks}
 
 
 def embedding_group(dims: ParallelDims, rank: int, timeout_s: float):
