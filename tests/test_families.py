@@ -240,13 +240,13 @@ def test_a_model_its_family_cannot_write_is_refused_on_export():
 
 
 def test_every_family_places_every_parameter_under_tensor_parallelism():
-    cases = {"llama": "tiny", "gpt2": "tiny-gpt2", "gptj": "gpt-j-6b", "bloom": "bloom-176b", "qwen2": "qwen2.5-7b",
-             "mistral": "mistral-7b", "gemma": "gemma-7b", "qwen3": None}
-    for family, preset in cases.items():
-        cfg = PRESETS[preset] if preset else ModelConfig(**{**PRESETS["tiny"].to_dict(), "qk_norm": True,
-                                                            "family": "qwen3"})
+    from strata.checkpoint.hf import model_config_from_hf
+    shapes = [model_config_from_hf(config.to_dict(), case) for case, config in _configs().items()]
+    shapes += [preset for preset in PRESETS.values()]
+    assert {cfg.family for cfg in shapes} == set(FAMILIES)
+    for cfg in shapes:
         for name, _ in build_model(cfg, seed=None).named_parameters():
-            assert FAMILIES[family].placement(name.rsplit(".", 1)[0]) in PLACEMENTS, (family, name)
+            assert FAMILIES[cfg.family].placement(name.rsplit(".", 1)[0]) in PLACEMENTS, (cfg.family, name)
 
 
 # --- fine-tuning a converted model on one's own data, with its own tokenizer -------------------------
