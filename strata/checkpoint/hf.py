@@ -28,6 +28,9 @@ from strata.model.families import converting_family, family_of_model_type
 from strata.model.transformer import build_model
 
 HF_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what --to-hf writes
+# Small files transformers reads beside the model (AutoTokenizer's special tokens and chat template,
+# generate()'s defaults): kept in the checkpoint's record of its origin, written back by --to-hf.
+HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # the config.json keys that count things (a present one must be a whole number >= 1)
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings", "head_dim", "n_embd", "n_layer", "n_head",
@@ -143,8 +146,19 @@ def convert_from_hf(directory: str, out: str) -> str:
     dtype = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")
     state = {"model_config": cfg.to_dict(), "config": {"dtype": "fp32"},
              "layout": {"dp": 1, "tp": 1, "pp": 1, "zero": 0},
-             "hf": {"config": hf_config, "keys": sorted(hf_tensors), "dtype": dtype, "source": os.path.abspath(directory)}}
+             "hf": {"config": hf_config, "keys": sorted(hf_tensors), "dtype": dtype, "source": os.path.abspath(directory),
+                    "side_files": _side_files(directory)}}
     return store.Checkpointer(out, 0, 1).save(0, data, meta, state, (tokenizer,) if tokenizer else ())
+
+
+def _side_files(directory: str) -> dict[str, dict]:
+    """HF_SIDE_FILES the directory has, each a JSON object."""
+    found = {}
+    for name in HF_SIDE_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            found[name] = read_json_object(path, f"Hugging Face's {name}")
+    return found
 
 
 def _hf_tokenizer(directory: str) -> str | None:
@@ -164,7 +178,7 @@ def convert_to_hf(checkpoint: str, out: str) -> str:
     """A strata checkpoint (any layout) -> a Hugging Face model directory that `transformers`
     loads with from_pretrained."""
     check_output_dir(out, "out")
-    clash = [n for n in HF_FILES if os.path.exists(os.path.join(out, n))]
+    clash = [n for n in HF_FILES + HF_SIDE_FILES if os.path.exists(os.path.join(out, n))]
     if clash:
         raise ConfigError(f"holds a model already ({clash[0]}); convert into a new directory", "out", out)
     path, manifest, reader = store.open_checkpoint(checkpoint)
@@ -186,8 +200,11 @@ def save_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, origin
     os.makedirs(out, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in hf_tensors.items()}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
+    written = {"config.json": hf_config, **(original.get("side_files") or {})}
+    for name, content in written.items():
+        if name in ("config.json", *HF_SIDE_FILES):  # names of our own: a manifest is data, not a path
+            with open(os.path.join(out, name), "w") as f:
+                json.dump(content, f, indent=2)
     if tokenizer is not None:
         shutil.copy(tokenizer, out)
     return out
