@@ -47,6 +47,9 @@ def _configs():
                                    sliding_window=16),
         "gemma": t.GemmaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                max_position_embeddings=64),
+        # Phi-3: fused qkv_proj and gate_up_proj, GQA with one KV head, a window shorter than the prompts
+        "phi3": t.Phi3Config(**SMALL, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                             sliding_window=16, pad_token_id=0),
         "gpt2": t.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64, bos_token_id=1,
                              eos_token_id=2),
         "bloom": t.BloomConfig(vocab_size=VOCAB, hidden_size=48, n_layer=2, n_head=6),  # 6 heads: ALiBi's odd rule
