@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import netns  # noqa: E402 - the tests' two namespaces
 
 from strata.config import TrainConfig  # noqa: E402
 from strata.model.presets import get_preset  # noqa: E402
@@ -125,32 +126,13 @@ def latency_line() -> bool:
 
 
 # --- a shaped link between two network namespaces: the all-reduce time against the planner -----------
-def _sh(*args):
-    subprocess.run(args, check=True, capture_output=True)
-
-
 def link_all_reduce() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
+    if not netns.available():
         print(f"{'1 Gbit/s link all-reduce':32} skipped: needs root and `ip netns`", flush=True)
         return True
-    tag = f"{os.getpid() % 100000}"
-    nodes = [(f"strata-ta{tag}", "10.233.7.1", f"tva{tag}"), (f"strata-tb{tag}", "10.233.7.2", f"tvb{tag}")]
-    try:
-        for ns, _, _ in nodes:
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", nodes[0][2], "type", "veth", "peer", "name", nodes[1][2])
-        for ns, ip, dev in nodes:
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            # tbf needs a burst of at least rate/HZ (about 512 KB at 1 Gbit/s) to reach its rate
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "1gbit",
-                "burst", "512kb", "latency", "100ms")
+    with netns.two_nodes("t", "10.233.7") as nodes:
+        netns.shape(nodes, "1gbit", "512kb")
         return _train_over(nodes)
-    finally:
-        for ns, _, _ in nodes:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _train_over(nodes) -> bool:

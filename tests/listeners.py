@@ -100,3 +100,29 @@ def host(address: str) -> str:
 
 def is_loopback(address: str) -> bool:
     return ipaddress.ip_address(host(address)).is_loopback
+
+
+def run_watching(commands: list[list[str]], envs: list[dict], logs_dir, timeout: float = 300.0
+                 ) -> tuple[list[str], list[set[str]]]:
+    """Start the commands together, each exiting 0; their output, and every address each one's
+    process tree listened on while it ran. A hang fails the test instead of stalling the suite."""
+    import subprocess
+    import time
+    logs = [open(logs_dir / f"task{i}.log", "w+") for i in range(len(commands))]
+    jobs = [subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            for command, env, log in zip(commands, envs, logs)]
+    seen = [set() for _ in jobs]
+    deadline = time.monotonic() + timeout
+    while any(job.poll() is None for job in jobs) and time.monotonic() < deadline:
+        for i, job in enumerate(jobs):
+            seen[i].update(a for addresses in listeners_of_tree(job.pid).values() for a in addresses)
+        time.sleep(0.2)
+    outputs = []
+    for job, log in zip(jobs, logs):
+        if job.poll() is None:
+            kill_tree(job.pid)
+        job.wait(timeout=10)
+        log.seek(0)
+        outputs.append(log.read())
+        assert job.returncode == 0, log.name + "\n" + outputs[-1][-3000:]
+    return outputs, seen

@@ -1,6 +1,8 @@
 """Hugging Face interop: random-weight transformers models (built offline from configs) converted
 into strata give transformers' logits on one process, under --tp 2 (and 4, with the vocabulary
-padded) and --pp 2; fine-tuning starts from them under any layout; converting back is bit-identical."""
+padded) and --pp 2; a model fine-tuned under --tp 2 converts back to the logits strata computes.
+(Every family's round trip: tests/test_families.py; its fine-tuning under tp, pp and dp x tp:
+tests/test_family_parallel.py.)"""
 
 import json
 
@@ -104,36 +106,6 @@ def test_logits_equal_transformers_under_pipeline_parallelism(converted):
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-FINE_TUNE = dict(steps=3, micro_batch=2, global_batch=4, seq_len=16, progress=False, eval_batches=1, peak_flops=1e10)
-
-
-def _fine_tune(ckpt, layout):
-    return train(TrainConfig(**FINE_TUNE, init_from=ckpt, **layout))["losses"]
-
-
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
-def test_fine_tuning_starts_from_the_converted_weights_under_any_layout(converted, layout):
-    _, root, _ = converted
-    single = _fine_tune(str(root / "ck"), {})
-    parallel = run_on_ranks(_fine_tune, 2, str(root / "ck"), layout, timeout=300)[0]
-    torch.testing.assert_close(parallel, single, rtol=1e-5, atol=0)
-
-
-def test_the_round_trip_back_to_hf_is_bit_identical(converted, capsys):
-    family, root, expected = converted
-    assert strata_main(["convert", "--to-hf", str(root / "ck"), "--out", str(root / "back")]) == 0
-    from safetensors.torch import load_file
-    original, back = load_file(str(root / "hf" / "model.safetensors")), load_file(str(root / "back" / "model.safetensors"))
-    assert set(back) == set(original)
-    for name, value in original.items():
-        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(root / "back")).float().eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, expected)
-    config = json.loads((root / "back" / "config.json").read_text())
-    assert config["model_type"] == family and config["vocab_size"] == VOCAB
-
-
 def test_a_fine_tuned_checkpoint_exports_to_transformers(converted, tmp_path):
     """Trained under --tp 2 from the converted weights, handed back: transformers computes the
     same logits as strata does with the fine-tuned weights."""
@@ -144,6 +116,9 @@ def test_a_fine_tuned_checkpoint_exports_to_transformers(converted, tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).float().eval()
     with torch.no_grad():
         torch.testing.assert_close(theirs(TOKENS).logits, ours(TOKENS), rtol=1e-5, atol=1e-5)
+
+
+FINE_TUNE = dict(steps=3, micro_batch=2, global_batch=4, seq_len=16, progress=False, eval_batches=1, peak_flops=1e10)
 
 
 def _save_fine_tuned(ckpt, out):

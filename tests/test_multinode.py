@@ -5,54 +5,27 @@ would not know which interface to use across namespaces)."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 
+import netns
 import pytest
 
 from distributed import free_port
-from listeners import host, listeners_of_tree
+from listeners import host, run_watching
 
 needs_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None
-    or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
-    reason="needs root and `ip netns` (network namespaces) to build two nodes on one machine")
+    not netns.available(), reason="needs root and `ip netns` (network namespaces) to build two nodes on one machine")
 
 TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "5", "--no-progress",
          "--eval-batches", "1", "--peak-flops", "1e10", "--timeout", "60"]
 
 
-def _sh(*args):
-    subprocess.run(args, check=True, capture_output=True)
-
-
 @pytest.fixture
 def two_nodes():
     """(namespace, address, veth device) of two nodes joined by a veth pair."""
-    tag = f"{os.getpid() % 100000}"
-    nodes = [(f"strata-a{tag}", "10.231.7.1", f"sva{tag}"), (f"strata-b{tag}", "10.231.7.2", f"svb{tag}")]
-    try:
-        for ns, _, _ in nodes:
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", nodes[0][2], "type", "veth", "peer", "name", nodes[1][2])
-        for ns, ip, dev in nodes:
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+    with netns.two_nodes("s", "10.231.7") as nodes:
         yield nodes
-    finally:
-        for ns, _, _ in nodes:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def _shape(two_nodes, rate: str, burst: str) -> None:
-    """Limit both directions of the link with a token bucket (tc tbf)."""
-    for ns, _, dev in two_nodes:
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-            "burst", burst, "latency", "100ms")
 
 
 def _losses(path):
@@ -66,25 +39,10 @@ def test_two_nodes_through_strata_launch_train_like_one_node(two_nodes, tmp_path
     env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
     env["OMP_NUM_THREADS"] = "1"
     port = str(free_port())
-    logs = [open(tmp_path / f"node{i}.log", "w+") for i in range(2)]
-    jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch", "--hostfile",
-                              str(hostfile), "--master-port", port, "--", *TRAIN, "--metrics",
-                              str(tmp_path / f"node{i}.jsonl")],
-                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            for i, ((ns, _, _), log) in enumerate(zip(two_nodes, logs))]
-    seen = [set(), set()]  # every listening address of each node's job while it ran
-    deadline = time.monotonic() + 300
-    while any(job.poll() is None for job in jobs) and time.monotonic() < deadline:
-        for i, job in enumerate(jobs):
-            seen[i].update(a for addresses in listeners_of_tree(job.pid).values() for a in addresses)
-        time.sleep(0.2)
-    outputs = []
-    for job, log in zip(jobs, logs):
-        job.wait(timeout=10)
-        log.seek(0)
-        outputs.append(log.read())
-    for job, out in zip(jobs, outputs):
-        assert job.returncode == 0, out[-3000:]
+    commands = [["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch", "--hostfile", str(hostfile),
+                 "--master-port", port, "--", *TRAIN, "--metrics", str(tmp_path / f"node{i}.jsonl")]
+                for i, (ns, _, _) in enumerate(two_nodes)]
+    outputs, seen = run_watching(commands, [env, env], tmp_path)  # seen: each node's listening addresses
     # the store listens on the master's address only; nothing of either node listens on every interface
     assert f"{two_nodes[0][1]}:{port}" in seen[0], seen[0]
     for (_, ip, _), addresses in zip(two_nodes, seen):
@@ -146,7 +104,7 @@ def test_doctor_catches_an_unset_socket_interface_across_namespaces(two_nodes, t
 
 @needs_netns
 def test_doctor_finds_a_link_too_slow_for_the_planned_layout(two_nodes, tmp_path):
-    _shape(two_nodes, "10mbit", "32kb")
+    netns.shape(two_nodes, "10mbit", "32kb")
     hostfile = tmp_path / "hosts"
     hostfile.write_text("".join(f"{ip} slots=1\n" for _, ip, _ in two_nodes))
     port = free_port()

@@ -9,7 +9,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 import pytest
 import test_multinode
@@ -25,7 +24,7 @@ from strata.distributed.slurm import (
 from strata.errors import ConfigError
 
 from distributed import free_port
-from listeners import host, listeners_of_tree
+from listeners import host, run_watching
 
 two_nodes = test_multinode.two_nodes  # the fixture: two network namespaces joined by a veth pair
 TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--no-progress",
@@ -174,28 +173,6 @@ def _environment(**changes) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **changes}
 
 
-def _run_tasks(commands: list[list[str]], envs: list[dict], logs_dir) -> tuple[list[str], list[set[str]]]:
-    """Start the tasks together; their output, and every address each one's process tree listened on."""
-    logs = [open(logs_dir / f"task{i}.log", "w+") for i in range(len(commands))]
-    jobs = [subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            for command, env, log in zip(commands, envs, logs)]
-    seen = [set() for _ in jobs]
-    deadline = time.monotonic() + 300  # a hang fails the test instead of stalling the suite
-    while any(job.poll() is None for job in jobs) and time.monotonic() < deadline:
-        for i, job in enumerate(jobs):
-            seen[i].update(a for addresses in listeners_of_tree(job.pid).values() for a in addresses)
-        time.sleep(0.2)
-    outputs = []
-    for job, log in zip(jobs, logs):
-        if job.poll() is None:
-            job.kill()
-        job.wait(timeout=10)
-        log.seek(0)
-        outputs.append(log.read())
-        assert job.returncode == 0, log.name + "\n" + outputs[-1][-3000:]
-    return outputs, seen
-
-
 @pytest.fixture(scope="module")
 def nproc_2_losses(tmp_path_factory):
     path = tmp_path_factory.mktemp("reference") / "local.jsonl"
@@ -209,7 +186,7 @@ def test_one_task_per_rank_trains_like_nproc_2_and_listens_on_loopback(tmp_path,
     port = str(free_port())
     metrics = str(tmp_path / "slurm.jsonl")
     command = [sys.executable, "-m", "strata", *TRAIN, "--metrics", metrics]
-    outputs, seen = _run_tasks([command, command], [_environment(**_task(r, 2), MASTER_PORT=port) for r in (0, 1)],
+    outputs, seen = run_watching([command, command], [_environment(**_task(r, 2), MASTER_PORT=port) for r in (0, 1)],
                                tmp_path)
     assert _losses(metrics) == pytest.approx(nproc_2_losses, rel=1e-6, abs=0)
     assert "strata: Slurm job 4242: 2 ranks (one task each) on 1 node(s)" in outputs[0]
@@ -221,7 +198,7 @@ def test_one_task_per_rank_trains_like_nproc_2_and_listens_on_loopback(tmp_path,
 def test_one_task_per_node_runs_its_nproc_ranks_like_nproc_2(tmp_path, nproc_2_losses):
     metrics = str(tmp_path / "node.jsonl")
     command = [sys.executable, "-m", "strata", *TRAIN, "--nproc", "2", "--metrics", metrics]
-    outputs, seen = _run_tasks([command], [_environment(**_task(0, 1))], tmp_path)
+    outputs, seen = run_watching([command], [_environment(**_task(0, 1))], tmp_path)
     assert _losses(metrics) == pytest.approx(nproc_2_losses, rel=1e-6, abs=0)
     assert "1 x 2 ranks (one task per node) on 1 node(s)" in outputs[0]
     assert seen[0] and all(host(a) == "127.0.0.1" for a in seen[0]), seen
@@ -237,7 +214,7 @@ def test_two_nodes_of_a_slurm_job_meet_at_the_first(two_nodes, tmp_path, nproc_2
     commands = [["ip", "netns", "exec", ns, sys.executable, "-m", "strata", *TRAIN, "--metrics", metrics[i]]
                 for i, (ns, _, _) in enumerate(two_nodes)]
     envs = [_environment(**_task(i, 2, nodes=2, nodelist=nodelist), MASTER_PORT=port) for i in (0, 1)]
-    outputs, seen = _run_tasks(commands, envs, tmp_path)
+    outputs, seen = run_watching(commands, envs, tmp_path)
     assert _losses(metrics[0]) == pytest.approx(nproc_2_losses, rel=1e-6, abs=0)
     assert f"master 10.231.7.1 (10.231.7.1:{port}" in outputs[0] and f"GLOO_SOCKET_IFNAME={two_nodes[0][2]}" in outputs[0]
     assert f"{two_nodes[0][1]}:{port}" in seen[0]

@@ -16,7 +16,7 @@ import torch
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.families.base import Family, refuse_set, tied_head_to_hf
-from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, strip_prefix, written_prefix
+from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, strip_prefix, unfused_to_hf, written_prefix
 
 NAME = "bloom"
 LAYER = {"input_layernorm": "attn_norm", "self_attention.dense": "attn.wo", "post_attention_layernorm": "mlp_norm",
@@ -73,17 +73,7 @@ def tensors_from_hf(hf_tensors: dict, cfg: ModelConfig, where: str) -> dict:
 
 def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
     prefix, heads, head_dim = written_prefix(keys), cfg.n_heads, cfg.head_dim
-    reverse, top = {v: k for k, v in LAYER.items()}, {v: k for k, v in TOP.items()}
-    out = {}
-    for name, value in tensors.items():
-        if name in top:
-            out[prefix + top[name]] = value
-            continue
-        _, block, rest = name.split(".", 2)
-        module, leaf = rest.rsplit(".", 1)
-        if module in ("attn.wq", "attn.wk", "attn.wv"):
-            continue  # interleaved below
-        out[f"{prefix}h.{block}.{reverse[module]}.{leaf}"] = value
+    out = unfused_to_hf(tensors, LAYER, TOP, prefix, conv1d=False)
     for block in range(cfg.n_layers):
         for leaf in ("weight", "bias"):
             q, k, v = (tensors[f"blocks.{block}.attn.{p}.{leaf}"] for p in ("wq", "wk", "wv"))

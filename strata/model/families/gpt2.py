@@ -86,9 +86,10 @@ def _name_from_hf(name: str, where: str) -> tuple[str, bool]:
     raise ConfigError(f"{where}: unexpected tensor {name!r} for a GPT-2 model")
 
 
-def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
-    prefix = written_prefix(keys)
-    reverse, top = {v: k for k, v in LAYER.items()}, {v: k for k, v in TOP.items()}
+def unfused_to_hf(tensors: dict, layer: dict, top: dict, prefix: str, conv1d: bool) -> dict:
+    """strata's tensors but q, k and v (fused by the caller) under the names of a family that keeps
+    its blocks in `h.N` (GPT-2, BLOOM); conv1d: weights other than the norms' stored (in, out)."""
+    reverse, top = {v: k for k, v in layer.items()}, {v: k for k, v in top.items()}
     out = {}
     for name, value in tensors.items():
         if name in top:
@@ -97,9 +98,15 @@ def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
         _, block, rest = name.split(".", 2)
         module, leaf = rest.rsplit(".", 1)
         if module in ("attn.wq", "attn.wk", "attn.wv"):
-            continue  # joined below
-        transpose = leaf == "weight" and module not in ("attn_norm", "mlp_norm")
+            continue
+        transpose = conv1d and leaf == "weight" and module not in ("attn_norm", "mlp_norm")
         out[f"{prefix}h.{block}.{reverse[module]}.{leaf}"] = value.t().contiguous() if transpose else value
+    return out
+
+
+def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
+    prefix = written_prefix(keys)
+    out = unfused_to_hf(tensors, LAYER, TOP, prefix, conv1d=True)
     for block in range(cfg.n_layers):
         q, k, v = (tensors[f"blocks.{block}.attn.{p}.weight"] for p in ("wq", "wk", "wv"))
         out[f"{prefix}h.{block}.attn.c_attn.weight"] = torch.cat([q, k, v]).t().contiguous()
