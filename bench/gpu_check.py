@@ -9,8 +9,8 @@ Parts, in order (each timed; when the --budget-s budget is spent the rest are sk
   correctness   `tiny` trained 6 steps on the device equals the CPU run (fp64 within 1e-9, fp32 within
                 1e-4: losses and final weights); greedy generation gives the CPU's tokens
   mfu           bf16 training of the ~1B LLaMA-shaped preset at 2048 tokens and of gpt2-124m: MFU
-                against the device table's peak, and the measured matmul peak beside it;
-                torch.compile recorded as not supported until strata has it
+                against the device table's peak, and the measured matmul peak beside it; eager
+                and --compile, with the compile time
   generation    TTFT and time per output token at batch 1 and 8 against `strata plan --inference`
                 (uncalibrated, and calibrated on this device as `strata calibrate --inference` does)
   memory        the planner's peak for micro-batch 1/4 x checkpointing none/selective/full against
@@ -198,16 +198,21 @@ def _report_correctness(p: dict) -> list[str]:
     return [f"correctness: {verdict}: {p['device']} vs cpu, tiny {p['steps']} steps: {train}; greedy tokens {greedy}"]
 
 
+def _mfu_line(run: dict) -> str:
+    if run["status"] != "measured":
+        return run["status"] + (f": {run['error']}" if "error" in run else "")
+    compiled = f", {run['compile_s']:.0f} s compiling" if run["compile_s"] is not None else ""
+    return (f"{run['tokens_per_s']:,.0f} tokens/s, MFU {run['mfu_table_peak']:.1%} of the table peak, "
+            f"{run['mfu_measured_peak']:.1%} of the measured{compiled}")
+
+
 def _report_mfu(p: dict) -> list[str]:
     lines = [f"MFU, bf16: peak {_flops(p['peak_flops_table'])} ({p['table_device']} table), "
              f"measured matmul {_flops(p['peak_flops_measured_matmul'])}"]
     for m in p["models"]:
-        eager, compiled = m["eager"], m["compile"]
-        measured = (f"{eager['tokens_per_s']:,.0f} tokens/s, MFU {eager['mfu_table_peak']:.1%} of the table peak, "
-                    f"{eager['mfu_measured_peak']:.1%} of the measured" if eager["status"] == "measured"
-                    else eager["status"] + (f": {eager['error']}" if "error" in eager else ""))
+        eager, compiled = (_mfu_line(m[key]) for key in ("eager", "compile"))
         shape = f"{m['model']} seq {m['seq_len']} mb {m['micro_batch']}"
-        lines.append(f"  {shape}: {measured}; compile: {compiled['status']}")
+        lines.append(f"  {shape}: {eager}; --compile: {compiled}")
     return lines
 
 

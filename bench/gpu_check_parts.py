@@ -136,12 +136,6 @@ def plan_device_for(device: torch.device) -> str:
     return "H200"
 
 
-def compile_supported() -> bool:
-    """strata has no torch.compile option yet; once TrainConfig has a `compile` field the MFU part
-    runs it (training_config passes it), and until then records that it is not supported."""
-    return "compile" in TrainConfig.keys()
-
-
 def release_memory(device: torch.device) -> None:
     """Free what the previous run left, and start the next peak from zero."""
     gc.collect()
@@ -172,8 +166,7 @@ def environment(check: Check) -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "numpy": numpy.__version__,
             "device": str(check.device), "plan_device": check.plan_device, "threads": torch.get_num_threads(),
-            "stubbed_modules": check.stubbed, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "compile_supported": compile_supported()}
+            "stubbed_modules": check.stubbed, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     if check.device.type == "cuda":
         props = torch.cuda.get_device_properties(check.device)
         info.update(name=props.name, capability=f"{props.major}.{props.minor}", memory_bytes=props.total_memory,
@@ -225,11 +218,10 @@ def correctness(check: Check) -> dict:
 
 # --- training runs, shared by MFU, memory and step time -----------------------------------------------
 def training_config(spec: RunSpec, device: str, peak_flops: float) -> TrainConfig:
-    extra = {"compile": True} if spec.compile else {}  # the one flag, once strata has it
     return TrainConfig(model=spec.model, seq_len=spec.seq_len, micro_batch=spec.micro_batch,
                        global_batch=spec.micro_batch, dtype="bf16", checkpointing=spec.checkpointing,
                        steps=spec.steps, device=device, eval_batches=1, progress=False,
-                       peak_flops=peak_flops, seed=0, **extra)
+                       peak_flops=peak_flops, seed=0, compile=spec.compile)
 
 
 def measured_run(check: Check, spec: RunSpec) -> dict:
@@ -247,7 +239,7 @@ def measured_run(check: Check, spec: RunSpec) -> dict:
     median_step = statistics.median(summary["step_times"][1:] or summary["step_times"])
     run = {"spec": spec.describe(), "step_times_s": summary["step_times"], "median_step_s": median_step,
            "tokens_per_s": spec.micro_batch * spec.seq_len / median_step, "losses": summary["losses"],
-           "max_memory_allocated": allocated,
+           "max_memory_allocated": allocated, "compile_s": summary.get("compile_s"),
            "counted_bytes": last["model_state_bytes"] + (last["peak_activation_bytes"] or 0),
            "seconds": time.perf_counter() - started}
     check.runs[spec] = run
@@ -288,7 +280,7 @@ def mfu_of(check: Check, spec: RunSpec, run: dict) -> dict:
     achieved = run["tokens_per_s"] * flops_per_token
     return {"tokens_per_s": run["tokens_per_s"], "median_step_s": run["median_step_s"],
             "model_tflops": achieved / 1e12, "mfu_table_peak": achieved / check.table_peak,
-            "mfu_measured_peak": achieved / check.matmul_peak}
+            "mfu_measured_peak": achieved / check.matmul_peak, "compile_s": run["compile_s"]}
 
 
 def mfu_entry(check: Check, model: str, seq_len: int, micro_batch: int) -> dict:
@@ -296,9 +288,6 @@ def mfu_entry(check: Check, model: str, seq_len: int, micro_batch: int) -> dict:
              "micro_batch": micro_batch, "dtype": "bf16"}
     for compiled in (False, True):
         key = "compile" if compiled else "eager"
-        if compiled and not compile_supported():
-            entry[key] = {"status": "not supported", "reason": "strata's TrainConfig has no compile option yet"}
-            continue
         spec = RunSpec(model, seq_len, micro_batch, steps=check.shapes.train_steps, compile=compiled)
         run = run_if_budget_allows(check, "mfu", spec)
         if run is None:

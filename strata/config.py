@@ -16,6 +16,7 @@ from strata.rules.constants import BUCKET_MB
 from strata.rules.devices import check_device
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout, check_layout
+from strata.rules.schedules import SCHEDULES
 
 
 def _key(default, help: str):
@@ -64,6 +65,8 @@ class TrainConfig:
     zero: int = _key(0, "ZeRO stage 0-3")
     checkpointing: str = _key("none", "activation checkpointing: none | full | selective | every:K "
                                       "(first K blocks of each chunk)")
+    compile: bool = _key(False, "torch.compile each transformer block's forward (after tensor parallelism; "
+                                "checkpointing recomputes the compiled code)")
     offload: str = _key("none", "none | cpu | disk: optimizer step in host memory (cpu), or Adam's moments "
                                 "in a file (disk)")
     offload_dir: str | None = _key(None, "with --offload disk: where the moment files go (default: the temp directory)")
@@ -188,6 +191,11 @@ def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
     _need(cfg.reduce_dtype == "fp32" or dp > 1, "reduce_dtype", cfg.reduce_dtype,
           "sets the dtype of data-parallel reductions, and dp is 1")
     _need(cfg.pp > 1 or not cfg.trace, "trace", cfg.trace, "only with pp 2 or more")
+    # Zero-bubble's W step intercepts the torch functions the forward calls; compiled code calls none.
+    _need(not (cfg.compile and cfg.pp > 1 and cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].splits_backward),
+          "schedule", cfg.schedule, "not with --compile: its deferred weight gradients intercept torch functions, "
+          "which compiled code does not call; valid with --compile: "
+          + ", ".join(name for name, spec in SCHEDULES.items() if not spec.splits_backward))
 
 
 def check_run_settings(cfg: TrainConfig) -> None:

@@ -218,6 +218,7 @@ CASES = [
     (["train", "--checkpointing", "half"], "--checkpointing half: valid: none, full, selective, every:K"),
     (["train", "--offload", "nvme"], "--offload nvme: valid: none, disk, cpu"),
     (["train", "--reduce-dtype", "bf16"], "--reduce-dtype bf16: sets the dtype of data-parallel reductions"),
+    (["train", "--nproc", "2", "--pp", "2", "--schedule", "zb", "--compile"], "--schedule zb: not with --compile"),
     (["train", "--dtype", "fp16", "--loss-scale", "0"], "--loss-scale 0.0: must be > 0"),
     (["train", "--beta1", "2"], "--beta1 2.0: must be in [0, 1)"),
     (["train", "--beta2", "-1"], "--beta2 -1.0: must be in [0, 1)"),

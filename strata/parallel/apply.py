@@ -1,10 +1,12 @@
 """parallelize(): build the model for this rank's place in the layout and wrap it.
 
 The order is fixed (torchtitan's, and the only one that composes): tensor parallelism swaps layers
-on the meta-device model, pipeline parallelism keeps this rank's stage, activation checkpointing
-wraps the blocks that remain, then the parameters are
-materialised, each initialised from the logical parameter's seeded value and cut to this rank's
-slice, and data parallelism / ZeRO wraps what is left."""
+on the meta-device model, pipeline parallelism keeps this rank's stage, torch.compile compiles the
+forward of each block that remains and activation checkpointing wraps it (so recomputation runs the
+compiled code; what runs as module hooks, ZeRO-3's gathers and tensor parallelism's input
+conversions, stays outside the compiled code), then the parameters are materialised, each
+initialised from the logical parameter's seeded value and cut to this rank's slice, and data
+parallelism / ZeRO wraps what is left."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
     if stage is not None:
         keep_stage(model, stage[0], stage[1])
+    if cfg.compile:
+        compile_layers(model)
     apply_checkpointing(model, cfg.checkpointing,
                         [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None)
     init = local_initial_values(model, cfg.seed, tp_group)
@@ -55,6 +59,22 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         sharding = BUCKET_STAGES[cfg.zero]([p for p in model.parameters() if p.requires_grad], settings)
     model.reset_buffers()
     return model, DataParallel(model, sharding, settings)
+
+
+def compile_layers(model: Transformer) -> None:
+    """torch.compile each block's forward. The blocks share their code, and torch.compile does not
+    specialise on a module's identity (its parameters are inputs), so one compilation serves all."""
+    for block in model.layers().values():
+        block.forward = torch.compile(block.forward)
+
+
+def compile_seconds() -> float | None:
+    """Time torch.compile has spent tracing and generating code in this process (its own timers:
+    the forward graphs, and the backward ones compiled lazily in the first backward); None before
+    anything was compiled."""
+    from torch._dynamo.utils import compilation_time_metrics  # private, but the only account it keeps
+    parts = [sum(compilation_time_metrics.get(key, ())) for key in ("_compile.compile_inner", "backward._backward_impl")]
+    return sum(parts) if any(parts) else None
 
 
 def local_initial_values(model: Transformer, seed: int, tp_group):

@@ -76,6 +76,8 @@ class BucketReductions:
         """Every bucket reduced: those that got no gradient send their zeros too."""
         for bucket in self.buckets:
             if not self._launched[bucket.index]:
+                for param in bucket.params:  # including those no gradient reached (collect is idempotent)
+                    self.collect(bucket, param)
                 self._launch(bucket)
         while self._pending:
             self._complete_oldest()
@@ -148,9 +150,10 @@ class Replicate(_Buckets):
 
     def __init__(self, params: list[nn.Parameter], settings):
         super().__init__(params, settings)
-        self.gradients = GradientBuffer(self.buckets, self.total, params[0])
-        self.grad_buffer = self.gradients.flat
-        self._collect = self.gradients.collect
+        # One process reduces nothing: its gradients stay autograd's own, with no buffer to fill.
+        self.gradients = GradientBuffer(self.buckets, self.total, params[0]) if self.group is not None else None
+        self.grad_buffer = self.gradients.flat if self.gradients is not None else None
+        self._collect = self.gradients.collect if self.gradients is not None else None
 
     def _start(self, bucket: Bucket):
         self._wires[bucket.index] = wire = self._on_wire(self.grad_buffer[bucket.start:bucket.start + bucket.size])
@@ -174,7 +177,8 @@ class Replicate(_Buckets):
         """Nothing to do: every replica applied the same update."""
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+        for p in self.params:
+            p.grad = None
 
     def held_bytes(self) -> dict[str, int]:
         return {"params": tensor_bytes(self.params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
@@ -237,7 +241,7 @@ class ShardOptimizerStates(_ShardedBuckets):
         self.grad_buffer[lo:hi].div_(self.dp_size)
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+        self.gradients.release()
 
     def held_bytes(self) -> dict[str, int]:
         return {"params": tensor_bytes(self.params), "grads": tensor_bytes(self.params)}
@@ -267,6 +271,8 @@ class ShardGradients(_ShardedBuckets):
         return self._staging[bucket.index]
 
     def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
+        if param.grad is None:  # collected already, or no gradient reached it: the staging holds zeros
+            return
         offset = self._offset_of[id(param)] - bucket.start
         self._staging_for(bucket)[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None  # the full gradient is not kept: that is ZeRO-2
@@ -303,21 +309,30 @@ def broadcast_parameters(buckets: list[Bucket], group) -> None:
 
 
 class GradientBuffer:
-    """One flat gradient buffer; every parameter's .grad a view into it, so autograd adds in place."""
+    """One flat gradient buffer that buckets are reduced from, each parameter's gradient a view into
+    it once collected. A step starts with no gradients (`release`): autograd hands backward's
+    gradient over without a copy, the last micro-batch's hook copies it into the buffer (one read
+    and one write: cheaper than zeroing the buffer every step and adding into it), and the view
+    becomes `.grad` for the reduction, clipping and the optimizer."""
 
     def __init__(self, buckets: list[Bucket], total: int, sample: torch.Tensor):
-        self.flat = torch.zeros(total, dtype=sample.dtype, device=sample.device)
-        self.views = {}
-        for bucket in buckets:
-            for p, offset in zip(bucket.params, bucket.offsets):
-                self.views[p] = p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+        self.flat = torch.zeros(total, dtype=sample.dtype, device=sample.device)  # padding stays zero
+        self.views = {p: self.flat[offset:offset + p.numel()].view_as(p)
+                      for bucket in buckets for p, offset in zip(bucket.params, bucket.offsets)}
+        self.release()
 
     def collect(self, bucket: Bucket, param: nn.Parameter) -> None:
-        """Make sure the buffer holds `param`'s gradient (here it accumulates in place)."""
+        """Make sure the buffer holds `param`'s gradient (zeros when none reached it); idempotent."""
         view = self.views[param]
-        if param.grad is not view:  # autograd replaced the view instead of adding into it
+        if param.grad is None:
+            view.zero_()
+        elif param.grad is not view:
             view.copy_(param.grad)
-            param.grad = view
+        param.grad = view
+
+    def release(self) -> None:
+        for param in self.views:
+            param.grad = None
 
 
 def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor) -> torch.Tensor:

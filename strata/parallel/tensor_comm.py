@@ -10,7 +10,8 @@ operators, Shoeybi et al. 2019, Fig. 3; Korthikanti et al. 2022 for the sequence
 
 Sequences are dimension 1 of (batch, seq, hidden); collectives work on dimension 0, so the
 sequence is moved to the front and back. Every call goes through strata.distributed.comm, which
-counts the bytes under the group name "tp"."""
+counts the bytes under the group name "tp". Compiled blocks (--compile) call them as they are:
+torch.compile leaves them out of its graphs."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _conjugate(name: str, forward, backward):
         return backward(grad, ctx.group), None
 
     op = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
-    return op.apply
+    return torch.compiler.disable(op.apply)
 
 
 def _identity(x, group):
@@ -92,6 +93,7 @@ class _GatherSeq(torch.autograd.Function):
         return _reduce_scatter_seq(grad, ctx.group), None, None
 
 
+@torch.compiler.disable
 def gather_seq(x, group, saver: "SequenceParallelSaver | None" = None):
     return _GatherSeq.apply(x, group, saver)
 

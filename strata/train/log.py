@@ -35,6 +35,15 @@ class RunLog:
         self.progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", mfu=f"{record['mfu']:.1%}")
         return record
 
+    def compiled(self, step: int, seconds: float | None) -> None:
+        """Once, after the first step: the time torch.compile took (the blocks compile lazily)."""
+        if seconds is None:
+            return
+        self.summary["compile_s"] = seconds
+        self.writer.write({"kind": "compile", "step": step, "compile_s": seconds})
+        if self.is_main:
+            self.progress.write(f"torch.compile: {seconds:.1f} s tracing and generating code (in the first step)")
+
     def evaluation(self, step: int, val_loss: float) -> None:
         self.summary["val_losses"].append((step, val_loss))
         self.writer.write({"kind": "eval", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})

@@ -122,6 +122,8 @@ class RunOutputs:
 
 
 def _log_line(record: dict) -> str:
+    if record.get("kind") == "compile":
+        return f"step {record['step']}: torch.compile took {record['compile_s']:.1f} s"
     if record.get("kind") == "eval":
         return f"step {record['step']}: validation loss {record['val_loss']:.4f} (perplexity {record['val_ppl']:.2f})"
     return (f"step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.3g}, grad norm "

@@ -11,7 +11,8 @@ TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", 
         "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "step_time_s": "perf/step_time_s",
         "bubble": "perf/pipeline_bubble", "peak_mem_bytes": "memory/peak_bytes",
         "model_state_bytes": "memory/model_state_bytes", "peak_activation_bytes": "memory/peak_activation_bytes",
-        "comm_bytes": "comm/bytes", "val_loss": "eval/val_loss", "val_ppl": "eval/val_ppl"}
+        "comm_bytes": "comm/bytes", "val_loss": "eval/val_loss", "val_ppl": "eval/val_ppl",
+        "compile_s": "perf/compile_s"}
 COMM_SECONDS = "comm_seconds"  # one curve per operation and group: comm_seconds/all_reduce/dp
 
 

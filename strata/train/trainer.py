@@ -22,7 +22,7 @@ from strata.errors import ConfigError
 from strata.memory.activations import count_saved_activations
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer
-from strata.parallel.apply import parallelize
+from strata.parallel.apply import compile_seconds, parallelize
 from strata.parallel.data import DataParallel
 from strata.parallel.pipeline.executor import PipelineExecutor
 from strata.parallel.pipeline.stage import chunk_views, embedding_group
@@ -310,6 +310,8 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
             loss, grad_norm, states = train_step(run, step)
             m.synchronize(run.device)  # the optimizer's kernels belong to this step, not the next
             log.step(run, step, loss, grad_norm, states, time.perf_counter() - started)
+            if cfg.compile and step == run.start_step:
+                log.compiled(step + 1, compile_seconds())
             evaluate_and_save(run, log, step + 1)
     except FloatingPointError:
         if run.checkpointer is not None:
