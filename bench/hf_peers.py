@@ -8,7 +8,8 @@ shape, trained the way a user of each engine would write it, each with its best 
   deepspeed-zK  DeepSpeed ZeRO-K, overlap_comm, 25 MB buckets, its own clipping (bf16: its bf16
                 mode, bf16 weights with fp32 masters in the optimizer)
   dtensor-tp    DTensor tensor parallelism, the Megatron plan on the attention and MLP projections,
-                the embedding split by rows and the head by columns (every rank reads the batch)
+                the embedding split by rows and the head by columns (every rank reads the batch);
+                fused AdamW, one for the DTensor parameters and one for the plain ones (the norms)
 
 fp32, or bf16 autocast over fp32 parameters (what `strata train --dtype bf16` does) unless the
 engine has a bf16 mode of its own. Started by torchrun (one process for `hf`); writes
@@ -122,7 +123,9 @@ def run_dtensor_tp(args, rank, world):
         plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel()
         plan[f"{layer}.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
-    opt = adamw(model.parameters())
+    # fused AdamW refuses DTensors and plain tensors (the norms) in one call: one optimizer each
+    split = [[p for p in model.parameters() if isinstance(p, DTensor) == kind] for kind in (True, False)]
+    optimizers = [adamw(params) for params in split if params]
     amp = autocast(args.dtype)
 
     def forward_backward(inputs):
@@ -135,9 +138,12 @@ def run_dtensor_tp(args, rank, world):
         norms = [torch.linalg.vector_norm(p.grad) for p in model.parameters()]
         norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
         total = torch.linalg.vector_norm(torch.stack(norms))
-        torch._foreach_mul_([p.grad for p in model.parameters()], torch.clamp(CLIP / (total + 1e-6), max=1.0))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        scale = min(1.0, CLIP / (total.item() + 1e-6))  # one float: the gradients are DTensors and tensors
+        for p in model.parameters():
+            p.grad.mul_(scale)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     # every rank of the group reads the same batch of micro_batch sequences, as strata's
     return train_loop(forward_backward, step, args, 0, 1)
 
@@ -166,7 +172,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"step_times": times}, f)
     if world > 1:
-        dist.destroy_process_group()
+        dist.barrier()
+        # DeepSpeed ZeRO-3 leaves a thread that aborts the interpreter's teardown on some runs
+        # ("terminate called without an active exception"): the measurement is written, so leave now
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,13 @@ PAIRS = {
     "compile-one-process": (["--compile"], 1, []),
     "compile-dp2": (["--dp", "2", "--compile"], 2, ["--dp", "2"]),
 }
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+# Inductor's on-disk caches off: every --compile job compiles from cold, and reports that time
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+       "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+
+
+class JobFailed(Exception):
+    pass
 
 
 def strata_job(flags: list[str], nproc: int, dtype: str, args, out: str) -> dict:
@@ -47,7 +53,7 @@ def strata_job(flags: list[str], nproc: int, dtype: str, args, out: str) -> dict
            "--no-progress", "--metrics", out, *(["--nproc", str(nproc)] if nproc > 1 else []), *flags]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=1800)
     if result.returncode:
-        raise SystemExit(f"strata {' '.join(flags)} failed:\n{result.stderr[-3000:]}")
+        raise JobFailed(f"strata {' '.join(flags)} failed:\n{result.stderr[-3000:]}")
     records = [json.loads(line) for line in open(out)]
     steps = [r["step_time_s"] for r in records if r["kind"] == "train"]
     compile_s = next((r["compile_s"] for r in records if r.get("kind") == "compile"), None)
@@ -62,7 +68,7 @@ def peer_job(impl: str, nproc: int, dtype: str, args, out: str) -> dict:
            "--out", out]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=1800)
     if result.returncode:
-        raise SystemExit(f"{impl} failed:\n{result.stderr[-3000:]}")
+        raise JobFailed(f"{impl} failed:\n{result.stderr[-3000:]}")
     return json.load(open(out))
 
 
@@ -87,17 +93,22 @@ def main() -> None:
             flags, nproc, peer = PAIRS[name]
             for dtype in args.dtypes:
                 ours, theirs, compile_times = [], [], []
-                for round_ in range(args.rounds):
-                    jobs = [("strata", lambda: strata_job(flags, nproc, dtype, args, f"{tmp}/a.jsonl")),
-                            ("peer", lambda: strata_job(peer, nproc, dtype, args, f"{tmp}/b.jsonl")
-                             if isinstance(peer, list) else peer_job(peer, nproc, dtype, args, f"{tmp}/b.json"))]
-                    for side, job in (jobs if round_ % 2 == 0 else jobs[::-1]):
-                        result = job()
-                        (ours if side == "strata" else theirs).append(statistics.median(result["step_times"][1:]))
-                        if side == "strata" and result.get("compile_s") is not None:
-                            compile_times.append(result["compile_s"])
-                ratios = [a / b for a, b in zip(ours, theirs)]
                 label = f"strata {' '.join(peer)}".strip() if isinstance(peer, list) else peer
+                try:
+                    for round_ in range(args.rounds):
+                        jobs = [("strata", lambda: strata_job(flags, nproc, dtype, args, f"{tmp}/a.jsonl")),
+                                ("peer", lambda: strata_job(peer, nproc, dtype, args, f"{tmp}/b.jsonl")
+                                 if isinstance(peer, list) else peer_job(peer, nproc, dtype, args, f"{tmp}/b.json"))]
+                        for side, job in (jobs if round_ % 2 == 0 else jobs[::-1]):
+                            result = job()
+                            (ours if side == "strata" else theirs).append(statistics.median(result["step_times"][1:]))
+                            if side == "strata" and result.get("compile_s") is not None:
+                                compile_times.append(result["compile_s"])
+                except JobFailed as failed:  # one broken job costs its row, not the table
+                    print(f"{failed}", file=sys.stderr)
+                    print(f"| {name} | {dtype} | {label} | failed: {str(failed).splitlines()[0]} | | | |", flush=True)
+                    continue
+                ratios = [a / b for a, b in zip(ours, theirs)]
                 note = f" (compile {statistics.median(compile_times):.1f} s)" if compile_times else ""
                 print(f"| {name}{note} | {dtype} | {label} | {statistics.median(ours):.3f} | "
                       f"{statistics.median(theirs):.3f} | {', '.join(f'{r:.3f}' for r in ratios)} | "
