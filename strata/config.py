@@ -272,4 +272,6 @@ def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
 
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
     """Sequences per optimizer step: as given, or one micro-batch per data-parallel rank."""
-    return cfg.global_batch or cfg.micro_batch * data_parallel_size(cfg, world_size)
+    if cfg.global_batch is not None:  # 0 is a bad value for validate to refuse, not "unset"
+        return cfg.global_batch
+    return cfg.micro_batch * data_parallel_size(cfg, world_size)

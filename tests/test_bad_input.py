@@ -138,6 +138,8 @@ def _hf(root) -> dict[str, str]:
     model_dir("config_zero_heads", {**LLAMA, "num_attention_heads": 0})
     model_dir("config_string_layers", {**LLAMA, "num_hidden_layers": "1"})
     model_dir("config_unknown_type", {**LLAMA, "model_type": "falcon"})
+    # Phi-3's older config.json files carry the factor at the top level, not in rope_scaling
+    model_dir("config_partial_rope", {**LLAMA, "model_type": "phi3", "partial_rotary_factor": 0.5})
     model_dir("bad_tokenizer", LLAMA)
     (root / "hf_bad_tokenizer" / "tokenizer.json").write_text('{"model": "none"}')
     return found
@@ -197,6 +199,7 @@ CASES = [
     (["train", "--nproc", "4", "--dp", "3"], "the product must equal it"),
     (["train", "--nproc", "2", "--tp", "3"], "--tp 3: tp x pp = 3 does not divide the world size 2"),
     (["train", "--global-batch", "6", "--micro-batch", "4"], "--global-batch 6: must be a multiple of micro_batch 4"),
+    (["train", "--global-batch", "0"], "--global-batch 0: must be >= 1"),
     (["train", "--seq-len", "100000"], "--seq-len 100000: must be between 1 and the model's max_seq_len 64"),
     (["train", "--seq-len", "0"], "--seq-len 0: must be between 1"),
     (["train", "--data", "/nonexistent"], "--data /nonexistent: no meta.json"),
@@ -295,6 +298,7 @@ CASES = [
     (["convert", "--from-hf", "{hf.config_zero_heads}", "--out", "c7"], "num_attention_heads=0 must be a whole number >= 1"),
     (["convert", "--from-hf", "{hf.config_string_layers}", "--out", "c8"], "num_hidden_layers='1' must be a whole number"),
     (["convert", "--from-hf", "{hf.config_unknown_type}", "--out", "c9"], "model_type 'falcon' is not supported"),
+    (["convert", "--from-hf", "{hf.config_partial_rope}", "--out", "c12"], "partial_rotary_factor=0.5 is not supported"),
     (["convert", "--to-hf", "{file.a_dir}", "--out", "c10"], "not a complete checkpoint"),
     (["convert", "--to-hf", "{ck.manifest_array}", "--out", "c11"], "holds a JSON list, not an object"),
     # --- plan --------------------------------------------------------------------------------------------

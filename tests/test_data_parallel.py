@@ -154,3 +154,22 @@ def test_buckets_are_reduced_while_backward_still_runs(zero):
     for buckets, points in run_on_ranks(_launch_points, 2, zero, timeout=120):
         assert buckets > 3 and len(points) == buckets
         assert all(p > 0 for p in points[:-1]) and points[-1] == 0  # every bucket but the last overlaps
+
+
+def _grads_after_an_accumulation_micro_step(zero):
+    """Which parameters' .grad lies in the flat gradient buffer after a micro-batch that is not the last."""
+    from strata.train import trainer
+    run = trainer.setup(TrainConfig(model="tiny", seq_len=32, global_batch=4, micro_batch=1, zero=zero,
+                                    progress=False, peak_flops=1e10, eval_batches=1))
+    inputs, targets = run.train_data.micro_batches(0, 1)[0]
+    with run.parallel.backward(is_last_micro_batch=False):
+        run.model(inputs, targets).backward()
+    buffer = run.parallel.sharding.gradients.flat.untyped_storage().data_ptr()
+    return [p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer for p in run.parallel.params]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_accumulated_gradients_live_in_the_buffer_alone(zero):
+    # One copy of the gradients while micro-batches accumulate: none of autograd's beside the buffer.
+    for in_buffer in run_on_ranks(_grads_after_an_accumulation_micro_step, 2, zero, timeout=120):
+        assert in_buffer and all(in_buffer)

@@ -54,9 +54,11 @@ class BucketReductions:
                     p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket))
 
     def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
-        if not self.sync:
-            return  # an accumulation micro-step: gradients just add up
+        # Into place on every micro-batch: after the first, autograd adds into the buffer's view,
+        # so accumulation holds one copy of the gradients, not autograd's beside the buffer.
         self.collect(bucket, param)
+        if not self.sync:
+            return  # an accumulation micro-step: nothing is reduced
         self._ready[bucket.index] += 1
         if self._ready[bucket.index] == len(bucket.params):
             self._launch(bucket)

@@ -45,7 +45,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
         raise ConfigError(f"--parallel auto chooses the layout; drop --{given[0].replace('_', '-')} "
                           f"(or use --parallel manual)")
     precision = cfg.dtype if DTYPES[cfg.dtype].autocast else "fp32"  # what the planner prices
-    global_batch = cfg.global_batch or cfg.micro_batch * world_size
+    global_batch = cfg.global_batch if cfg.global_batch is not None else cfg.micro_batch * world_size
     work = workload(model, global_batch, cfg.seq_len, precision)
     cluster = local_cluster(world_size)
     ranked, rejected = search(work, cluster, offload=False)

@@ -50,8 +50,9 @@ def rope_from_hf(hf: dict, where: str) -> dict:
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: config.json: rope_parameters / rope_scaling must be an object, not {rope!r}")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{where}: config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} "
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))  # older files: top level
+    if partial != 1.0:
+        raise ConfigError(f"{where}: config.json: partial_rotary_factor={partial!r} "
                           f"is not supported (RoPE over the whole head)")
     fields = dict(rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if kind == "default":
