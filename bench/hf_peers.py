@@ -144,7 +144,7 @@ def run_dtensor_tp(args, rank, world):
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    # every rank of the group reads the same batch of micro_batch sequences, as strata's
+    # every rank of the group reads the same batch of micro_batch sequences, as strata's tensor-parallel ranks do
     return train_loop(forward_backward, step, args, 0, 1)
 
 

@@ -62,5 +62,6 @@ def test_peak_flops_measurement_shrinks_for_a_dtype_without_fast_kernels():
     # what one product does in 0.2 s at the rate the small probe measured.
     from strata.train.metrics import matmul_size_for
     assert matmul_size_for(rate=1e12) == 2048  # fast kernels: the full size
-    assert matmul_size_for(rate=3e8) == 256  # fp16 on this CPU: 3e8 FLOP/s, the smallest size
+    assert matmul_size_for(rate=3e8) == 256  # fp16 on this CPU: 3e8 FLOP/s, (3e7) ** (1/3) = 310, down to 256
+    assert matmul_size_for(rate=1e6) == 256  # slower still: never below the smallest size (the root is 46)
     assert matmul_size_for(rate=1e10) == 960  # (1e10 x 0.2 / 2) ** (1/3) = 1000, down to a multiple of 64

@@ -1,6 +1,6 @@
 """Hugging Face interop: `strata convert --from-hf DIR --out CKPT` and `strata convert --to-hf CKPT
 --out DIR` (config.json + safetensors, no hub access), for every family described in
-strata/model/families (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral, Gemma, GPT-2, BLOOM).
+strata/model/families (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral, Gemma, Phi-3, GPT-2, BLOOM).
 
 This file reads and writes the files; the family of a config.json's `model_type` (or of the
 model's `family`, when exporting) knows its keys, its tensor names and their layouts. Tensors keep

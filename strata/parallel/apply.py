@@ -3,8 +3,9 @@
 The order is fixed (torchtitan's, and the only one that composes): tensor parallelism swaps layers
 on the meta-device model, pipeline parallelism keeps this rank's stage, torch.compile compiles the
 forward of each block that remains and activation checkpointing wraps it (so recomputation runs the
-compiled code; what runs as module hooks, ZeRO-3's gathers and tensor parallelism's input
-conversions, stays outside the compiled code), then the parameters are materialised, each
+compiled code; `selective` wraps the core attention inside the compiled forward instead; what runs
+as module hooks, ZeRO-3's gathers and tensor parallelism's input conversions, stays outside the
+compiled code), then the parameters are materialised, each
 initialised from the logical parameter's seeded value and cut to this rank's slice, and data
 parallelism / ZeRO wraps what is left."""
 

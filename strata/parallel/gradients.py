@@ -6,8 +6,9 @@ param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
 - `BucketReductions` counts each bucket's arriving gradients (post-accumulate-grad hooks) and starts
   the bucket's collective when the last one is in, overlapping the rest of backward, with at most
   two collectives in flight. Micro-batches before the last of an accumulation communicate nothing.
-- ZeRO-0 (`Replicate`): `.grad` of every parameter is a view into one flat buffer, so autograd
-  accumulates in place; a bucket is all-reduced and averaged.
+- ZeRO-0 (`Replicate`): a step starts with no `.grad`; each micro-batch's hook puts the gradient
+  into one flat buffer and makes the view `.grad`, so later micro-batches accumulate in place; a
+  bucket is all-reduced and averaged. One process has no buffer: its gradients stay autograd's.
 - ZeRO-1 (`ShardOptimizerStates`): the same gradient buffer, reduce-scattered: rank r receives the
   sum of its shard only, and the optimizer updates only this rank's pieces (Adam's moments take
   8Ψ/N bytes); after the step each bucket's shards are all-gathered into the parameters, which live
@@ -86,12 +87,6 @@ class BucketReductions:
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
 
-    def collect_all(self) -> None:
-        """After a pipeline schedule (which ran every backward without sync): every gradient into place."""
-        for bucket in self.buckets:
-            for param in bucket.params:
-                self.collect(bucket, param)
-
 
 class _Buckets:
     """What the three stages share: the parameters laid out back to front in buckets padded to a
@@ -132,8 +127,7 @@ class _Buckets:
 
     def reduce_all(self) -> None:
         if self.group is not None:
-            self.reductions.collect_all()
-            self.reductions.complete()
+            self.reductions.complete()  # collects every bucket first: none was launched
 
     def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
         raise NotImplementedError
@@ -313,9 +307,10 @@ def broadcast_parameters(buckets: list[Bucket], group) -> None:
 class GradientBuffer:
     """One flat gradient buffer that buckets are reduced from, each parameter's gradient a view into
     it once collected. A step starts with no gradients (`release`): autograd hands backward's
-    gradient over without a copy, the last micro-batch's hook copies it into the buffer (one read
+    gradient over without a copy, the first micro-batch's hook copies it into the buffer (one read
     and one write: cheaper than zeroing the buffer every step and adding into it), and the view
-    becomes `.grad` for the reduction, clipping and the optimizer."""
+    becomes `.grad`: later micro-batches add into it in place, and the reduction, clipping and
+    the optimizer read it."""
 
     def __init__(self, buckets: list[Bucket], total: int, sample: torch.Tensor):
         self.flat = torch.zeros(total, dtype=sample.dtype, device=sample.device)  # padding stays zero

@@ -34,7 +34,7 @@ from strata.train import metrics as m
 from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at
-from strata.train.preflight import DONE, check_same_model, checked_model, model_shape, preflight, resume_source
+from strata.train.preflight import DONE, check_same_model, checked_model, preflight, resume_source
 
 
 @dataclass
@@ -80,7 +80,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     already (train/preflight.py), in this process."""
     device = pick_device(cfg.device)
     rank, world_size, owns_process_group = init_distributed(device, cfg.timeout)
-    checked_model(cfg, world_size)
+    base = checked_model(cfg, world_size)
     cfg.global_batch = global_batch_size(cfg, world_size)
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     groups = _groups(dims, device)
@@ -88,7 +88,6 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     notes = preflight(cfg) if not checked and DONE not in os.environ else []  # else the launcher has run it
     if rank == 0 and notes:
         print("\n".join(notes), file=sys.stderr, flush=True)
-    base = model_shape(cfg)
     train_source = load_data(cfg, "train", cfg.vocab_size or base.vocab_size)
     val_source = load_data(cfg, "val", cfg.vocab_size or base.vocab_size)
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.

@@ -3,7 +3,7 @@ untied head unless tie_word_embeddings, and Llama 3.1's RoPE scaling (rope_type 
 
 strata's layers were written in Hugging Face's conventions: RoPE in the "rotate half" layout, so
 q and k convert without permuting rows, and every tensor only changes its name. The Llama-style
-families (Qwen2, Qwen3, Mistral, Gemma) store their tensors under these same names; they read and
+families (Qwen2, Qwen3, Mistral, Gemma, Phi-3) store their tensors under these same names; they read and
 write through this file's functions with their own options and extra names."""
 
 from __future__ import annotations
