@@ -35,6 +35,15 @@ PAIRS = {
     "compile-one-process": (["--compile"], 1, []),
     "compile-dp2": (["--dp", "2", "--compile"], 2, ["--dp", "2"]),
 }
+# In bf16, strata moves what the peer moves, by its flags: DeepSpeed's bf16 mode computes with bf16
+# weights (gathered in bf16) and reduces bf16 gradients; FSDP2's policy (hf_peers.py) gathers bf16
+# and reduces fp32; DDP reduces the fp32 gradients of its fp32 parameters, as strata does by default.
+BF16_TRANSFERS = {
+    "zero1": ["--reduce-dtype", "bf16", "--gather-dtype", "bf16"],
+    "zero2": ["--reduce-dtype", "bf16", "--gather-dtype", "bf16"],
+    "zero3-deepspeed": ["--reduce-dtype", "bf16", "--gather-dtype", "bf16"],
+    "zero3-fsdp2": ["--gather-dtype", "bf16"],
+}
 # Inductor's on-disk caches off: every --compile job compiles from cold, and reports that time
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
@@ -90,8 +99,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in pairs:
-            flags, nproc, peer = PAIRS[name]
             for dtype in args.dtypes:
+                flags, nproc, peer = PAIRS[name]
+                flags = flags + (BF16_TRANSFERS.get(name, []) if dtype == "bf16" else [])
                 ours, theirs, compile_times = [], [], []
                 label = f"strata {' '.join(peer)}".strip() if isinstance(peer, list) else peer
                 try:
@@ -110,6 +120,7 @@ def main() -> None:
                     continue
                 ratios = [a / b for a, b in zip(ours, theirs)]
                 note = f" (compile {statistics.median(compile_times):.1f} s)" if compile_times else ""
+                note += f" `{' '.join(BF16_TRANSFERS[name])}`" if dtype == "bf16" and name in BF16_TRANSFERS else ""
                 print(f"| {name}{note} | {dtype} | {label} | {statistics.median(ours):.3f} | "
                       f"{statistics.median(theirs):.3f} | {', '.join(f'{r:.3f}' for r in ratios)} | "
                       f"**{statistics.median(ratios):.3f}** |", flush=True)

@@ -15,7 +15,7 @@ from strata.model.presets import PRESETS
 from strata.rules.constants import BUCKET_MB
 from strata.rules.devices import check_device
 from strata.rules.dtypes import DTYPES
-from strata.rules.layout import Layout, check_layout
+from strata.rules.layout import Layout, check_layout, check_transfer_dtypes
 from strata.rules.schedules import SCHEDULES
 
 
@@ -72,6 +72,9 @@ class TrainConfig:
     offload_dir: str | None = _key(None, "with --offload disk: where the moment files go (default: the temp directory)")
     reduce_dtype: str = _key("fp32", "dtype of the data-parallel gradient reduction: fp32 (the master gradients') "
                                      "or bf16 (half the bytes)")
+    gather_dtype: str = _key("fp32", "with ZeRO-1/2/3: dtype the parameters are all-gathered in: fp32 (the masters) "
+                                     "or, with --dtype bf16, bf16 (half the bytes; the layers then compute with "
+                                     "bf16 weights, as DeepSpeed's bf16 mode and FSDP2's param_dtype do)")
     bucket_mb: float = _key(BUCKET_MB, "gradient bucket size (MB) for data parallelism and ZeRO-1/2")
     device: str = _key("auto", "auto | cpu | cuda")
     timeout: float = _key(300.0, "seconds a collective may take before it fails")
@@ -187,9 +190,6 @@ def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
     _need(world_size % (cfg.tp * cfg.pp) == 0, "tp", cfg.tp,
           f"tp x pp = {cfg.tp * cfg.pp} does not divide the world size {world_size}")
     check_layout(model, layout_of(cfg, world_size), world_size, seq_len, global_batch_size(cfg, world_size))
-    dp = data_parallel_size(cfg, world_size)
-    _need(cfg.reduce_dtype == "fp32" or dp > 1, "reduce_dtype", cfg.reduce_dtype,
-          "sets the dtype of data-parallel reductions, and dp is 1")
     _need(cfg.pp > 1 or not cfg.trace, "trace", cfg.trace, "only with pp 2 or more")
     # Zero-bubble's W step intercepts the torch functions the forward calls; compiled code calls none.
     _need(not (cfg.compile and cfg.pp > 1 and cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].splits_backward),
@@ -232,8 +232,7 @@ def check_run_settings(cfg: TrainConfig) -> None:
     _need(cfg.vocab_size is None or cfg.data == "synthetic", "vocab_size", cfg.vocab_size,
           "only for --data synthetic; a data set brings its tokenizer's")
     _need(cfg.offload_dir is None or cfg.offload == "disk", "offload_dir", cfg.offload_dir, "only with offload disk")
-    _need(cfg.reduce_dtype in ("fp32", "bf16"), "reduce_dtype", cfg.reduce_dtype, "valid: fp32, bf16")
-    _need(cfg.reduce_dtype == "fp32" or cfg.dtype != "fp64", "reduce_dtype", cfg.reduce_dtype, "not with dtype fp64")
+    check_transfer_dtypes(cfg.reduce_dtype, cfg.gather_dtype, cfg.dtype)  # against dp and zero: check_layout
 
 
 def check_checkpoint_flags(cfg: TrainConfig) -> None:
@@ -258,7 +257,8 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
 def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
     """The layout a config asks for (dp defaults to what tp and pp leave of the world)."""
     return Layout(data_parallel_size(cfg, world_size), cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero, cfg.micro_batch,
-                  cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule, cfg.pp_split)
+                  cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule, cfg.pp_split,
+                  cfg.reduce_dtype, cfg.gather_dtype)
 
 
 def sequence_length(cfg: TrainConfig, model: ModelConfig) -> int:

@@ -79,6 +79,26 @@ def test_model_state_bytes_follow_the_zero_formulas(world, zero):
     assert abs(total - formula[zero]) <= 4 * padding_bytes
 
 
+BF16_LAYOUTS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
+
+
+def _bf16_state_breakdowns():
+    return [train(TrainConfig(**{**BASE, "steps": 1, "dtype": "bf16", "zero": zero, "gather_dtype": gather,
+                                 "global_batch": 2, "micro_batch": 1}))["records"][-1]["model_state_breakdown"]
+            for zero, gather in BF16_LAYOUTS]
+
+
+def test_the_planner_counts_the_model_states_a_bf16_run_holds():
+    """Under bf16 strata holds fp32 masters as the weights (or, with bf16 gathers under ZeRO-1/2,
+    DeepSpeed's bf16 weights beside fp32 master shards): what the planner prices, kind by kind."""
+    from strata.plan.memory import held_state_bytes
+    padding_bytes = 4 * (get_preset("tiny").n_layers + 2)  # per bucket or unit, at dp 2
+    for (zero, gather), held in zip(BF16_LAYOUTS, run_on_ranks(_bf16_state_breakdowns, 2, timeout=300)[0]):
+        planned = held_state_bytes(PSI, zero, 2, "mixed", "adamw", gather)
+        for kind, expected in zip(("params", "grads", "optimizer"), (planned.weights, planned.grads, planned.optimizer)):
+            assert abs(held[kind] - expected) <= 3 * padding_bytes, (zero, gather, kind, held[kind], expected)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [2, 4])
 def test_communication_per_step_is_the_ring_minimum(world, zero):
@@ -114,18 +134,20 @@ def test_buckets_never_split_a_parameter_and_shards_partition_the_parameters():
     assert covered == sum(p.numel() for p in params) and total >= covered
 
 
-def _resume_under_zero(tmp, zero):
+def _resume_under_zero(tmp, zero, gather_dtype):
     common = dict(model="tiny", seq_len=32, steps=6, global_batch=4, micro_batch=1, zero=zero, seed=3,
-                  progress=False, peak_flops=1e10, eval_batches=1)
+                  progress=False, peak_flops=1e10, eval_batches=1, gather_dtype=gather_dtype,
+                  dtype="bf16" if gather_dtype == "bf16" else "fp32")
     straight = train(TrainConfig(**common))["losses"]
     train(TrainConfig(**common, save=f"{tmp}/ck", save_every=3))
     resumed = train(TrainConfig(**common, resume=f"{tmp}/ck/step_000003"))["losses"]
     return straight, resumed
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_resume_under_zero_is_exact(tmp_path, zero):
-    for straight, resumed in run_on_ranks(_resume_under_zero, 2, str(tmp_path), zero, timeout=300):
+@pytest.mark.parametrize("zero,gather_dtype", [(1, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")])
+def test_resume_under_zero_is_exact(tmp_path, zero, gather_dtype):
+    # bf16 gathers: the checkpoint holds the fp32 masters, and the bf16 weights are cast from them again
+    for straight, resumed in run_on_ranks(_resume_under_zero, 2, str(tmp_path), zero, gather_dtype, timeout=300):
         assert resumed == straight[3:]
 
 

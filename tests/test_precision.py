@@ -57,3 +57,51 @@ def test_bf16_gradient_reduction_halves_the_bytes_and_tracks_fp32(zero):
     loss = 8 if zero == 0 else 0  # ZeRO-0's all-reduce count includes the loss (an fp64 scalar)
     assert bf16_bytes - loss == (fp32_bytes - loss) / 2
     torch.testing.assert_close(bf16_losses, fp32_losses, rtol=1e-3, atol=0)
+
+
+def _gathering_in(zero, gather_dtype):
+    s = train(TrainConfig(**{**BASE, "dtype": "bf16"}, steps=4, zero=zero, gather_dtype=gather_dtype), keep_state=True)
+    return s["losses"], s["records"][-1]["comm_bytes_by_op"], {k: v.dtype for k, v in s["state"].items()}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_bf16_gathers_halve_the_parameter_bytes_track_fp32_and_keep_fp32_masters(zero):
+    fp32_losses, fp32_bytes, _ = run_on_ranks(_gathering_in, 2, zero, "fp32", timeout=300)[0]
+    bf16_losses, bf16_bytes, saved = run_on_ranks(_gathering_in, 2, zero, "bf16", timeout=300)[0]
+    assert bf16_bytes["all_gather/dp"] == fp32_bytes["all_gather/dp"] / 2
+    assert bf16_bytes["reduce_scatter/dp"] == fp32_bytes["reduce_scatter/dp"]  # gradients still reduced in fp32
+    assert set(saved.values()) == {torch.float32}  # what a checkpoint holds: the masters
+    torch.testing.assert_close(bf16_losses, fp32_losses, rtol=2e-2, atol=0)
+    assert bf16_losses != fp32_losses  # the layers did compute with bf16 weights
+
+
+TRANSFERS = [(0, "fp32", "fp32"), (0, "bf16", "fp32"), (1, "fp32", "fp32"), (1, "bf16", "fp32"), (1, "bf16", "bf16"),
+             (2, "fp32", "fp32"), (2, "fp32", "bf16"), (2, "bf16", "bf16"), (3, "fp32", "fp32"), (3, "fp32", "bf16"),
+             (3, "bf16", "bf16")]
+
+
+def _counted_dp_bytes():
+    counted = {}
+    for zero, reduce_dtype, gather_dtype in TRANSFERS:
+        cfg = TrainConfig(**{**BASE, "dtype": "bf16", "global_batch": 8}, steps=2, zero=zero,
+                          reduce_dtype=reduce_dtype, gather_dtype=gather_dtype)
+        by_op = train(cfg)["records"][-1]["comm_bytes_by_op"]
+        counted[(zero, reduce_dtype, gather_dtype)] = sum(
+            by_op.get(f"{op}/dp", 0) for op in ("all_reduce", "reduce_scatter", "all_gather"))
+    return counted
+
+
+def test_the_planner_prices_the_data_parallel_bytes_each_transfer_dtype_moves():
+    # bf16 compute, 2 micro-batches per rank: ZeRO-2/3 reduce (and gather) twice, ZeRO-0/1 once
+    from strata.config import layout_of
+    from strata.plan.cost import estimate
+    from strata.plan.inputs import build_cluster, workload
+    counted = run_on_ranks(_counted_dp_bytes, 2, timeout=600)[0]
+    work, cluster = workload(get_preset("tiny"), 8, 32, "bf16"), build_cluster("A100-80G", 1, 2, None, "ib-200")
+    for (zero, reduce_dtype, gather_dtype), nbytes in counted.items():
+        cfg = TrainConfig(**{**BASE, "dtype": "bf16", "global_batch": 8}, zero=zero, reduce_dtype=reduce_dtype,
+                          gather_dtype=gather_dtype)
+        planned = estimate(work, cluster, layout_of(cfg, 2)).comm_bytes["dp"]
+        scalars = 8 + (16 if zero else 0)  # the loss's fp64 all-reduce; the norm's two fp64 squares (sharded states)
+        # what remains is the padding of flat buffers to a multiple of dp: a few elements
+        assert nbytes - scalars == pytest.approx(planned, rel=1e-3), (zero, reduce_dtype, gather_dtype)

@@ -45,8 +45,10 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     apply_checkpointing(model, cfg.checkpointing,
                         [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None)
     init = local_initial_values(model, cfg.seed, tp_group)
+    on_wire = {name: torch_dtype(value) if value != "fp32" else None
+               for name, value in (("reduce_dtype", cfg.reduce_dtype), ("gather_dtype", cfg.gather_dtype))}
     settings = DataParallelSettings(dp_group, tp_group, stage[2] if stage is not None else None, cfg.bucket_mb,
-                                    torch_dtype(cfg.reduce_dtype) if cfg.reduce_dtype != "fp32" else None)
+                                    **on_wire)
     if cfg.zero == 3:  # (without pipeline stages: no tied copy to leave out)
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
         sharding = ShardParameters(model, settings, lambda name: init(name).to(device, dtype), device, dtype)

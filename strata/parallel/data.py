@@ -4,7 +4,7 @@
 `Replicate` for ZeRO-0, `ShardOptimizerStates` for ZeRO-1, `ShardGradients` for ZeRO-2;
 strata/parallel/zero3.py: `ShardParameters` for ZeRO-3), which owns where gradients and states
 live and how they are reduced, and settings given when it is built (the process groups, the bucket
-size, the reduce dtype). What every stage shares lives here: the backward context, the global
+size, the reduce and gather dtypes). What every stage shares lives here: the backward context, the global
 gradient norm and clipping, the tensor-parallel sums, what the optimizer and a checkpoint see.
 With no process group it is the single-process case and never communicates."""
 
@@ -30,6 +30,7 @@ class DataParallelSettings:
     pp_group: object = None  # pipeline stages hold different parameters: the norm sums over them too
     bucket_mb: float = BUCKET_MB
     reduce_dtype: torch.dtype | None = None  # what gradients travel in; None: their own (fp32 masters)
+    gather_dtype: torch.dtype | None = None  # what ZeRO-3 gathers (and computes with); None: the masters'
     # id() of parameters another rank already counts (the last stage's copy of a tied embedding):
     # left out of the norm, and not written to checkpoints
     counted_elsewhere: frozenset[int] = frozenset()
@@ -114,7 +115,7 @@ class DataParallel:
         total = squares.sum()
         if settings.pp_group is not None:
             comm.all_reduce(total, settings.pp_group, "pp")
-        return total.sqrt().to(self.params[0].dtype)
+        return total.sqrt().to(pairs[0][0].dtype if pairs else self.params[0].dtype)  # the masters' gradients' dtype
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_(self.local_grads(), max_norm, total_norm)

@@ -16,7 +16,9 @@ param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
 - ZeRO-2 (`ShardGradients`): no full gradient buffer: a bucket is staged while backward fills it,
   reduce-scattered, added into this rank's gradient shard and freed; with gradient accumulation
   this runs every micro-batch (as in DeepSpeed), since no full gradient survives between them.
-Per step and rank each moves 2Ψ(N-1)/N: an all-reduce, or a reduce-scatter plus an all-gather."""
+Per step and rank each moves 2Ψ(N-1)/N: an all-reduce, or a reduce-scatter plus an all-gather.
+Gradients travel in the reduce dtype, ZeRO-1/2's parameters in the gather dtype (bf16: the
+weights are bf16 copies of fp32 master shards, `_ShardedBuckets`)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ class _Buckets:
         self.params, self.settings, self.group = params, settings, settings.dp_group
         self.dp_size, self.dp_rank = settings.dp_size, settings.dp_rank
         sample = params[0]
+        self.master_dtype = sample.dtype  # the parameters as given: what the optimizer updates
         self.buckets, self.total = plan_buckets(list(reversed(params)), bucket_elements(settings.bucket_mb, sample.dtype),
                                                 self.dp_size)
         if self.group is not None:
@@ -108,9 +111,10 @@ class _Buckets:
         self._wires: dict[int, torch.Tensor] = {}  # bucket index -> what is being reduced
 
     def _on_wire(self, flat: torch.Tensor) -> torch.Tensor:
-        """What a reduction sends: the gradient itself, or a copy in the reduce dtype."""
-        wanted = self.settings.reduce_dtype
-        return flat if wanted in (None, flat.dtype) else flat.to(wanted)
+        """What a reduction sends: the gradient itself, or a copy in the reduce dtype (without one,
+        the masters': bf16 gradients of bf16 weights are summed in fp32)."""
+        wanted = self.settings.reduce_dtype or self.master_dtype
+        return flat if wanted == flat.dtype else flat.to(wanted)
 
     @contextmanager
     def backward(self, sync: bool):
@@ -183,14 +187,38 @@ class Replicate(_Buckets):
 class _ShardedBuckets(_Buckets):
     """ZeRO-1 and 2: the parameters in one flat buffer; the optimizer updates this rank's shard of
     every bucket (1-D views, each with its gradient shard as .grad); the updated shards are
-    all-gathered after the step."""
+    all-gathered after the step.
+
+    With a gather dtype (`--gather-dtype bf16`, DeepSpeed's bf16 ZeRO) the flat buffer, and so the
+    weights the layers compute with, is bf16, and this rank's shards of the fp32 masters are held
+    apart (`masters`, with `master_grads` under ZeRO-1): the optimizer updates the masters, each
+    is cast into its place in the buffer, and the all-gather moves bf16. Gradients arrive in bf16
+    (no casts under autocast: the weights are bf16 already)."""
 
     def __init__(self, params: list[nn.Parameter], settings):
         super().__init__(params, settings)
-        self.param_buffer = flat_parameters(self.buckets, self.total, params[0])
-        self._offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
         self.pieces: list[Piece] = shard_pieces(self.buckets, self.dp_rank, self.dp_size)
-        self.shard_params = [self.param_buffer[pc.start:pc.end] for pc in self.pieces]
+        compute_dtype = settings.gather_dtype or self.master_dtype
+        self.masters = None
+        if compute_dtype != self.master_dtype:  # copied from the fp32 values before they are cast
+            self.masters = torch.zeros(self.total // self.dp_size, dtype=self.master_dtype, device=params[0].device)
+            for pc in self.pieces:
+                self._shard_of(self.masters, pc).copy_(pc.param.detach().reshape(-1)[pc.start - pc.offset:
+                                                                                     pc.end - pc.offset])
+        self.param_buffer = flat_parameters(self.buckets, self.total, params[0], compute_dtype)
+        self._offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
+        self.shard_params = [self._shard_of(self.masters, pc) if self.masters is not None
+                             else self.param_buffer[pc.start:pc.end] for pc in self.pieces]
+
+    @staticmethod
+    def _shard_of(shards: torch.Tensor, pc: Piece) -> torch.Tensor:
+        """A piece's place in tensors holding this rank's shards end to end."""
+        return shards[pc.shard_index:pc.shard_index + pc.end - pc.start]
+
+    def _bucket_shard(self, shards: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """A bucket's shard in tensors holding this rank's shards end to end."""
+        first = bucket.start // self.dp_size
+        return shards[first:first + bucket.size // self.dp_size]
 
     def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]
@@ -203,12 +231,33 @@ class _ShardedBuckets(_Buckets):
         pending = []
         for bucket in self.buckets:
             lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            if self.masters is not None:
+                self.param_buffer[lo:hi].copy_(self._bucket_shard(self.masters, bucket))
             pending.append(comm.all_gather(self.param_buffer[bucket.start:bucket.start + bucket.size],
                                            self.param_buffer[lo:hi], self.group, "dp", async_op=True))
             if len(pending) > MAX_IN_FLIGHT:
                 pending.pop(0).wait()
         for work in pending:
             work.wait()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's state, with the parameters as the fp32 masters when the weights are bf16
+        copies (gathered a bucket at a time)."""
+        state = super().full_state_dict(model)
+        if self.masters is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+            for bucket in self.buckets:
+                flat = gather_shards(self._bucket_shard(self.masters, bucket), bucket.size, self.group)
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    state[names[id(p)]] = flat[offset - bucket.start:offset - bucket.start + p.numel()].view(p.shape)
+        return state
+
+    def held_bytes(self) -> dict[str, int]:
+        masters = [self.masters] if self.masters is not None else []
+        return {"params": tensor_bytes([*self.params, *masters]), "grads": self._grad_bytes()}
+
+    def _grad_bytes(self) -> int:
+        raise NotImplementedError
 
 
 class ShardOptimizerStates(_ShardedBuckets):
@@ -218,11 +267,14 @@ class ShardOptimizerStates(_ShardedBuckets):
 
     def __init__(self, params: list[nn.Parameter], settings):
         super().__init__(params, settings)
-        self.gradients = GradientBuffer(self.buckets, self.total, params[0])
+        self.gradients = GradientBuffer(self.buckets, self.total, params[0])  # in the weights' dtype
         self.grad_buffer = self.gradients.flat
         self._collect = self.gradients.collect
+        # the reduced shard, in the masters' dtype: the buffer's own, or apart when the weights are bf16
+        self.master_grads = torch.zeros_like(self.masters) if self.masters is not None else None
         for piece, shard in zip(self.pieces, self.shard_params):
-            shard.grad = self.grad_buffer[piece.start:piece.end]
+            shard.grad = self.grad_buffer[piece.start:piece.end] if self.masters is None \
+                else self._shard_of(self.master_grads, piece)
 
     def _start(self, bucket: Bucket):
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
@@ -232,15 +284,20 @@ class ShardOptimizerStates(_ShardedBuckets):
     def _finish(self, bucket: Bucket) -> None:
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
         wire = self._wires.pop(bucket.index)
-        if wire.dtype != self.grad_buffer.dtype:
-            self.grad_buffer[lo:hi].copy_(wire[lo - bucket.start:hi - bucket.start])
-        self.grad_buffer[lo:hi].div_(self.dp_size)
+        if self.masters is None:  # reduced in place unless it travelled in another dtype
+            reduced = self.grad_buffer[lo:hi]
+            if wire.dtype != reduced.dtype:
+                reduced.copy_(wire[lo - bucket.start:hi - bucket.start])
+        else:
+            reduced = self._bucket_shard(self.master_grads, bucket)
+            reduced.copy_(wire[lo - bucket.start:hi - bucket.start])
+        reduced.div_(self.dp_size)
 
     def zero_grad(self) -> None:
         self.gradients.release()
 
-    def held_bytes(self) -> dict[str, int]:
-        return {"params": tensor_bytes(self.params), "grads": tensor_bytes(self.params)}
+    def _grad_bytes(self) -> int:
+        return tensor_bytes(self.params) + (tensor_bytes([self.master_grads]) if self.masters is not None else 0)
 
 
 class ShardGradients(_ShardedBuckets):
@@ -252,7 +309,8 @@ class ShardGradients(_ShardedBuckets):
 
     def __init__(self, params: list[nn.Parameter], settings):
         super().__init__(params, settings)
-        self.shard_grad_buffer = torch.zeros(self.total // self.dp_size, dtype=params[0].dtype, device=params[0].device)
+        self.shard_grad_buffer = torch.zeros(self.total // self.dp_size, dtype=self.master_dtype,
+                                             device=params[0].device)
         self._staging: dict[int, torch.Tensor] = {}
         for p in self.params:
             p.grad = None
@@ -288,8 +346,8 @@ class ShardGradients(_ShardedBuckets):
     def zero_grad(self) -> None:
         self.shard_grad_buffer.zero_()
 
-    def held_bytes(self) -> dict[str, int]:
-        return {"params": tensor_bytes(self.params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
+    def _grad_bytes(self) -> int:
+        return tensor_bytes(g for g, _ in self.grad_pairs())
 
 
 # --- flat buffers ---------------------------------------------------------------------------------
@@ -332,10 +390,10 @@ class GradientBuffer:
             param.grad = None
 
 
-def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor) -> torch.Tensor:
-    """Move the parameters into one flat buffer, one at a time (each original is freed as its .data
-    is replaced, so the model is never held twice); padding zeroed."""
-    buffer = torch.empty(total, dtype=sample.dtype, device=sample.device)
+def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Move the parameters into one flat buffer of `dtype`, one at a time (each original is freed
+    as its .data is replaced, so the model is never held twice); padding zeroed."""
+    buffer = torch.empty(total, dtype=dtype, device=sample.device)
     for bucket in buckets:
         end = bucket.offsets[-1] + bucket.params[-1].numel()
         buffer[end:bucket.start + bucket.size].zero_()
@@ -344,6 +402,13 @@ def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor) -> 
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
     return buffer
+
+
+def gather_shards(shard: torch.Tensor, size: int, group) -> torch.Tensor:
+    """Every rank's equal shard of a flat tensor of `size` elements, all-gathered into a new one."""
+    flat = shard.new_empty(size)
+    comm.all_gather(flat, shard, group, "dp")
+    return flat
 
 
 def sharded_optimizer_pieces(pieces: list[Piece], shard_params: list[torch.Tensor]):

@@ -12,7 +12,12 @@ backward, Ψ(N-1)/N reduce-scattered, 3Ψ(N-1)/N in all. With tied embeddings th
 gathered from its forward until the head's backward has used it (the head reads it last).
 
 A unit's full parameters are views into one flat tensor whose storage is resized to zero when the
-unit is freed and back when it is gathered, so autograd's saved references stay valid."""
+unit is freed and back when it is gathered, so autograd's saved references stay valid.
+
+The shards are the fp32 masters the optimizer updates. With a gather dtype (`--gather-dtype bf16`,
+FSDP2's param_dtype; ZeRO-1/2 use it the same way, strata/parallel/gradients.py) each gather sends the shard cast to it, so the full parameters, and the layers
+computing with them, are in that dtype, and each unit moves half the bytes; gradients come back in
+it and are staged in the reduce dtype, and a checkpoint gathers the fp32 masters themselves."""
 
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket, plan_buckets, shard_pieces
-from strata.parallel.gradients import MAX_IN_FLIGHT, sharded_optimizer_pieces, tensor_bytes
+from strata.parallel.gradients import MAX_IN_FLIGHT, gather_shards, sharded_optimizer_pieces, tensor_bytes
 
 
 class Unit:
@@ -42,6 +47,7 @@ class Unit:
         self.bucket: Bucket | None = None  # the unit's flat layout (offsets, padded size)
         self.offset_of: dict[int, int] = {}  # id(parameter) -> its offset in `full`
         self.gathered, self.pending_gather = False, None
+        self.gather_source: torch.Tensor | None = None  # the shard in the gather dtype, while it is sent
         self.staging: torch.Tensor | None = None  # the full gradient, during backward
         self.ready = 0
 
@@ -78,26 +84,30 @@ class ShardParameters:
 
     # --- layout and initialisation ------------------------------------------------------------
     def _materialise(self, unit: Unit, init_fn, device, dtype) -> None:
+        """dtype: the masters'. The initial values are written in it, and this rank keeps its slice."""
         originals = [getattr(owner, attr) for owner, attr, _ in unit.slots]
         (bucket,), size = plan_buckets(originals, bucket_elems=2**62, dp_size=self.dp_size)
         unit.bucket = bucket
-        unit.full = torch.zeros(size, dtype=dtype, device=device)
+        masters = torch.zeros(size, dtype=dtype, device=device)
+        compute_dtype = self.settings.gather_dtype or dtype
+        unit.full = masters if compute_dtype == dtype else torch.zeros(size, dtype=compute_dtype, device=device)
         new_params = []
         for (owner, attr, name), p, offset in zip(unit.slots, originals, bucket.offsets):
             with torch.no_grad():
-                unit.full[offset:offset + p.numel()].copy_(
+                masters[offset:offset + p.numel()].copy_(
                     init_fn(name).reshape(-1) if p.is_meta else p.detach().reshape(-1))
             # A tensor on the unit's storage with a version counter of its own (not a view of
             # `full`): the all-gathers that refill the storage must not look to autograd like
             # in-place changes of the weights it saved for backward.
-            alias = torch.empty(0, dtype=dtype, device=device).set_(unit.full.untyped_storage(), offset, p.shape)
+            alias = torch.empty(0, dtype=compute_dtype, device=device).set_(unit.full.untyped_storage(), offset,
+                                                                           p.shape)
             param = nn.Parameter(alias, requires_grad=p.requires_grad)
             setattr(owner, attr, param)
             new_params.append(param)
         bucket.params = new_params
         unit.offset_of = {id(p): offset for p, offset in zip(new_params, bucket.offsets)}
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
-        unit.shard = unit.full[lo:hi].clone()
+        unit.shard = masters[lo:hi].clone()
         unit.shard_grad = torch.zeros_like(unit.shard)
         for piece in shard_pieces([bucket], self.dp_rank, self.dp_size):
             n = piece.end - piece.start
@@ -113,13 +123,14 @@ class ShardParameters:
         if unit.gathered or unit.pending_gather is not None:
             return
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-        unit.pending_gather = comm.all_gather(unit.full, unit.shard, self.group, "dp", async_op=True)
+        unit.gather_source = unit.shard.to(unit.full.dtype)  # the shard itself without a gather dtype
+        unit.pending_gather = comm.all_gather(unit.full, unit.gather_source, self.group, "dp", async_op=True)
 
     def _ensure_gathered(self, unit: Unit) -> None:
         self._gather(unit)
         if unit.pending_gather is not None:
             unit.pending_gather.wait()
-            unit.pending_gather = None
+            unit.pending_gather = unit.gather_source = None
             unit.gathered = True
 
     def _free(self, unit: Unit) -> None:
@@ -225,13 +236,13 @@ class ShardParameters:
 
     @torch.no_grad()
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's parameters (gathered a unit at a time) and persistent buffers."""
+        """The whole model's parameters (the fp32 masters, gathered a unit at a time into a tensor
+        of their own, whatever the gather dtype) and persistent buffers."""
         state = {}
         for unit in self.units:
-            self._ensure_gathered(unit)
-            for owner, attr, name in unit.slots:
-                state[name] = getattr(owner, attr).detach().clone()
-            self._free(unit)
+            masters = gather_shards(unit.shard, unit.full.numel(), self.group)
+            for (_, _, name), param, offset in zip(unit.slots, unit.bucket.params, unit.bucket.offsets):
+                state[name] = masters[offset:offset + param.numel()].view(param.shape).clone()
         for name, buf in self.model.named_buffers():
             if name in self.model.state_dict():
                 state[name] = buf.detach().clone()

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Device
-from strata.plan.memory import activation_bytes_per_layer, model_state_bytes
+from strata.plan.memory import activation_bytes_per_layer, held_state_bytes
 from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
@@ -232,13 +232,13 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
-    states = model_state_bytes(load.params / t, lay.zero, lay.dp, terms.precision, work.optimizer)
+    states = held_state_bytes(load.params / t, lay.zero, lay.dp, terms.precision, work.optimizer, lay.gather_dtype)
     activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
     activations += (terms.tokens * cfg.d_model * terms.act_bytes if load.first else 0) + \
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
     return {"weights": states.weights, "gradients": states.grads,
             "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
-            "activations": activations, "buffers": _buffers(lay, load, t, terms.act_bytes)}
+            "activations": activations, "buffers": _buffers(lay, load, t)}
 
 
 @dataclass(frozen=True)
@@ -287,9 +287,9 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     ring = (1 if lay.sequence_parallel else 2) * (t - 1) / t
     comm_bytes = {"tp": slowest.tp_collectives * ring * terms.tp_message * m, "pp": 2 * v * m * terms.pp_message * (p > 1)}
     comm_seconds = {"tp": slowest.tp_seconds * m, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
-    grad_bytes = slowest.load.params / t * terms.act_bytes
-    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, grad_bytes, m, slowest.forward,
-                                                                      slowest.backward, slowest.load.layers)
+    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, slowest.load.params / t, m,
+                                                                      slowest.forward, slowest.backward,
+                                                                      slowest.load.layers)
     bubble_time = _bubble_time(lay, m, slowest.total)
     step = m * slowest.total + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, slowest.load.params / t)
     tokens_per_step = work.global_batch * s
@@ -320,42 +320,50 @@ def _bubble_time(lay: Layout, m: int, per_micro_batch: float) -> float:
     return profile(lay.schedule, lay.pp, m, lay.virtual_stages).bubble_slots * per_micro_batch
 
 
-def _buffers(lay: Layout, load: StageLoad, t: int, act_bytes: int) -> float:
+def _buffers(lay: Layout, load: StageLoad, t: int) -> float:
     """What the layout adds besides states and activations: ZeRO-3's gathered units (one in use,
-    one prefetched) and one unit's staged gradients."""
+    one prefetched, in the gather dtype) and one unit's staged gradients (in the reduce dtype)."""
     if lay.zero < 3:
         return 0.0
-    unit = load.params / t / (load.layers + load.first + load.last) * act_bytes
-    return 3 * unit
+    unit = load.params / t / (load.layers + load.first + load.last)
+    return unit * (2 * BYTES[lay.gather_dtype] + BYTES[lay.reduce_dtype])
 
 
-def _data_parallel(cluster: Cluster, lay: Layout, grad_bytes: float, m: int, t_fwd: float, t_bwd: float,
+def _data_parallel(cluster: Cluster, lay: Layout, params_local: float, m: int, t_fwd: float, t_bwd: float,
                    layers_local: float):
-    """(total seconds, seconds not hidden behind compute, bytes per device) of the dp group."""
+    """(total seconds, seconds not hidden behind compute, bytes per device) of the dp group, each
+    collective priced in the dtype the runtime moves: gradients in the reduce dtype, parameters
+    (ZeRO-3's gathers, ZeRO-1/2's of the updated shards) in the gather dtype."""
     d, stride = lay.dp, lay.tp
     if d == 1:
         return 0.0, 0.0, 0.0
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
         t_fwd = t_bwd = 0.0
     ring = (d - 1) / d
+    grad_bytes = params_local * BYTES[lay.reduce_dtype]
     if lay.zero == 3:  # all-gather forward, all-gather backward, reduce-scatter: every micro-batch,
         # one collective per unit (a block; the embedding; the head), each paying its latency
         units = max(1, round(layers_local)) + 2
-        unit_bytes = grad_bytes / units
-        per_mb = units * (2 * collective_seconds(cluster, "all_gather", unit_bytes, d, stride) +
-                          collective_seconds(cluster, "reduce_scatter", unit_bytes, d, stride))
+        gather_bytes = params_local * BYTES[lay.gather_dtype]
+        per_mb = units * (2 * collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride) +
+                          collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride))
         exposed = max(0.0, per_mb - (t_fwd + t_bwd)) * m  # prefetch hides it behind compute
-        return per_mb * m, exposed, 3 * ring * grad_bytes * m
-    if lay.zero == 2:  # reduce-scatter every micro-batch, all-gather of the updated shards once
-        rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride)
-        ag = collective_seconds(cluster, "all_gather", grad_bytes, d, stride)
-        exposed = max(0.0, rs - t_bwd) * m + ag
-        return rs * m + ag, exposed, ring * grad_bytes * (m + 1)
-    buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # one all-reduce per --bucket-mb bucket
-    total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride)
-    # buckets reduce while the last micro-batch's backward runs; after a pipeline schedule, at the end
-    exposed = total if lay.pp > 1 else max(0.0, total - t_bwd)
-    return total, exposed, 2 * ring * grad_bytes
+        return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
+    if lay.zero == 0:
+        buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # one all-reduce per --bucket-mb bucket
+        total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride)
+        # buckets reduce while the last micro-batch's backward runs; after a pipeline schedule, at the end
+        exposed = total if lay.pp > 1 else max(0.0, total - t_bwd)
+        return total, exposed, 2 * ring * grad_bytes
+    # ZeRO-1: one reduce-scatter per step (overlapping the last backward unless a pipeline schedule
+    # ran), ZeRO-2: one every micro-batch; then an all-gather of the updated shards
+    reductions = m if lay.zero == 2 else 1
+    gather_bytes = params_local * BYTES[lay.gather_dtype]
+    rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride)
+    ag = collective_seconds(cluster, "all_gather", gather_bytes, d, stride)
+    hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
+    exposed = max(0.0, rs - hidden) * reductions + ag
+    return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
 
 
 def _optimizer_seconds(cluster: Cluster, lay: Layout, params_local: float) -> float:

@@ -36,6 +36,24 @@ def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str 
     return ModelStates(w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, o / dp if zero >= 1 else o)
 
 
+def held_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed", optimizer: str = "adamw",
+                     gather_dtype: str = "fp32") -> ModelStates:
+    """Bytes per device of the model states strata holds (what its metrics count). In fp32 the
+    paper's split. In mixed precision strata keeps no 16-bit copy by default: the fp32 masters are
+    the weights the layers read (autocast casts them), the gradients are fp32, so ZeRO-0/1/2 hold
+    4Ψ + 4Ψ + 8Ψ/N-style splits (16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N) where the paper has 2Ψ + 2Ψ + 12Ψ/N.
+    With bf16 gathers ZeRO-1/2 keep DeepSpeed's bf16 weights (2Ψ) beside this rank's fp32 master
+    shard (4Ψ/N), and ZeRO-1 a bf16 gradient buffer (2Ψ) beside the reduced fp32 shard (4Ψ/N).
+    weights: parameters and masters; grads: gradient buffers and shards; optimizer: the moments."""
+    if precision == "fp32":
+        return model_state_bytes(params, zero, dp, "fp32", optimizer)
+    moments = MOMENT_BYTES[optimizer] * params / (dp if zero >= 1 else 1)
+    sharded = 4 * params / dp
+    if gather_dtype == "bf16" and zero in (1, 2):
+        return ModelStates(2 * params + sharded, (2 * params if zero == 1 else 0) + sharded, moments)
+    return ModelStates(sharded if zero >= 3 else 4 * params, sharded if zero >= 2 else 4 * params, moments)
+
+
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
                                sequence_parallel: bool = False, checkpointing: str = "none",
                                fused_attention: bool = False) -> float:

@@ -5,18 +5,19 @@ from __future__ import annotations
 from strata.errors import ConfigError, as_flag
 from strata.plan.cost import Estimate, Workload
 from strata.rules.checkpointing import PLANNED_MODES
-from strata.rules.layout import Layout, check_layout
+from strata.rules.layout import Layout, check_layout, check_transfer_dtypes
 
 # --layout's keys: the layout's fields under short names
 LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("virtual_stages", int),
                "zero": ("zero", int), "mb": ("micro_batch", int), "ckpt": ("checkpointing", str),
-               "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool)}
+               "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool),
+               "reduce": ("reduce_dtype", str), "gather": ("gather_dtype", str)}
 KEY_OF_FIELD = {field: key for key, (field, _) in LAYOUT_KEYS.items()}
 PLANNED_OFFLOAD = ("none", "cpu")  # what the cost model prices (disk: not yet)
 
 
 def parse_layout(text: str, work: Workload, world: int) -> Layout:
-    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp', checked by
+    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp,reduce=bf16', checked by
     the trainer's own layout check: the planner evaluates exactly the layouts `strata train` runs."""
     values = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -41,6 +42,7 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
     if layout.offload not in PLANNED_OFFLOAD:
         raise ConfigError(f"--layout {text}: offload={layout.offload}: the planner prices {', '.join(PLANNED_OFFLOAD)}")
     try:
+        check_transfer_dtypes(layout.reduce_dtype, layout.gather_dtype, work.precision)
         check_layout(work.model, layout, world, work.seq_len, work.global_batch)
     except ConfigError as e:
         raise ConfigError(e.render(lambda field, value: f"--layout {text}: {KEY_OF_FIELD[field]}={value}"

@@ -20,10 +20,13 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(work: Workload, world: int, offload: bool = True) -> Iterator[Layout]:
+def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32")
+            ) -> Iterator[Layout]:
     """Every layout of `world` devices strata runs for this model and batch: the candidates below,
-    each passed through the trainer's own layout check."""
-    for layout in _candidates(work, world, offload):
+    each passed through the trainer's own layout check. transfers: the (reduce, gather) dtypes the
+    run asked for; a layout they do not apply to (bf16 reductions without dp, bf16 gathers
+    without ZeRO) is not run, so not offered."""
+    for layout in _candidates(work, world, offload, transfers):
         try:
             check_layout(work.model, layout, world, work.seq_len, work.global_batch)
         except ConfigError:
@@ -31,7 +34,7 @@ def layouts(work: Workload, world: int, offload: bool = True) -> Iterator[Layout
         yield layout
 
 
-def _candidates(work: Workload, world: int, offload: bool) -> Iterator[Layout]:
+def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str]) -> Iterator[Layout]:
     """The search space: every split of the world into tp x pp x dp, the schedules worth trying for
     each pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP."""
     for t in divisors(world):
@@ -43,7 +46,8 @@ def _candidates(work: Workload, world: int, offload: bool) -> Iterator[Layout]:
                         for checkpointing in PLANNED_MODES:
                             for place in ("none", "cpu") if offload else ("none",):
                                 for sp in (False, True) if t > 1 else (False,):
-                                    yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule)
+                                    yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
+                                                 None, *transfers)
 
 
 def _schedules(n_layers: int, p: int) -> list[tuple[int, str]]:
@@ -63,10 +67,11 @@ def refusal(e: Estimate) -> str | None:
     return None
 
 
-def search(work: Workload, cluster: Cluster, offload: bool = True) -> tuple[list[Estimate], list[Estimate]]:
+def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32")
+           ) -> tuple[list[Estimate], list[Estimate]]:
     """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first)."""
     ranked, rejected = [], []
-    for layout in layouts(work, cluster.world, offload):
+    for layout in layouts(work, cluster.world, offload, transfers):
         e = estimate(work, cluster, layout)
         reason = refusal(e)
         if reason:

@@ -17,6 +17,10 @@ from strata.rules.schedules import SCHEDULES
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_TARGETS = ("none", "disk", "cpu")  # where the optimizer's states live and its step runs
+# What data-parallel traffic travels in: "fp32", the master tensors' own dtype (fp64 in an fp64
+# run), or bf16, half the bytes. reduce: the gradients; gather: the parameters ZeRO-1/2 gather
+# after the step and ZeRO-3 before each use, which the layers then compute with.
+TRANSFER_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # a name in strata/rules/schedules.py (used when pp > 1)
     pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (None: balanced by FLOPs)
+    reduce_dtype: str = "fp32"  # a TRANSFER_DTYPES name: data-parallel gradients
+    gather_dtype: str = "fp32"  # a TRANSFER_DTYPES name: ZeRO-1/2/3's parameter all-gathers
 
     @property
     def world_size(self) -> int:
@@ -50,7 +56,24 @@ class Layout:
             parts.append(f"ckpt={self.checkpointing}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        for kind in ("reduce", "gather"):
+            if getattr(self, f"{kind}_dtype") != "fp32":
+                parts.append(f"{kind}={getattr(self, f'{kind}_dtype')}")
         return ",".join(parts)
+
+
+def check_transfer_dtypes(reduce_dtype: str, gather_dtype: str, precision: str) -> None:
+    """What data-parallel traffic travels in, against the run's dtype (a strata/rules/dtypes.py
+    name): no bf16 traffic in an fp64 run, and bf16 gathers only under bf16 compute (the layers
+    compute with the gathered weights; fp32 or fp16 compute would meet bf16 weights)."""
+    for field, value in (("reduce_dtype", reduce_dtype), ("gather_dtype", gather_dtype)):
+        if value not in TRANSFER_DTYPES:
+            raise ConfigError(f"valid: {', '.join(TRANSFER_DTYPES)}", field, value)
+        if value != "fp32" and precision == "fp64":
+            raise ConfigError("not with dtype fp64", field, value)
+    if gather_dtype != "fp32" and precision != "bf16":
+        raise ConfigError(f"only with dtype bf16 (the layers compute with the gathered weights; dtype is {precision})",
+                          "gather_dtype", gather_dtype)
 
 
 def check_workload(model: ModelConfig, seq_len: int, global_batch: int) -> None:
@@ -126,6 +149,14 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     parse_checkpointing(layout.checkpointing)
     if layout.offload not in OFFLOAD_TARGETS:
         raise ConfigError(f"valid: {', '.join(OFFLOAD_TARGETS)}", "offload", layout.offload)
+    if layout.reduce_dtype != "fp32" and layout.dp == 1:
+        raise ConfigError("sets the dtype of data-parallel reductions, and dp is 1", "reduce_dtype", layout.reduce_dtype)
+    if layout.gather_dtype != "fp32" and layout.zero == 0:
+        raise ConfigError("sets the dtype ZeRO-1/2/3 gather parameters in (the weights the layers compute with), "
+                          "and zero is 0", "gather_dtype", layout.gather_dtype)
+    if layout.gather_dtype != "fp32" and layout.pp > 1:
+        raise ConfigError(f"not with pp {layout.pp}: the stages exchange fp32 activations, which bf16 weights "
+                          f"would turn bf16", "gather_dtype", layout.gather_dtype)
     if global_batch % (layout.micro_batch * layout.dp):
         raise ConfigError(f"must be a multiple of micro_batch {layout.micro_batch} x dp {layout.dp} = "
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)

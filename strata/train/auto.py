@@ -48,7 +48,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
     global_batch = cfg.global_batch if cfg.global_batch is not None else cfg.micro_batch * world_size
     work = workload(model, global_batch, cfg.seq_len, precision)
     cluster = local_cluster(world_size)
-    ranked, rejected = search(work, cluster, offload=False)
+    ranked, rejected = search(work, cluster, offload=False, transfers=(cfg.reduce_dtype, cfg.gather_dtype))
     for e in ranked:
         lay = e.layout
         chosen = replace(cfg, parallel="manual", dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
