@@ -50,9 +50,17 @@ def _report(name: str, measured: str, expected: str, ok: bool) -> bool:
     return ok
 
 
+class JobFailed(Exception):
+    """A command a check runs exited non-zero: the check fails, saying which and why."""
+
+
 def _strata(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "strata", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, **kwargs)
+    result = subprocess.run([sys.executable, "-m", "strata", *map(str, args)], capture_output=True, text=True,
+                            env=ENV, **kwargs)
+    if result.returncode:
+        last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+        raise JobFailed(f"`strata {args[0]}` exited {result.returncode}: {last}")
+    return result
 
 
 # --- bus bandwidth: the benchmark against a plain timed all-reduce -----------------------------------
@@ -105,9 +113,7 @@ def rss_with_disk_offload() -> bool:
 def calibrated_decode() -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         profile = os.path.join(tmp, "profile.json")
-        calibrated = _strata("calibrate", "--inference", "--out", profile)
-        if calibrated.returncode:
-            return _report("calibrated decode time", "calibration failed", calibrated.stderr[-200:], False)
+        _strata("calibrate", "--inference", "--out", profile)
         model, ratios = build_model(get_preset("small"), seed=0), []
         for batch in (1, 4):
             planned = _strata("plan", "--inference", "--model", "small", "--device", "cpu-local", "--gpus-per-node", 1,
@@ -147,8 +153,9 @@ def _train_over(nodes) -> bool:
                                   hostfile, "--master-port", port, "--", *args, "--metrics", f"{tmp}/n{i}.jsonl"],
                                  env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 for i, (ns, _, _) in enumerate(nodes)]
-        for job in jobs:
-            job.wait(timeout=300)
+        for i, job in enumerate(jobs):
+            if job.wait(timeout=300):
+                raise JobFailed(f"node {i}'s `strata launch` exited {job.returncode}")
         records = [r for r in map(json.loads, open(f"{tmp}/n0.jsonl")) if r["kind"] == "train"]
     measured = sorted(r["comm_seconds_by_op"]["all_reduce/dp"] for r in records[1:])[1]  # median of steps 2-4
     predicted = estimate(workload(get_preset("small"), 2, 16, "fp32"),
@@ -166,7 +173,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run these checks only")
     args = parser.parse_args()
-    results = [CHECKS[name]() for name in (args.only or CHECKS)]
+    results = []
+    for name in args.only or CHECKS:
+        try:
+            results.append(CHECKS[name]())
+        except JobFailed as failed:  # one broken command fails its check, not the others
+            results.append(_report(name, "failed", str(failed), False))
     return 0 if all(results) else 1
 
 

@@ -6,10 +6,16 @@ import os
 import shutil
 import subprocess
 
+import pytest
+
 
 def available() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None and \
         subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+
+
+needs_netns = pytest.mark.skipif(
+    not available(), reason="needs root and `ip netns` (network namespaces) to build two nodes on one machine")
 
 
 def sh(*args) -> None:

@@ -9,6 +9,8 @@ import json
 
 import pytest
 import torch
+import transformers
+from hf_cases import CASES, VOCAB, hf_configs, hf_model
 from safetensors.torch import load_file
 
 from strata.checkpoint.hf import hf_config_from_model
@@ -24,51 +26,7 @@ from strata.model.presets import PRESETS
 from strata.model.transformer import build_model
 from strata.train.trainer import train
 
-transformers = pytest.importorskip("transformers", reason="the interop tests need transformers (pip install -e '.[dev]')")
-
-VOCAB = 251  # odd: no tensor-parallel degree divides it
-SMALL = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2)
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
-
-
-def _configs():
-    t = transformers
-    return {
-        "llama2": t.LlamaConfig(**SMALL, num_attention_heads=6, num_key_value_heads=1, max_position_embeddings=64,
-                                rms_norm_eps=1e-5),
-        # head_dim 16 with theta 500,000 puts wavelengths in all three of llama3's bands (< 16, 16-64, > 64)
-        "llama3.1": t.LlamaConfig(**{**SMALL, "hidden_size": 64}, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=128, tie_word_embeddings=True, rope_parameters=LLAMA31_ROPE),
-        "qwen2": t.Qwen2Config(**SMALL, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64),
-        "qwen3": t.Qwen3Config(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                               max_position_embeddings=64),
-        "mistral": t.MistralConfig(**SMALL, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
-                                   sliding_window=16),
-        "gemma": t.GemmaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                               max_position_embeddings=64),
-        # Phi-3: fused qkv_proj and gate_up_proj, GQA with one KV head, a window shorter than the prompts
-        "phi3": t.Phi3Config(**SMALL, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
-                             sliding_window=16, pad_token_id=0),
-        "gpt2": t.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64, bos_token_id=1,
-                             eos_token_id=2),
-        "bloom": t.BloomConfig(vocab_size=VOCAB, hidden_size=48, n_layer=2, n_head=6),  # 6 heads: ALiBi's odd rule
-    }
-
-
-CASES = list(_configs())
 PROMPT_LENGTHS = (3, 11, 40)  # 40 passes Mistral's window of 16
-
-
-def hf_model(case: str):
-    """A random-weight transformers model; every parameter moved off its initial value (norm
-    weights included, so a name swapped between two norms would show)."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_configs()[case]).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
 
 
 def prompt(length: int) -> torch.Tensor:
@@ -151,7 +109,7 @@ def test_sliding_window_logits_and_greedy_tokens_equal_transformers(tmp_path):
 # --- the pieces, one at a time ---------------------------------------------------------------------
 def test_llama3_rope_frequencies_are_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    config = _configs()["llama3.1"]
+    config = hf_configs()["llama3.1"]
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
     cfg = ModelConfig(vocab_size=VOCAB, n_layers=2, d_model=64, n_heads=4, d_ff=80, max_seq_len=128,
                       rope_theta=500000.0, rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -188,8 +146,8 @@ def test_new_presets_have_the_published_counts_and_a_family():
 
 def test_flops_count_the_query_width_and_the_window():
     gemma, mistral = PRESETS["gemma-7b"], PRESETS["mistral-7b"]
-    assert gemma.flops_per_token(1024) == 6 * gemma.num_params() + 12 * 28 * 16 * 256 * 1024
-    assert mistral.flops_per_token(8192) == 6 * mistral.num_params() + 12 * 32 * 4096 * 4096
+    assert gemma.flops_per_token(1024) == 6 * gemma.matmul_params() + 12 * 28 * 16 * 256 * 1024
+    assert mistral.flops_per_token(8192) == 6 * mistral.matmul_params() + 12 * 32 * 4096 * 4096
 
 
 def test_a_manifest_written_before_families_reads_the_same():
@@ -224,7 +182,7 @@ def test_new_parameters_start_as_identity_norms():
     ("mistral", {"sliding_window": 0}, "sliding_window=0 must be a whole number"),
 ])
 def test_unsupported_options_are_one_line_naming_the_key(case, change, needle, tmp_path, capsys):
-    hf = {**_configs()[case].to_dict(), **change}
+    hf = {**hf_configs()[case].to_dict(), **change}
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
     assert strata_main(["plan", "--model", str(tmp_path / "hf")]) == 2
@@ -244,7 +202,7 @@ def test_a_model_its_family_cannot_write_is_refused_on_export():
 
 def test_every_family_places_every_parameter_under_tensor_parallelism():
     from strata.checkpoint.hf import model_config_from_hf
-    shapes = [model_config_from_hf(config.to_dict(), case) for case, config in _configs().items()]
+    shapes = [model_config_from_hf(config.to_dict(), case) for case, config in hf_configs().items()]
     shapes += [preset for preset in PRESETS.values()]
     assert {cfg.family for cfg in shapes} == set(FAMILIES)
     for cfg in shapes:
@@ -254,7 +212,7 @@ def test_every_family_places_every_parameter_under_tensor_parallelism():
 
 # --- fine-tuning a converted model on one's own data, with its own tokenizer -------------------------
 def test_fine_tune_a_converted_model_on_jsonl_and_parquet_with_its_tokenizer_then_generate(tmp_path, capsys):
-    from test_data import model_tokenizer_dir, write_sources
+    from documents import model_tokenizer_dir, write_sources
 
     from strata.checkpoint import store
     from strata.data.tokenizer import load_tokenizer

@@ -10,13 +10,11 @@ import functools
 import pytest
 import torch
 from family_runs import NEW_TOKENS, PROMPT_IDS, fp64_losses, greedy_tokens, on_each_rank
-from test_families import CASES, hf_model
+from hf_cases import CASES, hf_model
 
 from strata.cli import main as strata_main
 
 from distributed import run_on_ranks
-
-pytest.importorskip("transformers", reason="the interop tests need transformers (pip install -e '.[dev]')")
 
 LAYOUTS = {"tp2": (2, dict(tp=2)), "pp2": (2, dict(pp=2)), "dp2xtp2-zero1": (4, dict(dp=2, tp=2, zero=1))}
 

@@ -19,7 +19,7 @@ from strata.cli import main as strata_main
 from strata.distributed import comm
 
 from distributed import run_on_ranks
-from listeners import kill_tree
+from listeners import kill_tree, process_tree
 
 TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "80", "--lr", "3e-3",
          "--eval-batches", "1", "--no-progress", "--peak-flops", "1e10", "--nproc", "2", "--save-every", "5"]
@@ -34,18 +34,11 @@ def _strata(*args, **kwargs):
 def _descendants_with_rank(root: int, rank: int) -> list[int]:
     """Processes under `root` whose environment says RANK=<rank> (torchrun's workers)."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in process_tree(root)[1:]:
         try:
-            ppid, chain = int(pid), []
-            while ppid > 1 and ppid != root:
-                chain.append(ppid)
-                with open(f"/proc/{ppid}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != root:
-                continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                    found.append(int(pid))
+                    found.append(pid)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return found

@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-from test_cli import strata
-from test_model import ARCHITECTURES
+from architectures import ARCHITECTURES
 
 from strata.infer.cli import Printer, StopStrings
 from strata.infer.generate import FINISHED, Sampler, Sampling, generate, left_pad
@@ -18,7 +17,13 @@ from strata.plan.hardware import DEVICES
 from strata.plan.inference import Overheads, Serving, estimate_serving, kv_cache_bytes
 from strata.tools.bench_generate import least_squares
 
+from cli_runner import run_strata
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [20, 21, 22, 23]]
+
+
+def strata(*args):
+    return run_strata(*args, timeout=300)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

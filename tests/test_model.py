@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 import torch
+from architectures import ARCHITECTURES
 
 from strata.infer.generate import Sampling, generate
 from strata.infer.kv_cache import KVCache
@@ -40,12 +41,15 @@ def test_every_preset_builds_on_meta_and_counts_agree():
     assert 10e6 <= PRESETS["small"].num_params() <= 30e6
 
 
-def test_flops_per_token_is_6n_plus_attention():
+def test_flops_per_token_is_6_per_multiplied_weight_plus_attention():
     cfg = get_preset("gpt2-124m")
-    # 6 x 124,439,808 + 12 x 12 layers x 768 x 1024 positions
-    assert cfg.flops_per_token() == 6 * 124_439_808 + 12 * 12 * 768 * 1024 == 859_885_056
-    assert cfg.flops_per_token(seq_len=512) == 6 * 124_439_808 + 12 * 12 * 768 * 512
-    assert get_preset("llama-7b").flops_per_token() == 6 * 6_738_415_616 + 12 * 32 * 4096 * 2048
+    # 6 x the 12 blocks' matrices and the (tied) head; not the lookups (50257 x 768 tokens, 1024 x 768
+    # positions), nor the norms and biases
+    matmuls = 12 * (4 * 768 * 768 + 2 * 768 * 3072) + 768 * 50257
+    assert cfg.flops_per_token() == 6 * matmuls + 12 * 12 * 768 * 1024 == 854_438_400
+    assert cfg.flops_per_token(seq_len=512) == 6 * matmuls + 12 * 12 * 768 * 512
+    llama = 6_738_415_616 - 32000 * 4096 - (2 * 32 + 1) * 4096  # less the embedding and the 65 norms; head kept
+    assert get_preset("llama-7b").flops_per_token() == 6 * llama + 12 * 32 * 4096 * 2048
 
 
 def test_initial_weights_depend_on_seed_and_name_only():
@@ -63,21 +67,6 @@ def test_invalid_shape_is_refused():
         dataclasses.replace(get_preset("tiny"), n_kv_heads=3).validate()
 
 
-ARCHITECTURES = {
-    "llama-gqa": get_preset("tiny"),
-    "gpt2": get_preset("tiny-gpt2"),
-    "alibi": dataclasses.replace(get_preset("tiny-gpt2"), position="alibi", n_heads=4, embedding_norm=True),
-    # the options of the newer families: a window shorter than the sequences, per-head q/k norms
-    # with q/k/v biases and heads wider than d_model / n_heads, Gemma's norms, embeddings and GeGLU,
-    # Llama 3.1's RoPE scaling
-    "sliding-window": dataclasses.replace(get_preset("tiny"), sliding_window=5, family="mistral"),
-    "qwen3": dataclasses.replace(get_preset("tiny"), qk_norm=True, qkv_bias=True, d_head=32, family="qwen3"),
-    "gemma": dataclasses.replace(get_preset("tiny"), norm="gemma_rmsnorm", mlp="geglu", scale_embeddings=True,
-                                 d_head=24, tie_embeddings=True, family="gemma"),
-    "llama3-rope": dataclasses.replace(get_preset("tiny"), rope_theta=500000.0, rope_type="llama3", rope_factor=8.0,
-                                       rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                                       rope_original_max_seq_len=16),
-}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

@@ -10,22 +10,13 @@ import sys
 
 import netns
 import pytest
+from netns import needs_netns
 
 from distributed import free_port
 from listeners import host, run_watching
 
-needs_netns = pytest.mark.skipif(
-    not netns.available(), reason="needs root and `ip netns` (network namespaces) to build two nodes on one machine")
-
 TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "5", "--no-progress",
          "--eval-batches", "1", "--peak-flops", "1e10", "--timeout", "60"]
-
-
-@pytest.fixture
-def two_nodes():
-    """(namespace, address, veth device) of two nodes joined by a veth pair."""
-    with netns.two_nodes("s", "10.231.7") as nodes:
-        yield nodes
 
 
 def _losses(path):

@@ -25,9 +25,13 @@ def _selene(nodes):
 MEGATRON_1T = ModelConfig(vocab_size=51200, n_layers=128, d_model=25600, n_heads=160, d_ff=4 * 25600,
                           max_seq_len=2048, norm="layernorm", position="learned", mlp="gelu",
                           tie_embeddings=True, bias=True)
+# Megatron-LM's 2021 runs trained in fp16 and all-reduced 16-bit gradients (its fp32 accumulation
+# and reduction were an option, off by default): 2 bytes per element, reduce=bf16 in strata's terms.
 PUBLISHED = {  # name: (model, nodes, global batch, the paper's layout, TFLOP/s per GPU)
-    "gpt3-175b on 1024 A100": (get_preset("gpt3-175b"), 128, 1536, Layout(dp=8, tp=8, pp=16, checkpointing="full"), 140),
-    "1T on 3072 A100": (MEGATRON_1T, 384, 3072, Layout(dp=6, tp=8, pp=64, checkpointing="full"), 163),
+    "gpt3-175b on 1024 A100": (get_preset("gpt3-175b"), 128, 1536,
+                               Layout(dp=8, tp=8, pp=16, checkpointing="full", reduce_dtype="bf16"), 140),
+    "1T on 3072 A100": (MEGATRON_1T, 384, 3072, Layout(dp=6, tp=8, pp=64, checkpointing="full", reduce_dtype="bf16"),
+                        163),
 }
 
 
@@ -174,7 +178,22 @@ def test_calibrate_then_train_with_the_planners_layout(tmp_path):
                   "--global-batch", "8", "--no-progress")
     assert trained.returncode == 0, trained.stderr[-3000:]
     chose = next(line for line in trained.stderr.splitlines() if line.startswith("--parallel auto chose"))
-    assert "for 2 x cpu-local" in chose and "per step" in chose and "of the step: compute" in chose, chose
+    assert "for 2 x cpu-local" in chose and "per step" in chose and "of the step (the parts add up to it): compute" in chose, chose
     assert "validation loss" in trained.stdout
     refused = run("train", "--parallel", "auto", "--nproc", "2", "--model", "tiny", "--tp", "2")
     assert refused.returncode == 2 and "--parallel auto chooses the layout; drop --tp" in refused.stderr
+
+
+@pytest.mark.parametrize("preset,nodes", [("llama3-8b", 1), ("gpt2-1.5b", 1), ("gemma-7b", 2), ("llama-65b", 4)])
+def test_mfu_never_exceeds_the_efficiency_and_the_shares_add_up_over_the_search_space(preset, nodes):
+    """Model FLOPs are the matmuls the compute time is made of (no embedding lookup), and nothing
+    runs faster than peak x efficiency: no layout the search offers claims more. The step's parts
+    (compute, exposed communication by group, bubble, optimizer) add up to it."""
+    model = get_preset(preset)
+    work, cluster = workload(model, 64, min(2048, model.max_seq_len), "bf16"), _selene(nodes)
+    ranked, rejected = search(work, cluster, offload=False)
+    assert ranked
+    for e in ranked + rejected:
+        assert e.mfu <= cluster.efficiency * (1 + 1e-9), (e.layout.describe(), e.mfu)
+        assert sum(e.shares().values()) == pytest.approx(1.0, rel=1e-9), e.layout.describe()
+        assert all(e.exposed_comm_s[g] <= e.comm_seconds[g] * (1 + 1e-9) for g in e.comm_seconds)

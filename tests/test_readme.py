@@ -6,12 +6,11 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
+import transformers  # the dev extra's: a missing one fails, not skips
 
 from strata.infer.cli import load_for_inference
 
-transformers = pytest.importorskip("transformers", reason="the walk-through ends in transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Fine-tuning a Hugging Face model on your own data"
 

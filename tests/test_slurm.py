@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-import test_multinode
+from netns import needs_netns
 
 from strata.distributed.slurm import (
     expand_nodelist,
@@ -26,7 +26,6 @@ from strata.errors import ConfigError
 from distributed import free_port
 from listeners import host, run_watching
 
-two_nodes = test_multinode.two_nodes  # the fixture: two network namespaces joined by a veth pair
 TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--no-progress",
          "--eval-batches", "1", "--peak-flops", "1e10", "--timeout", "60"]
 
@@ -204,19 +203,20 @@ def test_one_task_per_node_runs_its_nproc_ranks_like_nproc_2(tmp_path, nproc_2_l
     assert seen[0] and all(host(a) == "127.0.0.1" for a in seen[0]), seen
 
 
-@test_multinode.needs_netns
+@needs_netns
 def test_two_nodes_of_a_slurm_job_meet_at_the_first(two_nodes, tmp_path, nproc_2_losses):
     """Two network namespaces as two nodes, one task each: the master is the first node of the
     list, the store listens on its address only, and each node's gloo uses its veth."""
     port = str(free_port())
-    nodelist = "10.231.7.[1-2]"
+    master = two_nodes[0][1]
+    nodelist = f"{master.rsplit('.', 1)[0]}.[1-2]"  # the two nodes' addresses, .1 and .2, as Slurm lists them
     metrics = [str(tmp_path / f"node{i}.jsonl") for i in (0, 1)]
     commands = [["ip", "netns", "exec", ns, sys.executable, "-m", "strata", *TRAIN, "--metrics", metrics[i]]
                 for i, (ns, _, _) in enumerate(two_nodes)]
     envs = [_environment(**_task(i, 2, nodes=2, nodelist=nodelist), MASTER_PORT=port) for i in (0, 1)]
     outputs, seen = run_watching(commands, envs, tmp_path)
     assert _losses(metrics[0]) == pytest.approx(nproc_2_losses, rel=1e-6, abs=0)
-    assert f"master 10.231.7.1 (10.231.7.1:{port}" in outputs[0] and f"GLOO_SOCKET_IFNAME={two_nodes[0][2]}" in outputs[0]
+    assert f"master {master} ({master}:{port}" in outputs[0] and f"GLOO_SOCKET_IFNAME={two_nodes[0][2]}" in outputs[0]
     assert f"{two_nodes[0][1]}:{port}" in seen[0]
     for (_, ip, _), addresses in zip(two_nodes, seen):
         assert addresses and all(host(a) in (ip, "127.0.0.1") for a in addresses), (ip, addresses)

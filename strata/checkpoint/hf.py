@@ -18,9 +18,9 @@ from dataclasses import fields
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
 
 from strata.checkpoint import shards, store
+from strata.data.tokenizer import read_tokenizer
 from strata.errors import ConfigError, CorruptError
 from strata.files import check_output_dir, inside, read_json, read_json_object
 from strata.model.config import ModelConfig
@@ -166,11 +166,7 @@ def _hf_tokenizer(directory: str) -> str | None:
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.lexists(path):
         return None
-    try:
-        Tokenizer.from_file(path)
-    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a bad file
-        raise CorruptError(f"--from-hf {directory}: tokenizer.json is not a tokenizer that `tokenizers` reads "
-                           f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+    read_tokenizer(path, f"--from-hf {directory}", CorruptError)
     return path
 
 

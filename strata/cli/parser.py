@@ -124,7 +124,8 @@ def _plan(sub) -> None:
     plan = sub.add_parser("plan", help="choose the layout for a model on a cluster: memory, communication, time")
     plan.add_argument("--model", required=True, help="a preset, a strata checkpoint, or a Hugging Face config.json")
     plan.add_argument("--device", default="A100-80G", help="A100-80G, H100-80G, V100-32G, ... or cpu-local (calibrated)")
-    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--nodes", type=int, help="nodes of --gpus-per-node devices (default: 1, or with --days the "
+                                                "fewest that finish in time)")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (cpu-local: processes)")
     plan.add_argument("--intra", help="link inside a node: nvlink | pcie | GB/s (default: nvlink if the device has it)")
     plan.add_argument("--network", default="ib-200", help="between nodes: 10gbe | 100gbe | ib-200 | ib-400 | GB/s")
@@ -150,6 +151,10 @@ def _plan(sub) -> None:
     plan.add_argument("--per-token-us", type=float, help="--inference: overhead per token (default: calibrated, else 200)")
     plan.add_argument("--efficiency", type=float, help=f"fraction of peak FLOP/s the compute reaches (default "
                                                        f"{DEFAULT_EFFICIENCY}; cpu-local: calibrated)")
+    plan.add_argument("--tokens", help="training tokens, e.g. 2T or 300B: adds days, device-hours (and price) per layout")
+    plan.add_argument("--price-per-device-hour", type=float, help="with --tokens: the price of the run per layout")
+    plan.add_argument("--days", type=float, help="with --tokens, without --nodes: the fewest nodes that train them "
+                                                 "within this many days")
 
 
 def _bench(sub) -> None:

@@ -6,14 +6,24 @@ Handlers import the engine only when they run: parsing flags and `--help` never 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from strata.errors import ConfigError
 from strata.plan.cost import estimate
 from strata.plan.hardware import DEVICES, Device
 from strata.plan.inference import BYTES, Overheads, Serving, serving_layouts
-from strata.plan.inputs import CPU_LOCAL, bandwidth, build_cluster, default_profile_path, load_profile, workload
+from strata.plan.inputs import (
+    CPU_LOCAL,
+    bandwidth,
+    build_cluster,
+    check_efficiency,
+    default_profile_path,
+    load_profile,
+    workload,
+)
 from strata.plan.report import chart, parse_layout, serving_table, table
+from strata.plan.run_cost import parse_count, run_cost, smallest_cluster
 from strata.plan.search import distinct, explain, refusal, search
 from strata.rules.constants import DEFAULT_EFFICIENCY
 
@@ -28,8 +38,14 @@ def run_plan(args) -> int:
     from strata.checkpoint.models import resolve_model  # torch comes with checkpoints: only when planning
     model = resolve_model(args.model)
     work = workload(model, args.global_batch, args.seq_len, args.precision, args.optimizer)
-    cluster = build_cluster(args.device, args.nodes, args.gpus_per_node, args.intra, args.network,
-                            args.nics_per_node, args.profile, args.efficiency)
+    tokens, nodes = _check_cost_flags(args)
+
+    def cluster_of(nodes: int):
+        return build_cluster(args.device, nodes, args.gpus_per_node, args.intra, args.network,
+                             args.nics_per_node, args.profile, args.efficiency)
+    if args.days is not None:
+        nodes, _ = smallest_cluster(lambda n: _best(work, cluster_of(n), args), tokens, args.days)
+    cluster = cluster_of(nodes)
     if args.layout:
         e = estimate(work, cluster, parse_layout(args.layout, work, cluster.world))
         reason = refusal(e)
@@ -45,16 +61,21 @@ def run_plan(args) -> int:
                    f"({smallest.layout.describe()})" if smallest else ""
             raise ConfigError(f"no layout of {cluster.world} x {cluster.device.name} runs {args.model}{need}")
         shown = distinct(ranked)[:args.top]
+    costs = [run_cost(e, tokens, args.price_per_device_hour) for e in shown] if tokens else None
     if args.json:
+        layouts = [{**e.to_json(), **(cost.to_json() if costs else {})} for e, cost in zip(shown, costs or shown)]
         print(json.dumps({"model": args.model, "parameters": model.num_params(), "world": cluster.world,
-                          "device": cluster.device.name, "layouts": [e.to_json() for e in shown]}, indent=1))
+                          "nodes": nodes, "device": cluster.device.name, "tokens": tokens, "layouts": layouts},
+                         indent=1))
     else:
-        print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) on {args.nodes} x {args.gpus_per_node} "
+        print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) on {nodes} x {args.gpus_per_node} "
               f"{cluster.device.name}, global batch {work.global_batch} x {work.seq_len} tokens, {work.precision}\n")
-        print(table(shown))
+        print(table(shown, costs))
         for e in shown:
             for note in e.notes:
                 print(f"{e.layout.describe()}: {note}")
+        if costs:
+            print("\n" + _cost_line(shown[0], costs[0], tokens, nodes, cluster, args))
     if args.explain and (ranked or rejected):
         best = ranked[0] if ranked else rejected[0]
         print("\n" + "\n".join(explain(best, ranked, rejected, cluster)))
@@ -63,6 +84,37 @@ def run_plan(args) -> int:
         if not args.json:
             print(f"\nwrote {args.chart}")
     return 0
+
+
+def _check_cost_flags(args) -> tuple[float | None, int]:
+    """(training tokens or None, the nodes to plan for: --nodes, 1, or a placeholder --days replaces)."""
+    tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
+    if args.price_per_device_hour is not None and not (math.isfinite(args.price_per_device_hour)
+                                                       and args.price_per_device_hour >= 0):
+        raise ConfigError(f"--price-per-device-hour {args.price_per_device_hour}: must be a price >= 0")
+    for flag, value in (("--price-per-device-hour", args.price_per_device_hour), ("--days", args.days)):
+        if value is not None and tokens is None:
+            raise ConfigError(f"{flag} {value}: needs --tokens (the tokens the run trains)")
+    if args.days is not None:
+        if not (math.isfinite(args.days) and args.days > 0):
+            raise ConfigError(f"--days {args.days}: must be > 0")
+        if args.nodes is not None:
+            raise ConfigError(f"--nodes {args.nodes}: --days finds the number of nodes; leave --nodes out")
+        if args.layout:
+            raise ConfigError(f"--layout {args.layout}: a layout fixes the world size; --days searches it")
+    return tokens, args.nodes if args.nodes is not None else 1
+
+
+def _best(work, cluster, args):
+    ranked, _ = search(work, cluster, offload=not args.no_offload)
+    return ranked[0] if ranked else None
+
+
+def _cost_line(e, cost, tokens: float, nodes: int, cluster, args) -> str:
+    price = f", {cost.price:,.0f} at {args.price_per_device_hour:g} per device-hour" if cost.price is not None else ""
+    within = f" (the fewest nodes within {args.days:g} days)" if args.days is not None else ""
+    return (f"training {tokens:.3g} tokens with {e.layout.describe()}: {cost.train_days:,.1f} days on {nodes} x "
+            f"{args.gpus_per_node} {cluster.device.name}{within}, {cost.device_hours:,.0f} device-hours{price}")
 
 
 def run_serving_plan(args) -> int:
@@ -100,7 +152,7 @@ def _check_serving_flags(args, model, context: int) -> None:
               (1 <= context <= model.max_seq_len, f"--context {context}: must be between 1 and the model's "
                                                    f"{model.max_seq_len}"),
               (args.precision in BYTES, f"--precision {args.precision}: valid for --inference: {', '.join(BYTES)}"),
-              (args.nodes == 1, f"--nodes {args.nodes}: --inference plans the devices of one node "
+              (args.nodes in (None, 1), f"--nodes {args.nodes}: --inference plans the devices of one node "
                                 f"(set --gpus-per-node)"),
               (args.gpus_per_node >= 1, f"--gpus-per-node {args.gpus_per_node}: must be >= 1"),
               (any(n.strip() for n in args.device.split(",")), f"--device {args.device!r}: name one or more devices"),
@@ -109,6 +161,7 @@ def _check_serving_flags(args, model, context: int) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    check_efficiency(args.efficiency)
 
 
 def _inference_profile(args, names: list[str]) -> dict | None:
@@ -149,7 +202,8 @@ def _serving_layouts_on(name: str, args, work, overheads: Overheads, profile: di
     else:
         raise ConfigError(f"--device {name}: valid: {', '.join([*DEVICES, CPU_LOCAL])}")
     return serving_layouts(work, device, args.gpus_per_node, link, 5e-6, overheads,
-                           args.efficiency or (DEFAULT_EFFICIENCY if name != CPU_LOCAL else 1.0), read_bandwidth)
+                           args.efficiency if args.efficiency is not None else
+                           (DEFAULT_EFFICIENCY if name != CPU_LOCAL else 1.0), read_bandwidth)
 
 
 def _serving_summary(names: list[str], best: dict, devices: int) -> list[str]:

@@ -59,7 +59,7 @@ def document_tokenizer(spec: str, texts: list[str]) -> DocumentTokenizer:
     if os.path.isdir(spec):
         return model_tokenizer(spec)
     if spec.endswith(".json") and os.path.isfile(spec):
-        return _plain(_read(spec, spec))
+        return _plain(read_tokenizer(spec, f"--tokenizer {spec}"))
     raise ConfigError(f"--tokenizer {spec}: want bpe:N, the path of a tokenizer.json, or a Hugging Face model "
                       f"directory holding one")
 
@@ -69,12 +69,13 @@ def _plain(tokenizer: Tokenizer) -> DocumentTokenizer:
     return DocumentTokenizer(tokenizer, (), tokenizer.token_to_id(END_OF_TEXT), tokenizer.get_vocab_size())
 
 
-def _read(path: str, spec: str) -> Tokenizer:
+def read_tokenizer(path: str, where: str, error: type[Exception] = ConfigError) -> Tokenizer:
+    """A tokenizer.json, or one line: `where` (the flag and value that named it) and tokenizers' reason."""
     try:
         return load_tokenizer(path)
     except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a bad file
-        raise ConfigError(f"--tokenizer {spec}: not a tokenizer.json that `tokenizers` reads "
-                          f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+        raise error(f"{where}: not a tokenizer.json that `tokenizers` reads "
+                    f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
 
 
 # --- a Hugging Face model's tokenizer --------------------------------------------------------------
@@ -86,7 +87,7 @@ def model_tokenizer(directory: str) -> DocumentTokenizer:
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--tokenizer {directory}: the directory has no tokenizer.json")
-    tokenizer = _read(path, directory)
+    tokenizer = read_tokenizer(path, f"--tokenizer {directory}")
     config = _optional_json(directory, "config.json")
     tokenizer_config = _optional_json(directory, "tokenizer_config.json")
     eos = _special_id(tokenizer, config.get("eos_token_id"), tokenizer_config.get("eos_token"))

@@ -155,12 +155,20 @@ class ModelConfig:
         """How many keys a query is counted against: the sequence, or the sliding window."""
         return min(seq_len, self.sliding_window) if self.sliding_window else seq_len
 
+    def matmul_params(self) -> int:
+        """The weights a token multiplies: every block's q, k, v, o and MLP matrices, and the head
+        (the embedding matrix again when tied). Not the input embedding nor learned positions,
+        which are looked up, nor norms and biases, which are not multiplied."""
+        return self.n_layers * self.block_matmul_params() + self.d_model * self.vocab_size
+
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs per token: 6N for the weights (forward 2N, backward 4N) plus 12·L·h·s for
-        the attention scores and values (PaLM, Chowdhery et al. 2022, App. B), with h the width of
-        the queries (heads x head_dim) and s at most the sliding window."""
+        """Training model FLOPs per token: 6 per multiplied weight (forward 2, backward 4) plus
+        12·L·h·s for the attention scores and values (PaLM, Chowdhery et al. 2022, App. B), with h
+        the width of the queries (heads x head_dim) and s at most the sliding window. The same
+        matmuls the planner times (strata/rules/pipeline_cut.unit_costs), so MFU never counts work
+        that takes no time (an embedding lookup would add 6·V·h per token)."""
         s = self.attended_positions(seq_len or self.max_seq_len)
-        return 6 * self.num_params() + 12 * self.n_layers * self.q_dim * s
+        return 6 * self.matmul_params() + 12 * self.n_layers * self.q_dim * s
 
 
 def infer_family(cfg: ModelConfig) -> str:

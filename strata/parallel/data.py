@@ -56,6 +56,13 @@ class DataParallel:
     def stage(self) -> int:
         return self.sharding.stage
 
+    @property
+    def loss_factor(self) -> float:
+        """What each rank's loss is multiplied by before backward so that the reductions, which
+        sum, leave the average gradient over the data-parallel ranks: 1/dp (exact for powers of
+        two). DDP divides while copying into its buckets; here no pass over the gradients does."""
+        return 1.0 / self.settings.dp_size
+
     def spec_of(self, param: nn.Parameter) -> ShardSpec:
         """How tensor parallelism splits a parameter (replicated when not)."""
         return self._spec_of[id(param)]

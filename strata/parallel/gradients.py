@@ -6,9 +6,12 @@ param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
 - `BucketReductions` counts each bucket's arriving gradients (post-accumulate-grad hooks) and starts
   the bucket's collective when the last one is in, overlapping the rest of backward, with at most
   two collectives in flight. Micro-batches before the last of an accumulation communicate nothing.
+- The reductions sum: the average over the data-parallel ranks is in each rank's loss already
+  (`DataParallel.loss_factor`, 1/dp), as DDP divides while copying into its buckets, so no stage
+  makes a pass over the gradients to divide them.
 - ZeRO-0 (`Replicate`): a step starts with no `.grad`; each micro-batch's hook puts the gradient
   into one flat buffer and makes the view `.grad`, so later micro-batches accumulate in place; a
-  bucket is all-reduced and averaged. One process has no buffer: its gradients stay autograd's.
+  bucket is all-reduced. One process has no buffer: its gradients stay autograd's.
 - ZeRO-1 (`ShardOptimizerStates`): the same gradient buffer, reduce-scattered: rank r receives the
   sum of its shard only, and the optimizer updates only this rank's pieces (Adam's moments take
   8Ψ/N bytes); after the step each bucket's shards are all-gathered into the parameters, which live
@@ -144,7 +147,7 @@ class _Buckets:
 
 
 class Replicate(_Buckets):
-    """ZeRO-0: every rank holds and updates the whole model; a bucket is all-reduced and averaged."""
+    """ZeRO-0: every rank holds and updates the whole model; a bucket is all-reduced."""
 
     stage = 0
 
@@ -163,7 +166,6 @@ class Replicate(_Buckets):
         flat, wire = self.grad_buffer[bucket.start:bucket.start + bucket.size], self._wires.pop(bucket.index)
         if wire is not flat:
             flat.copy_(wire)
-        flat.div_(self.dp_size)
 
     def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         return [(p.grad, p) for p in self.params if p.grad is not None]
@@ -291,7 +293,6 @@ class ShardOptimizerStates(_ShardedBuckets):
         else:
             reduced = self._bucket_shard(self.master_grads, bucket)
             reduced.copy_(wire[lo - bucket.start:hi - bucket.start])
-        reduced.div_(self.dp_size)
 
     def zero_grad(self) -> None:
         self.gradients.release()
@@ -341,7 +342,7 @@ class ShardGradients(_ShardedBuckets):
         self._wires.pop(bucket.index)
         first = bucket.start // self.dp_size  # this bucket's place in the gradient shard
         staged = self._staging.pop(bucket.index)[lo - bucket.start:hi - bucket.start]
-        self.shard_grad_buffer[first:first + hi - lo].add_(staged, alpha=1 / self.dp_size)
+        self.shard_grad_buffer[first:first + hi - lo].add_(staged)
 
     def zero_grad(self) -> None:
         self.shard_grad_buffer.zero_()

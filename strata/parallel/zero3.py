@@ -193,7 +193,7 @@ class ShardParameters:
         unit, work = self._pending.pop(0)
         work.wait()
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
-        unit.shard_grad.add_(unit.staging[lo:hi], alpha=1 / self.dp_size)
+        unit.shard_grad.add_(unit.staging[lo:hi])  # a sum: the loss carried 1/dp
         unit.staging = None
 
     # --- what data parallelism calls -------------------------------------------------------------

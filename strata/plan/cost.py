@@ -79,15 +79,24 @@ class Estimate:
     layout: Layout
     fits: bool
     memory_breakdown: dict[str, float]  # bytes per device: weights, gradients, optimizer states, activations, buffers
-    comm_seconds: dict[str, float]  # per step, by group: tp, dp, pp (exposed and total)
+    comm_seconds: dict[str, float]  # per step, by group: tp, dp, pp (exposed and hidden together)
     comm_bytes: dict[str, float]  # per device per step, by group
     compute_s: float
     bubble: float  # idle fraction of the step from the pipeline schedule
     step_time_s: float
     tokens_per_s: float
     tflops_per_device: float  # hardware FLOPs (recomputation included), as Megatron-LM reports
-    mfu: float  # model FLOPs (6N + attention) over peak
+    mfu: float  # model FLOPs (6 per multiplied weight + attention) over peak
+    exposed_comm_s: dict[str, float] = field(default_factory=dict)  # by group: what no compute hides
+    optimizer_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+    def shares(self) -> dict[str, float]:
+        """The step split into parts that add up to it: compute, each group's exposed
+        communication, the pipeline bubble and the optimizer step."""
+        parts = {"compute": self.compute_s, **{f"{g} communication": s for g, s in self.exposed_comm_s.items()},
+                 "pipeline bubble": self.bubble * self.step_time_s, "optimizer step": self.optimizer_s}
+        return {name: seconds / self.step_time_s for name, seconds in parts.items()}
 
     @property
     def memory_bytes_per_device(self) -> float:
@@ -98,6 +107,7 @@ class Estimate:
                 "memory_breakdown": self.memory_breakdown, "comm_seconds": self.comm_seconds,
                 "comm_bytes": self.comm_bytes, "compute_s": self.compute_s, "bubble": self.bubble,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "exposed_comm_seconds": self.exposed_comm_s, "optimizer_s": self.optimizer_s,
                 "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "notes": self.notes}
 
 
@@ -291,16 +301,19 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                                                                       slowest.forward, slowest.backward,
                                                                       slowest.load.layers)
     bubble_time = _bubble_time(lay, m, slowest.total)
-    step = m * slowest.total + bubble_time + dp_exposed + _optimizer_seconds(cluster, lay, slowest.load.params / t)
+    optimizer = _optimizer_seconds(cluster, lay, slowest.load.params / t)
+    step = m * slowest.total + bubble_time + dp_exposed + optimizer
     tokens_per_step = work.global_batch * s
-    params, attention = cfg.num_params(), cfg.n_layers * terms.attention_fwd
+    params, attention = cfg.matmul_params(), cfg.n_layers * terms.attention_fwd
     recomputed = {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
     world = lay.dp * t * p
     return Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes, memory, comm_seconds, comm_bytes,
                     compute_s=m * slowest.compute, bubble=bubble_time / step, step_time_s=step,
                     tokens_per_s=tokens_per_step / step, tflops_per_device=hardware_flops / step / world / 1e12,
-                    mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak)
+                    mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak,
+                    exposed_comm_s={"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]},
+                    optimizer_s=optimizer)
 
 
 def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:

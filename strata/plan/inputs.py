@@ -37,13 +37,18 @@ def bandwidth(value: str, flag: str, device: Device | None = None) -> float:
     return gbps * GB
 
 
+def check_efficiency(efficiency: float | None) -> None:
+    """--efficiency, training and serving plans alike (None: the device's default)."""
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ConfigError(f"--efficiency {efficiency}: must be in (0, 1]")
+
+
 def build_cluster(device: str, nodes: int, per_node: int, intra: str | None, network: str,
                   nics_per_node: int = 1, profile: str | None = None, efficiency: float | None = None) -> Cluster:
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--nics-per-node", nics_per_node)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
-    if efficiency is not None and not 0 < efficiency <= 1:
-        raise ConfigError(f"--efficiency {efficiency}: must be in (0, 1]")
+    check_efficiency(efficiency)
     if device == CPU_LOCAL:
         return cpu_local_cluster(per_node, load_profile(profile), efficiency)
     if device not in DEVICES:

@@ -50,18 +50,26 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
     return layout
 
 
-def table(estimates: list[Estimate]) -> str:
+def table(estimates: list[Estimate], costs: list | None = None) -> str:
+    """One row per layout; with costs (strata/plan/run_cost.RunCost, one per layout) the run's days,
+    device-hours and price too."""
     head = ("| layout | fits | GB/device: weights + grads + optimizer + activations + buffers | comm s/step: tp, dp, pp "
             "| bubble | step s | tokens/s | TFLOP/s/device | MFU |")
-    rows = [head, "|" + "---|" * 9]
-    for e in estimates:
+    extra = [] if not costs else ["days", "device-hours"] + (["price"] if costs[0].price is not None else [])
+    rows = [head + "".join(f" {name} |" for name in extra), "|" + "---|" * (9 + len(extra))]
+    for i, e in enumerate(estimates):
         mem = e.memory_breakdown
         gb = " + ".join(f"{mem[k] / 1e9:.1f}" for k in ("weights", "gradients", "optimizer_states", "activations", "buffers"))
         comm = ", ".join(f"{e.comm_seconds[g]:.3g}" for g in ("tp", "dp", "pp"))
         rows.append(f"| {e.layout.describe()} | {'yes' if e.fits else 'no'} | {e.memory_bytes_per_device / 1e9:.1f} = {gb} "
                     f"| {comm} | {e.bubble:.1%} | {e.step_time_s:.3g} | {e.tokens_per_s:,.0f} "
-                    f"| {e.tflops_per_device:.1f} | {e.mfu:.1%} |")
+                    f"| {e.tflops_per_device:.1f} | {e.mfu:.1%} |" + (_cost_cells(costs[i]) if costs else ""))
     return "\n".join(rows)
+
+
+def _cost_cells(cost) -> str:
+    cells = f" {cost.train_days:,.1f} | {cost.device_hours:,.0f} |"
+    return cells + (f" {cost.price:,.0f} |" if cost.price is not None else "")
 
 
 def chart(estimates: list[Estimate], path: str, title: str) -> None:

@@ -135,14 +135,15 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
 
 
 def _shares(e: Estimate) -> str:
-    step = e.step_time_s
-    parts = [f"compute {e.compute_s / step:.0%}"]
-    for group, seconds in e.comm_seconds.items():
-        if seconds > 0:
-            parts.append(f"{group} communication {seconds / step:.0%}")
-    if e.bubble > 0:
-        parts.append(f"pipeline bubble {e.bubble:.0%}")
-    return "of the step: " + ", ".join(parts)
+    parts = []
+    for name, share in e.shares().items():
+        group = name.split()[0]
+        total = e.comm_seconds.get(group, 0.0) / e.step_time_s if name.endswith("communication") else share
+        if total < 0.005:  # nothing, or less than the rounding shows
+            continue
+        hidden = f" exposed, of {total:.0%} in all (the rest overlaps compute)" if total > share + 0.005 else ""
+        parts.append(f"{name} {share:.0%}{hidden}")
+    return "of the step (the parts add up to it): " + ", ".join(parts)
 
 
 def _rate(tflops: float) -> str:

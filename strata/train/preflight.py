@@ -29,11 +29,13 @@ def resume_source(cfg: TrainConfig) -> tuple[str | None, str | None]:
     return cfg.resume, None
 
 
+def saves_after(cfg: TrainConfig, steps_done: int) -> bool:
+    """Whether a checkpoint is written once `steps_done` steps are done: every --save-every, and the last."""
+    return bool(cfg.save) and ((cfg.save_every and steps_done % cfg.save_every == 0) or steps_done == cfg.steps)
+
+
 def steps_to_save(cfg: TrainConfig, start_step: int) -> list[int]:
-    if not cfg.save:
-        return []
-    return [k for k in range(start_step + 1, cfg.steps + 1) if (cfg.save_every and k % cfg.save_every == 0)
-            or k == cfg.steps]
+    return [k for k in range(start_step + 1, cfg.steps + 1) if saves_after(cfg, k)]
 
 
 def model_shape(cfg: TrainConfig) -> ModelConfig:

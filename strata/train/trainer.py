@@ -34,7 +34,7 @@ from strata.train import metrics as m
 from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at
-from strata.train.preflight import DONE, check_same_model, checked_model, preflight, resume_source
+from strata.train.preflight import DONE, check_same_model, checked_model, preflight, resume_source, saves_after
 
 
 @dataclass
@@ -216,7 +216,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     micro_batches = run.train_data.micro_batches(step, cfg.micro_batch)
     scale = run.scaler.scale if run.scaler is not None else 1.0
     if run.pipeline is not None:
-        run.pipeline.loss_scale = scale
+        run.pipeline.loss_scale = scale * run.parallel.loss_factor
         loss_sum = pipeline_forward_backward(run, micro_batches)
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
@@ -229,7 +229,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
                 if count:
                     run.activation_bytes = saved.bytes
                 # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
-                (loss * (scale / len(micro_batches))).backward()
+                # (the average over micro-batches and over the data-parallel ranks: their reductions sum)
+                (loss * (scale * run.parallel.loss_factor / len(micro_batches))).backward()
             loss_sum += loss.detach().double()
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
@@ -331,7 +332,7 @@ def evaluate_and_save(run: Run, log: RunLog, steps_done: int) -> None:
     cfg, last = run.cfg, steps_done == run.cfg.steps
     if (cfg.eval_every and steps_done % cfg.eval_every == 0) or last:
         validate_and_log(run, log, steps_done)
-    if cfg.save and ((cfg.save_every and steps_done % cfg.save_every == 0) or last):
+    if saves_after(cfg, steps_done):
         log.summary["checkpoint"] = save_checkpoint(run, steps_done)
 
 

@@ -75,6 +75,38 @@ def check_choice(hf: dict, where: str, key: str, valid: tuple, default) -> None:
                           f"{', '.join(map(str, valid))}")
 
 
+def name_from_hf(key: str, layer: dict, top: dict, blocks: str) -> str | None:
+    """A family's tensor name -> strata's: a top-level one by `top`, a block's
+    f"{blocks}{N}.{module}.{leaf}" by `layer` (the family's module path in a block -> strata's);
+    None when it is neither."""
+    if key in top:
+        return top[key]
+    if key.startswith(blocks):
+        block, _, rest = key[len(blocks):].partition(".")
+        module, _, leaf = rest.rpartition(".")
+        if module in layer:
+            return f"blocks.{block}.{layer[module]}.{leaf}"
+    return None
+
+
+def names_to_hf(tensors: dict, layer: dict, top: dict, blocks: str, prefix: str = "", block_value=None) -> dict:
+    """strata's tensors under a family's names (the inverse of name_from_hf), each with `prefix`
+    (a base model's, e.g. "transformer."); block_value(module, leaf, value), when given, is what a
+    block's tensor becomes (None: not written, for tensors the caller fuses)."""
+    reverse_layer, reverse_top = {v: k for k, v in layer.items()}, {v: k for k, v in top.items()}
+    out = {}
+    for name, value in tensors.items():
+        if name in reverse_top:
+            out[prefix + reverse_top[name]] = value
+            continue
+        _, block, rest = name.split(".", 2)
+        module, leaf = rest.rsplit(".", 1)
+        value = block_value(module, leaf, value) if block_value is not None else value
+        if value is not None:
+            out[f"{prefix}{blocks}{block}.{reverse_layer[module]}.{leaf}"] = value
+    return out
+
+
 def tied_head_to_hf(out: dict, tensors: dict, cfg: ModelConfig, keys: list | None, name: str) -> None:
     """A tied head is no tensor of strata's; a file that stored it anyway gets it back (a copy:
     safetensors refuses two names on one storage)."""

@@ -15,8 +15,8 @@ import torch
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, refuse_set, tied_head_to_hf
-from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, strip_prefix, unfused_to_hf, written_prefix
+from strata.model.families.base import Family, name_from_hf, refuse_set, tied_head_to_hf
+from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, BLOCKS, strip_prefix, unfused_to_hf, written_prefix
 
 NAME = "bloom"
 LAYER = {"input_layernorm": "attn_norm", "self_attention.dense": "attn.wo", "post_attention_layernorm": "mlp_norm",
@@ -56,18 +56,17 @@ def tensors_from_hf(hf_tensors: dict, cfg: ModelConfig, where: str) -> dict:
     for name, value in strip_prefix(hf_tensors)[0].items():
         if name == "lm_head.weight":
             continue  # tied
-        parts = name.split(".")
-        if name in TOP:
-            out[TOP[name]] = value
-        elif parts[0] == "h" and len(parts) >= 4 and ".".join(parts[2:-1]) == FUSED:
+        fused = name_from_hf(name, {FUSED: "attn.qkv"}, {}, BLOCKS)
+        if fused is not None:
             per_head = value.view(heads, 3, head_dim, *value.shape[1:])  # rows: (head, q|k|v, feature)
             for i, proj in enumerate(("wq", "wk", "wv")):
-                out[f"blocks.{parts[1]}.attn.{proj}.{parts[-1]}"] = per_head[:, i].reshape(
+                out[fused.replace(".qkv.", f".{proj}.")] = per_head[:, i].reshape(
                     heads * head_dim, *value.shape[1:]).contiguous()
-        elif parts[0] == "h" and len(parts) >= 4 and ".".join(parts[2:-1]) in LAYER:
-            out[f"blocks.{parts[1]}.{LAYER['.'.join(parts[2:-1])]}.{parts[-1]}"] = value
-        else:
+            continue
+        strata_name = name_from_hf(name, LAYER, TOP, BLOCKS)
+        if strata_name is None:
             raise ConfigError(f"{where}: unexpected tensor {name!r} for a BLOOM model")
+        out[strata_name] = value
     return out
 
 

@@ -11,13 +11,22 @@ import torch
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, check_choice, in_blocks, refuse_set, tied_head_to_hf
+from strata.model.families.base import (
+    Family,
+    check_choice,
+    in_blocks,
+    name_from_hf,
+    names_to_hf,
+    refuse_set,
+    tied_head_to_hf,
+)
 
 NAME = "gpt2"
 LAYER = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.w_in",
          "mlp.c_proj": "mlp.w_out"}
 TOP = {"wte.weight": "embed.weight", "wpe.weight": "pos_embed.weight", "ln_f.weight": "final_norm.weight",
        "ln_f.bias": "final_norm.bias"}
+BLOCKS = "h."  # block N's tensors are under h.N (after the "transformer." prefix, when a file has it)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 # Megatron's split, as Llama's, with the GELU MLP's two matrices
 BLOCK_TENSOR_PARALLEL = in_blocks({"attn_norm": "input_norm", "attn.wq": "column", "attn.wk": "kv_column",
@@ -69,39 +78,28 @@ def tensors_from_hf(hf_tensors: dict, cfg: ModelConfig, where: str) -> dict:
             for proj, part in zip(("wq", "wk", "wv"), parts):
                 out[f"blocks.{block}.attn.{proj}.{leaf}"] = part.contiguous()
             continue
-        strata_name, transpose = _name_from_hf(name, where)
-        out[strata_name] = value.t().contiguous() if transpose else value
+        strata_name = name_from_hf(name, LAYER, TOP, BLOCKS)
+        if strata_name is None:
+            raise ConfigError(f"{where}: unexpected tensor {name!r} for a GPT-2 model")
+        if strata_name.startswith("blocks.") and _conv1d(*strata_name.split(".", 2)[2].rsplit(".", 1)):
+            value = value.t().contiguous()
+        out[strata_name] = value
     return out
 
 
-def _name_from_hf(name: str, where: str) -> tuple[str, bool]:
-    """(strata name, whether the weight is a Conv1D one to transpose)."""
-    if name in TOP:
-        return TOP[name], False
-    parts = name.split(".")
-    if parts[0] == "h" and len(parts) >= 4:
-        module, leaf = ".".join(parts[2:-1]), parts[-1]
-        if module in LAYER:
-            return f"blocks.{parts[1]}.{LAYER[module]}.{leaf}", leaf == "weight" and not module.startswith("ln_")
-    raise ConfigError(f"{where}: unexpected tensor {name!r} for a GPT-2 model")
+def _conv1d(module: str, leaf: str) -> bool:
+    """Whether a block tensor (strata's module path, leaf) is a Conv1D weight, stored (in, out)."""
+    return leaf == "weight" and module not in ("attn_norm", "mlp_norm")
 
 
 def unfused_to_hf(tensors: dict, layer: dict, top: dict, prefix: str, conv1d: bool) -> dict:
     """strata's tensors but q, k and v (fused by the caller) under the names of a family that keeps
     its blocks in `h.N` (GPT-2, BLOOM); conv1d: weights other than the norms' stored (in, out)."""
-    reverse, top = {v: k for k, v in layer.items()}, {v: k for k, v in top.items()}
-    out = {}
-    for name, value in tensors.items():
-        if name in top:
-            out[prefix + top[name]] = value
-            continue
-        _, block, rest = name.split(".", 2)
-        module, leaf = rest.rsplit(".", 1)
+    def block_value(module: str, leaf: str, value):
         if module in ("attn.wq", "attn.wk", "attn.wv"):
-            continue
-        transpose = conv1d and leaf == "weight" and module not in ("attn_norm", "mlp_norm")
-        out[f"{prefix}h.{block}.{reverse[module]}.{leaf}"] = value.t().contiguous() if transpose else value
-    return out
+            return None
+        return value.t().contiguous() if conv1d and _conv1d(module, leaf) else value
+    return names_to_hf(tensors, layer, top, BLOCKS, prefix, block_value)
 
 
 def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:

@@ -12,7 +12,15 @@ from functools import partial
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, check_choice, in_blocks, refuse_set, tied_head_to_hf
+from strata.model.families.base import (
+    Family,
+    check_choice,
+    in_blocks,
+    name_from_hf,
+    names_to_hf,
+    refuse_set,
+    tied_head_to_hf,
+)
 
 NAME = "llama"
 # a Hugging Face module inside model.layers.N -> strata's inside blocks.N
@@ -21,6 +29,7 @@ LAYER = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_att
          "mlp.down_proj": "mlp.w_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
 TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_norm.weight",
        "lm_head.weight": "head.weight"}
+BLOCKS = "model.layers."  # block N's tensors are under model.layers.N
 # Megatron's split (Shoeybi et al. 2019): q, k, v and the MLP's first matrices by output features,
 # the output projections by input features; the norms whole on every rank.
 TENSOR_PARALLEL = {"embed": "vocabulary", "head": "vocabulary", "final_norm": "input_norm",
@@ -111,26 +120,14 @@ def tensors_from_hf(hf_tensors: dict, cfg: ModelConfig, where: str, layer: dict 
 
 
 def _name_from_hf(key: str, layer: dict, where: str, label: str) -> str:
-    if key in TOP:
-        return TOP[key]
-    parts = key.split(".")
-    if key.startswith("model.layers.") and len(parts) >= 5:
-        module, leaf = ".".join(parts[3:-1]), parts[-1]
-        if module in layer:
-            return f"blocks.{parts[2]}.{layer[module]}.{leaf}"
-    raise ConfigError(f"{where}: unexpected tensor {key!r} for a {label} model")
+    name = name_from_hf(key, layer, TOP, BLOCKS)
+    if name is None:
+        raise ConfigError(f"{where}: unexpected tensor {key!r} for a {label} model")
+    return name
 
 
 def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None, layer: dict = LAYER) -> dict:
-    reverse, top = {v: k for k, v in layer.items()}, {v: k for k, v in TOP.items()}
-    out = {}
-    for name, value in tensors.items():
-        if name in top:
-            out[top[name]] = value
-            continue
-        _, block, rest = name.split(".", 2)
-        module, leaf = rest.rsplit(".", 1)
-        out[f"model.layers.{block}.{reverse[module]}.{leaf}"] = value
+    out = names_to_hf(tensors, layer, TOP, BLOCKS)
     tied_head_to_hf(out, tensors, cfg, keys, "lm_head.weight")
     return out
 

@@ -68,7 +68,7 @@ class PipelineExecutor:
         self.timeline: list[Timed] = []
         self.saved_bytes: dict[int, int] = {}  # chunk -> bytes one micro-batch's forward saves
         self.idle_fraction = 0.0
-        self.loss_scale = 1.0  # fp16: the trainer's dynamic loss scale
+        self.loss_scale = 1.0  # fp16: the trainer's dynamic loss scale, times 1/dp (the average over data-parallel ranks)
         self.peak_activation_bytes = 0
 
     # --- one training step ----------------------------------------------------------------------
