@@ -15,9 +15,10 @@ A unit's full parameters are views into one flat tensor whose storage is resized
 unit is freed and back when it is gathered, so autograd's saved references stay valid.
 
 The shards are the fp32 masters the optimizer updates. With a gather dtype (`--gather-dtype bf16`,
-FSDP2's param_dtype; ZeRO-1/2 use it the same way, strata/parallel/gradients.py) each gather sends the shard cast to it, so the full parameters, and the layers
-computing with them, are in that dtype, and each unit moves half the bytes; gradients come back in
-it and are staged in the reduce dtype, and a checkpoint gathers the fp32 masters themselves."""
+FSDP2's param_dtype; ZeRO-1/2 use it alike, strata/parallel/gradients.py) each gather sends the
+shard cast to it, so the full parameters, and the layers computing with them, are in that dtype,
+and each unit moves half the bytes; gradients come back in it and are staged in the reduce
+dtype, and a checkpoint gathers the fp32 masters themselves."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                             for place in ("none", "cpu") if offload else ("none",):
                                 for sp in (False, True) if t > 1 else (False,):
                                     yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
-                                                 None, *transfers)
+                                                 reduce_dtype=transfers[0], gather_dtype=transfers[1])
 
 
 def _schedules(n_layers: int, p: int) -> list[tuple[int, str]]:
