@@ -5,7 +5,8 @@ choice against the fastest measured layout.
 
 Memory is compared as tensors: predicted weights + gradients + optimizer states + activations +
 buffers against the bytes strata counts on rank 0 (model states from its tensors, activations
-from the saved-tensor hooks), which is what max_memory_allocated measures on a GPU; the process's
+from the saved-tensor hooks, ZeRO-3's gathered units and staged gradients at their peak), which is
+what max_memory_allocated measures on a GPU; the process's
 resident set adds the interpreter and the allocator's caches, shown for reference.
 
   python bench/planner.py [--steps 6] [--profile FILE]
@@ -26,17 +27,28 @@ from strata.plan.cost import estimate
 from strata.plan.inputs import cpu_local_cluster, load_profile, workload
 from strata.rules.layout import Layout
 
-SEQ, MICRO, GLOBAL = 128, 4, 16
-LAYOUTS = {  # nproc: layouts (zero-bubble and interleaved are left to the pipeline benchmark)
-    2: [Layout(dp=2), Layout(dp=2, zero=1), Layout(dp=2, zero=3), Layout(tp=2), Layout(pp=2)],
-    4: [Layout(dp=4, micro_batch=2), Layout(dp=4, zero=2, micro_batch=2), Layout(dp=2, tp=2),
-        Layout(dp=2, pp=2), Layout(tp=2, pp=2), Layout(pp=4)],
+SEQ, GLOBAL = 128, 16
+FULL = "full"  # activation checkpointing on
+# nproc: layouts, with micro-batches of 1, 2 and 4 and checkpointing off and on (zero-bubble and
+# interleaved are left to the pipeline benchmark)
+LAYOUTS = {
+    2: [Layout(dp=2), Layout(dp=2, micro_batch=2), Layout(dp=2, micro_batch=4), Layout(dp=2, micro_batch=4,
+                                                                                    checkpointing=FULL),
+        Layout(dp=2, zero=1), Layout(dp=2, zero=3, micro_batch=2), Layout(dp=2, zero=3, micro_batch=2,
+                                                                          checkpointing=FULL),
+        Layout(tp=2), Layout(tp=2, micro_batch=4), Layout(tp=2, micro_batch=4, checkpointing=FULL),
+        Layout(pp=2), Layout(pp=2, micro_batch=2), Layout(pp=2, micro_batch=2, checkpointing=FULL)],
+    4: [Layout(dp=4), Layout(dp=4, micro_batch=2), Layout(dp=4, micro_batch=4), Layout(dp=4, micro_batch=4,
+                                                                                    checkpointing=FULL),
+        Layout(dp=4, zero=2, micro_batch=2), Layout(dp=2, tp=2), Layout(dp=2, tp=2, micro_batch=4),
+        Layout(dp=2, tp=2, micro_batch=4, checkpointing=FULL), Layout(dp=2, pp=2), Layout(tp=2, pp=2),
+        Layout(pp=4), Layout(pp=4, micro_batch=2), Layout(pp=4, micro_batch=2, checkpointing=FULL)],
 }
 
 
 def flags(layout: Layout) -> list[str]:
     return ["--dp", layout.dp, "--tp", layout.tp, "--pp", layout.pp, "--zero", layout.zero,
-            "--micro-batch", layout.micro_batch, "--schedule", layout.schedule]
+            "--micro-batch", layout.micro_batch, "--schedule", layout.schedule, "--checkpointing", layout.checkpointing]
 
 
 def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
@@ -48,7 +60,8 @@ def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
     records = [json.loads(line) for line in open(metrics) if '"train"' in line]
     last = records[-1]
     return {"step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
-            "memory": last["model_state_bytes"] + last["peak_activation_bytes"], "rss": last["peak_mem_bytes"]}
+            "memory": last["model_state_bytes"] + last["peak_activation_bytes"] + last.get("buffer_bytes", 0),
+            "rss": last["peak_mem_bytes"]}
 
 
 def main() -> None:

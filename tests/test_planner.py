@@ -9,6 +9,7 @@ from strata.cli import main as strata_main
 from strata.model.config import ModelConfig
 from strata.model.presets import get_preset
 from strata.plan.cost import estimate
+from strata.plan.hardware import DEVICES
 from strata.plan.inputs import build_cluster, workload
 from strata.plan.search import explain, search
 from strata.rules.layout import Layout
@@ -81,8 +82,7 @@ def test_tensor_parallelism_across_nodes_drops_utilisation_to_a_few_percent():
     cluster = build_cluster("A100-80G", 2, 8, None, "100gbe")
     inside = estimate(work, cluster, Layout(dp=2, tp=8, checkpointing="full"))
     across = estimate(work, cluster, Layout(dp=1, tp=16, checkpointing="full"))
-    assert inside.mfu > 0.3
-    assert across.mfu < 0.1
+    assert across.mfu < 0.1 and inside.mfu > 3 * across.mfu, (inside.mfu, across.mfu)
 
 
 def test_without_nvlink_the_planner_prefers_pipeline_over_tensor_parallelism():
@@ -194,6 +194,50 @@ def test_mfu_never_exceeds_the_efficiency_and_the_shares_add_up_over_the_search_
     ranked, rejected = search(work, cluster, offload=False)
     assert ranked
     for e in ranked + rejected:
-        assert e.mfu <= cluster.efficiency * (1 + 1e-9), (e.layout.describe(), e.mfu)
+        assert e.mfu <= e.kernel_ceiling * (1 + 1e-9), (e.layout.describe(), e.mfu, e.kernel_ceiling)
         assert sum(e.shares().values()) == pytest.approx(1.0, rel=1e-9), e.layout.describe()
         assert all(e.exposed_comm_s[g] <= e.comm_seconds[g] * (1 + 1e-9) for g in e.comm_seconds)
+
+
+# --- compute from the work's shapes (strata/plan/compute.py) ---------------------------------------
+def test_the_gemm_efficiency_curve_rises_with_the_work_and_saturates_at_the_devices_fraction():
+    device = DEVICES["A100-80G"]
+    k, peak, bandwidth = device.kernels, device.peak_flops["bf16"], device.memory_bandwidth
+    sizes = [64, 256, 1024, 4096, 16384]
+    curve = [k.gemm_efficiency(m, 4096, 4096, peak, bandwidth, 2) for m in sizes]
+    assert curve == sorted(curve) and curve[0] < 0.5 * k.gemm_fraction
+    assert k.gemm_fraction * 0.97 < curve[-1] < k.gemm_fraction
+
+
+def test_small_micro_batches_and_tensor_parallel_splits_run_below_the_large_ones():
+    """The same tokens per step take longer in micro-batches of one sequence, and a tensor-parallel
+    split shrinks every GEMM's n or k: the step's MFU falls, as published runs show (Narayanan et
+    al. 2021: 44% at 1.7B with t 1, where one constant gave every layout the same)."""
+    work = workload(get_preset("llama3-8b"), 64, 2048, "bf16")
+    cluster = _selene(1)
+    big = estimate(work, cluster, Layout(dp=8, zero=1, micro_batch=4, checkpointing="full"))
+    small = estimate(work, cluster, Layout(dp=8, zero=1, micro_batch=1, checkpointing="full"))
+    split = estimate(work, cluster, Layout(dp=1, tp=8, micro_batch=4, checkpointing="full"))
+    assert big.compute_s < small.compute_s and big.mfu > small.mfu
+    assert split.kernel_ceiling < big.kernel_ceiling
+
+
+def test_sequence_parallelism_saves_the_elementwise_work_tensor_parallel_ranks_repeat():
+    work = workload(get_preset("llama3-8b"), 8, 2048, "bf16")
+    cluster = _selene(1)
+    plain = estimate(work, cluster, Layout(tp=8, micro_batch=1, checkpointing="selective"))
+    sp = estimate(work, cluster, Layout(tp=8, micro_batch=1, checkpointing="selective", sequence_parallel=True))
+    assert sp.compute_s < plain.compute_s
+
+
+def test_unfused_attention_costs_more_than_fused_and_more_so_with_longer_sequences():
+    """Unfused, the b·a·s² scores go through memory between two batched GEMMs: the cost grows
+    with the sequence faster than the fused kernel's."""
+    from dataclasses import replace
+    cluster, layout = _selene(1), Layout(tp=8, micro_batch=1, checkpointing="full")
+    ratios = []
+    for seq in (2048, 8192):
+        work = workload(get_preset("llama3-8b"), 8, seq, "bf16")
+        fused = estimate(work, cluster, layout)
+        ratios.append(estimate(replace(work, fused_attention=False), cluster, layout).compute_s / fused.compute_s)
+    assert 1 < ratios[0] < ratios[1], ratios

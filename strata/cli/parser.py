@@ -149,8 +149,9 @@ def _plan(sub) -> None:
     plan.add_argument("--per-layer-us", type=float, help="--inference: overhead per layer and token "
                                                          "(default: calibrated, else 60)")
     plan.add_argument("--per-token-us", type=float, help="--inference: overhead per token (default: calibrated, else 200)")
-    plan.add_argument("--efficiency", type=float, help=f"fraction of peak FLOP/s the compute reaches (default "
-                                                       f"{DEFAULT_EFFICIENCY}; cpu-local: calibrated)")
+    plan.add_argument("--efficiency", type=float, help="every FLOP at this fraction of peak, instead of timing the "
+                                                       "work's GEMMs, attention and elementwise kernels on the "
+                                                       f"device's curves (--inference: default {DEFAULT_EFFICIENCY})")
     plan.add_argument("--tokens", help="training tokens, e.g. 2T or 300B: adds days, device-hours (and price) per layout")
     plan.add_argument("--price-per-device-hour", type=float, help="with --tokens: the price of the run per layout")
     plan.add_argument("--days", type=float, help="with --tokens, without --nodes: the fewest nodes that train them "
@@ -212,7 +213,7 @@ def _doctor(sub) -> None:
 def _calibrate(sub) -> None:
     cal = sub.add_parser("calibrate", help="measure this machine for the planner's cpu-local device")
     cal.add_argument("--nproc", type=int, default=4, help="measure groups of 1, 2, 4, ... up to N processes")
-    cal.add_argument("--model", default="small", help="the preset whose training step sets the efficiency")
+    cal.add_argument("--model", default="small", help="the preset whose GEMMs and training steps calibrate the kernels")
     cal.add_argument("--out", help="profile file (default: ~/.cache/strata/calibration.json)")
     cal.add_argument("--inference", action="store_true",
                      help="measure what `plan --inference` needs instead: memory bandwidth and decode overheads")

@@ -71,7 +71,7 @@ def calibrate_command(args, argv: list[str]) -> int:
     from strata.plan.inputs import default_profile_path
     from strata.tools import calibrate
     if args.worker:
-        calibrate.worker(args.worker)
+        calibrate.worker(args.worker, args.model)
         return 0
     if args.inference:
         check_device(args.device)

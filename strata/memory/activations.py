@@ -2,7 +2,8 @@
 
 Every tensor an operation saves passes through a pack hook; the same storage saved by several
 operations (the normed input of q, k and v) is counted once, and parameters and buffers are
-model states, not activations, so they are left out.
+model states, not activations, so they are left out (ZeRO-3's gathered parameters too: they are
+freed after the forward and gathered again for the backward, so autograd's references hold none).
 
 Saved-tensor hooks do not nest: inside a model that installs its own (sequence parallelism keeps
 gathered inputs as their local shard), the innermost pack hook sees every tensor. Such a hook calls
@@ -26,7 +27,9 @@ class SavedActivations:
         self._excluded: set[int] = set()
 
     def exclude(self, module: nn.Module) -> None:
-        self._excluded |= {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+        # by the storage itself, not its address: ZeRO-3's parameters are views into a unit's flat
+        # storage that is freed (resized to 0) after use and allocated again at each gather
+        self._excluded |= {t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())
                            if t.device.type != "meta"}
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -34,7 +37,7 @@ class SavedActivations:
             return
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
-        if key[0] not in self._excluded and key not in self._seen:
+        if storage._cdata not in self._excluded and key not in self._seen:
             self._seen.add(key)
             self.bytes += storage.nbytes()
 

@@ -67,6 +67,7 @@ class ShardParameters:
         self.model, self.settings, self.group = model, settings, settings.dp_group
         self.dp_size, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self._pending: list = []
+        self.peak_buffer_bytes = 0  # gathered units and staged gradients alive at once, at most
         names = {id(p): n for n, p in model.named_parameters()}
         tied = model.tied_weight() is not None  # the head reads the first unit's matrix last: keep it
         self.units = [Unit(i, mods, keep_after_forward=(i == 0 and tied)) for i, mods in enumerate(model.units())]
@@ -126,6 +127,12 @@ class ShardParameters:
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
         unit.gather_source = unit.shard.to(unit.full.dtype)  # the shard itself without a gather dtype
         unit.pending_gather = comm.all_gather(unit.full, unit.gather_source, self.group, "dp", async_op=True)
+        self._count_buffers()
+
+    def _count_buffers(self) -> None:
+        alive = sum(u.full.untyped_storage().nbytes() + (tensor_bytes([u.staging]) if u.staging is not None else 0)
+                    for u in self.units)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, alive)
 
     def _ensure_gathered(self, unit: Unit) -> None:
         self._gather(unit)
@@ -172,6 +179,7 @@ class ShardParameters:
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
         if unit.staging is None:  # staged directly in the dtype it travels in
             unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.settings.reduce_dtype or unit.shard.dtype)
+            self._count_buffers()
         offset = unit.offset_of[id(param)]
         unit.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None

@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
+from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
 from strata.plan.hardware import Device
 from strata.plan.memory import activation_bytes_per_layer, held_state_bytes
-from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
+from strata.rules.constants import BUCKET_MB
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import make_layout, unit_costs
@@ -33,13 +34,11 @@ class Cluster:
     inter_bandwidth: float = 0.0  # bytes/s per direction per node between nodes
     intra_latency: float = 5e-6  # seconds per ring step (alpha)
     inter_latency: float = 10e-6
-    efficiency: float = DEFAULT_EFFICIENCY  # fraction of peak FLOP/s a step's compute reaches (calibrated for cpu-local)
+    # None: compute time from the shapes of the work on the device's kernels (strata/plan/compute.py);
+    # a number (--efficiency): every FLOP at that fraction of the peak, as the first planner did
+    efficiency: float | None = None
     # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate)
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
-
-    # cpu-local: the efficiency measured against the tokens in a micro-batch (the rows of every
-    # matmul): small micro-batches run below the large ones' rate. Empty: `efficiency` throughout.
-    efficiency_curve: tuple[tuple[float, float], ...] = ()
     # Communication runs beside compute (GPUs: its own engines); on a CPU it takes the cores.
     overlap: bool = True
     # cpu-local: processes share this many cores; the device's peak is the rate with all busy
@@ -48,10 +47,6 @@ class Cluster:
     @property
     def world(self) -> int:
         return self.nodes * self.devices_per_node
-
-    def efficiency_at(self, tokens: float) -> float:
-        """The efficiency for micro-batches of `tokens` tokens, interpolated in log(tokens)."""
-        return log_interpolate(self.efficiency_curve, tokens) if self.efficiency_curve else self.efficiency
 
 
 def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
@@ -72,6 +67,13 @@ class Workload:
     seq_len: int
     precision: str = "bf16"  # bf16 | fp16: mixed precision (16 bytes/parameter); fp32
     optimizer: str = "adamw"  # adamw | sgd (with momentum)
+    # attention in one kernel (SDPA, FlashAttention: strata's); False: scores materialised and
+    # softmaxed between two batched GEMMs (Megatron-LM's runs of 2021-2022)
+    fused_attention: bool = True
+    # weight gradients summed into the fp32 accumulator by the GEMM itself (Megatron-LM's
+    # gradient-accumulation fusion); False: each micro-batch's added in a pass of its own (PyTorch's
+    # autograd, strata)
+    fused_accumulation: bool = False
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Estimate:
     tokens_per_s: float
     tflops_per_device: float  # hardware FLOPs (recomputation included), as Megatron-LM reports
     mfu: float  # model FLOPs (6 per multiplied weight + attention) over peak
+    kernel_ceiling: float = 1.0  # the highest fraction of the peak any of its kernels reaches
     exposed_comm_s: dict[str, float] = field(default_factory=dict)  # by group: what no compute hides
     optimizer_s: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -212,9 +215,9 @@ class _Terms:
     micro_batches: int  # per pipeline per step
     tokens: int  # per micro-batch
     peak: float  # FLOP/s of the device in the run's precision
-    rate: float  # FLOP/s the compute reaches
+    units: tuple[UnitSeconds, UnitSeconds, UnitSeconds]  # embedding, block, head: one micro-batch on one rank
+    kernel_ceiling: float
     activation_per_layer: float  # bytes one block keeps for backward, per micro-batch
-    attention_fwd: float  # FLOPs per token per block of the scores and values
     tp_message: float  # bytes of one tensor-parallel collective
     tp_collective_s: float
     tp_collectives_per_block: int
@@ -228,15 +231,34 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
     peak = cluster.device.peak_flops.get(work.precision, max(cluster.device.peak_flops.values()))
     tp_message = b * s * cfg.d_model * act_bytes
     pp_message = b * s * cfg.d_model * act_bytes / (t if lay.sequence_parallel else 1)
+    step_work = StepWork(cfg, b * s, b, s, t, lay.sequence_parallel, work.fused_attention, act_bytes)
+    units, ceiling = _unit_seconds(step_work, cluster, peak)
+    # processes sharing cores (cpu-local): every kernel runs at the share of the cores it gets
+    units = tuple(UnitSeconds(u.forward / rate_scale, u.backward / rate_scale, u.attention_forward / rate_scale)
+                  for u in units)
     return _Terms(
         act_bytes, "mixed" if act_bytes == 2 else "fp32", work.global_batch // (lay.dp * b), b * s, peak,
-        peak * cluster.efficiency_at(b * s) * rate_scale,
+        units, ceiling,
         activation_bytes_per_layer(s, b, cfg.d_model, cfg.n_heads, t, lay.sequence_parallel, lay.checkpointing,
-                                   fused_attention=True) * act_bytes / 2,
-        4 * cfg.d_model * s, tp_message,
+                                   fused_attention=work.fused_attention) * act_bytes / 2,
+        tp_message,
         collective_seconds(cluster, "all_gather" if lay.sequence_parallel else "all_reduce", tp_message, t, 1),
         2 * (2 if lay.sequence_parallel else 1) * (2 + (1 if lay.checkpointing == "full" else 0)),
         pp_message, collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.dp) if lay.pp > 1 else 0.0)
+
+
+def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[UnitSeconds, ...], float]:
+    """Each unit's seconds for one micro-batch and the kernels' best fraction of the peak: from
+    the work's shapes (compute.py), or, with --efficiency, every FLOP at that fraction."""
+    device = cluster.device
+    if cluster.efficiency is None:
+        return unit_seconds(w, device.kernels, peak, device.memory_bandwidth), \
+            best_gemm_efficiency(w, device.kernels, peak, device.memory_bandwidth)
+    rate = peak * cluster.efficiency
+    costs = unit_costs(w.model, w.seq_len)
+    embedding, block, head = (w.tokens * flops / w.tp / rate for flops in (costs[0], costs[1], costs[-1]))
+    return (UnitSeconds(embedding, 2 * embedding, 0.0), UnitSeconds(block, 2 * block, attention_flops(w) / rate),
+            UnitSeconds(head, 2 * head, 0.0)), cluster.efficiency
 
 
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
@@ -248,7 +270,7 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
     return {"weights": states.weights, "gradients": states.grads,
             "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
-            "activations": activations, "buffers": _buffers(lay, load, t)}
+            "activations": activations, "buffers": _buffers(cfg, lay, t)}
 
 
 @dataclass(frozen=True)
@@ -269,9 +291,11 @@ class _RankTime:
 
 def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) -> _RankTime:
     t, p = lay.tp, lay.pp
-    fwd = terms.tokens * load.flops_per_token / t
-    recompute = {"none": 0.0, "selective": terms.tokens * terms.attention_fwd * load.layers / t,
-                 "full": fwd}[lay.checkpointing]
+    embedding, block, head = terms.units
+    units = ((embedding, load.first), (block, load.layers), (head, load.last))
+    fwd = sum(unit.forward * count for unit, count in units)
+    bwd = sum(unit.backward * count for unit, count in units)
+    recompute = {"none": 0.0, "selective": block.attention_forward * load.layers, "full": fwd}[lay.checkpointing]
     tp_collectives = load.layers * terms.tp_collectives_per_block
     tp_seconds = tp_collectives * terms.tp_collective_s
     if t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
@@ -279,9 +303,8 @@ def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) ->
         tp_seconds += (load.first + load.last) * terms.tp_collective_s + \
             3 * load.last * collective_seconds(cluster, "all_reduce", terms.tokens * 4, t, 1)
     pp_seconds = 2 * lay.virtual_stages * terms.pp_send_s * (p > 1)
-    return _RankTime(fwd / terms.rate + (tp_seconds + pp_seconds) / 2,
-                     (2 * fwd + recompute) / terms.rate + (tp_seconds + pp_seconds) / 2,
-                     (3 * fwd + recompute) / terms.rate, tp_seconds, tp_collectives, load)
+    return _RankTime(fwd + (tp_seconds + pp_seconds) / 2, bwd + recompute + (tp_seconds + pp_seconds) / 2,
+                     fwd + bwd + recompute, tp_seconds, tp_collectives, load)
 
 
 def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
@@ -302,16 +325,18 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                                                                       slowest.load.layers)
     bubble_time = _bubble_time(lay, m, slowest.total)
     optimizer = _optimizer_seconds(cluster, lay, slowest.load.params / t)
-    step = m * slowest.total + bubble_time + dp_exposed + optimizer
+    gradient_passes = _gradient_pass_seconds(cluster, lay, slowest.load.params / t, m, work.fused_accumulation) / rate_scale
+    step = m * slowest.total + gradient_passes + bubble_time + dp_exposed + optimizer
     tokens_per_step = work.global_batch * s
-    params, attention = cfg.matmul_params(), cfg.n_layers * terms.attention_fwd
+    params, attention = cfg.matmul_params(), cfg.n_layers * 4 * cfg.attended_positions(s) * cfg.q_dim
     recomputed = {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
     world = lay.dp * t * p
     return Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes, memory, comm_seconds, comm_bytes,
-                    compute_s=m * slowest.compute, bubble=bubble_time / step, step_time_s=step,
+                    compute_s=m * slowest.compute + gradient_passes, bubble=bubble_time / step, step_time_s=step,
                     tokens_per_s=tokens_per_step / step, tflops_per_device=hardware_flops / step / world / 1e12,
                     mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak,
+                    kernel_ceiling=terms.kernel_ceiling,
                     exposed_comm_s={"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]},
                     optimizer_s=optimizer)
 
@@ -333,13 +358,17 @@ def _bubble_time(lay: Layout, m: int, per_micro_batch: float) -> float:
     return profile(lay.schedule, lay.pp, m, lay.virtual_stages).bubble_slots * per_micro_batch
 
 
-def _buffers(lay: Layout, load: StageLoad, t: int) -> float:
+def _buffers(cfg: ModelConfig, lay: Layout, t: int) -> float:
     """What the layout adds besides states and activations: ZeRO-3's gathered units (one in use,
-    one prefetched, in the gather dtype) and one unit's staged gradients (in the reduce dtype)."""
+    one prefetched, in the gather dtype) and one unit's staged gradients (in the reduce dtype), at
+    the size of the largest unit (the embedding or the head, for most models); with tied
+    embeddings the embedding stays gathered from its forward to the head's backward as well."""
     if lay.zero < 3:
         return 0.0
-    unit = load.params / t / (load.layers + load.first + load.last)
-    return unit * (2 * BYTES[lay.gather_dtype] + BYTES[lay.reduce_dtype])
+    embedding, block, head = cfg.unit_params()
+    largest = max(embedding, block, head) / t
+    tied = embedding / t * BYTES[lay.gather_dtype] if cfg.tie_embeddings else 0.0
+    return largest * (2 * BYTES[lay.gather_dtype] + BYTES[lay.reduce_dtype]) + tied
 
 
 def _data_parallel(cluster: Cluster, lay: Layout, params_local: float, m: int, t_fwd: float, t_bwd: float,
@@ -358,25 +387,46 @@ def _data_parallel(cluster: Cluster, lay: Layout, params_local: float, m: int, t
         # one collective per unit (a block; the embedding; the head), each paying its latency
         units = max(1, round(layers_local)) + 2
         gather_bytes = params_local * BYTES[lay.gather_dtype]
-        per_mb = units * (2 * collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride) +
-                          collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride))
-        exposed = max(0.0, per_mb - (t_fwd + t_bwd)) * m  # prefetch hides it behind compute
+        gather = collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride)
+        scatter = collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride)
+        per_mb = units * (2 * gather + scatter)
+        # prefetch hides the rest behind compute, but the first unit's gather comes before any
+        # compute and the last unit's reduce-scatter after it
+        ends = gather + scatter
+        exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
         return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
-    if lay.zero == 0:
-        buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # one all-reduce per --bucket-mb bucket
+    buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # gradients reduce in --bucket-mb buckets
+    if lay.zero == 0:  # one all-reduce per bucket
         total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride)
-        # buckets reduce while the last micro-batch's backward runs; after a pipeline schedule, at the end
-        exposed = total if lay.pp > 1 else max(0.0, total - t_bwd)
+        # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
+        # ready only when the backward ends; after a pipeline schedule, all of them at the end
+        exposed = total if lay.pp > 1 else max(total / buckets, total - t_bwd)
         return total, exposed, 2 * ring * grad_bytes
     # ZeRO-1: one reduce-scatter per step (overlapping the last backward unless a pipeline schedule
-    # ran), ZeRO-2: one every micro-batch; then an all-gather of the updated shards
+    # ran), ZeRO-2: one every micro-batch, the last bucket of each exposed; then an all-gather of the
+    # updated shards
     reductions = m if lay.zero == 2 else 1
     gather_bytes = params_local * BYTES[lay.gather_dtype]
     rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride)
     ag = collective_seconds(cluster, "all_gather", gather_bytes, d, stride)
     hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
-    exposed = max(0.0, rs - hidden) * reductions + ag
+    exposed = max(rs / buckets if hidden else rs, rs - hidden) * reductions + ag
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
+
+
+def _gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m: int, fused: bool) -> float:
+    """What a step does to its gradients outside the GEMMs, in passes over fp32 memory at the
+    memory's bandwidth (as the optimizer step): ZeRO-0/1 add each micro-batch's gradients after the
+    first to the accumulated ones (both read, the sum written: 3 passes; none when the GEMM sums
+    them itself, as Megatron-LM's gradient-accumulation fusion does); ZeRO-2/3 stage every
+    micro-batch's full gradients for its reduce-scatter (a zeroed buffer, the copy into it) and
+    add the reduced shard to the accumulated one."""
+    full = 3 * params_local * 4
+    if lay.zero >= 2:
+        passes = m * full + max(0, m - 1) * full / lay.dp
+    else:
+        passes = 0.0 if fused else max(0, m - 1) * full
+    return passes / cluster.device.memory_bandwidth
 
 
 def _optimizer_seconds(cluster: Cluster, lay: Layout, params_local: float) -> float:

@@ -5,9 +5,29 @@ direction. `cpu-local` has no datasheet: `strata calibrate` measures it (planner
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from strata.plan.compute import Kernels
 
 GB = 10**9
+
+# How fast each device runs a training step's kernels (strata/plan/compute.py; sources in
+# docs/cost-model.md). The largest GEMMs' fraction of the peak is measured for the best shape
+# (Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS": A100 SXM 85.9%, H100 SXM 80.1%, GH200
+# 83.0%); fused attention from FlashAttention-2 (Dao 2023: 50-73% of the peak on A100, forward;
+# Shah et al. 2024: 35% on H100). Three defaults are set from published runs, the first half of the
+# validation table only (bench/validation.py --fit): the share of that best rate a training step's
+# GEMMs reach (forward, and the two backward GEMMs, at the model's shapes), the fixed cost of a GEMM,
+# and the fraction of the memory bandwidth elementwise kernels reach.
+TRAINING_GEMM_SHARE = 0.875
+GEMM_OVERHEAD_S = 8e-6
+BANDWIDTH_FRACTION = 0.6
+KERNEL_OVERHEAD_S = 5e-6  # a CUDA kernel launch, as PyTorch's eager mode issues them
+
+
+def _kernels(best_gemm_fraction: float, attention_fraction: float) -> Kernels:
+    return Kernels(best_gemm_fraction * TRAINING_GEMM_SHARE, GEMM_OVERHEAD_S, attention_fraction, BANDWIDTH_FRACTION,
+                   KERNEL_OVERHEAD_S)
 
 
 @dataclass(frozen=True)
@@ -17,18 +37,25 @@ class Device:
     peak_flops: dict[str, float]  # by compute dtype: "bf16", "fp16", "fp32"
     memory_bandwidth: float  # bytes/s, HBM (or GDDR)
     nvlink_bandwidth: float | None  # bytes/s per direction per device; None: no NVLink
+    kernels: Kernels = field(default_factory=lambda: _kernels(0.8, 0.5))  # cpu-local: strata calibrate's
 
 
 # NVIDIA datasheets (V100 SXM2, A100 SXM4, A800 SXM4, H100 SXM5, H200 SXM, GeForce RTX 4090).
 # fp32 is the plain (non-TF32) rate; RTX 4090's 16-bit rate is with fp32 accumulation.
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("V100-32G", 32 * GB, {"fp16": 125e12, "fp32": 15.7e12}, 900 * GB, 150 * GB),
-    Device("A100-40G", 40 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 1555 * GB, 300 * GB),
-    Device("A100-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 300 * GB),
-    Device("A800-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 200 * GB),
-    Device("H100-80G", 80 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 3350 * GB, 450 * GB),
-    Device("H200", 141 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 4800 * GB, 450 * GB),
-    Device("RTX-4090", 24 * GB, {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}, 1008 * GB, None),
+    Device("V100-32G", 32 * GB, {"fp16": 125e12, "fp32": 15.7e12}, 900 * GB, 150 * GB, _kernels(0.8, 0.5)),
+    Device("A100-40G", 40 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 1555 * GB, 300 * GB,
+           _kernels(0.859, 0.5)),
+    Device("A100-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 300 * GB,
+           _kernels(0.859, 0.5)),
+    Device("A800-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 200 * GB,
+           _kernels(0.859, 0.5)),
+    Device("H100-80G", 80 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 3350 * GB, 450 * GB,
+           _kernels(0.801, 0.35)),
+    Device("H200", 141 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 4800 * GB, 450 * GB,
+           _kernels(0.83, 0.35)),
+    Device("RTX-4090", 24 * GB, {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}, 1008 * GB, None,
+           _kernels(0.8, 0.5)),
 )}
 
 # Links between devices, bytes/s per direction: PCIe 4.0 x16 inside a node; Ethernet and

@@ -8,6 +8,7 @@ import os
 from strata.errors import ConfigError
 from strata.files import cache_dir, read_json_object
 from strata.model.config import ModelConfig
+from strata.plan.compute import Kernels
 from strata.plan.cost import BYTES, Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device
 from strata.rules.layout import check_workload
@@ -77,16 +78,20 @@ def load_profile(path: str | None) -> dict:
 
 def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = None) -> Cluster:
     """This machine as `processes` devices of one node, from what `strata calibrate` measured with
-    that many processes running at once (the nearest measured count)."""
+    that many processes running at once (the nearest measured count). Each process gets the share
+    of one process's speed that a training step's forward and backward kept while all of them ran
+    it, for its GEMMs and its memory-bound kernels alike (the kernels are one process's)."""
+    if "kernels" not in profile or "step_seconds_per_process" not in profile:
+        raise ConfigError("--device cpu-local: the calibration profile predates the kernel measurements; "
+                          "run `strata calibrate` again")
     measured = sorted(int(n) for n in profile["matmul_flops"])
     nearest = str(min(measured, key=lambda n: (abs(n - processes), n)))
-    device = Device(CPU_LOCAL, int(profile["memory_bytes"] / processes), {"fp32": profile["matmul_flops"][nearest]},
-                    profile["memory_bandwidth"], None)
+    share = profile["step_seconds_per_process"]["1"] / profile["step_seconds_per_process"][nearest]
+    device = Device(CPU_LOCAL, int(profile["memory_bytes"] / processes), {"fp32": profile["matmul_flops"]["1"] * share},
+                    profile["memory_bandwidth"] * share, None, Kernels(**profile["kernels"]))
     collectives = {op: {n: m["points"] for n, m in by_size.items()} for op, by_size in profile["collectives"].items()}
-    curve = () if efficiency else tuple(sorted((float(k), e) for k, e in profile["efficiency_by_tokens"].items()))
-    return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0,
-                   efficiency or profile["efficiency"], collectives,
-                   curve, overlap=False, shared_cores=profile["cores"])
+    return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0, efficiency, collectives,
+                   overlap=False, shared_cores=profile["cores"])
 
 
 def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str,

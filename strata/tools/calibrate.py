@@ -1,12 +1,14 @@
 """`strata calibrate`: measure this machine so the planner can predict it (`--device cpu-local`).
 
 For 1, 2, 4, ... up to --nproc processes running at once (through torchrun, as training runs):
-- the matmul rate each process gets while all of them compute (they share the cores);
+- the matmul rate, the memory bandwidth and the time of a forward and backward of --model each
+  process gets while all of them compute (they share the cores and the memory);
 - for every collective the planner uses (all-reduce, all-gather, reduce-scatter, send/recv) on a
   group of that size, the time of messages from 64 KiB to 16 MiB, fitted as latency + bytes /
   bandwidth (bytes of the whole tensor, so the fit holds the ring's factors);
-then, on one process, the memory bandwidth (a large copy) and the efficiency: the FLOP/s a real
-training step of --model reaches over the matmul rate. The profile is JSON, by default in
+then, on one process, the memory bandwidth (a large copy) and how this CPU runs a training step's
+kernels (strata/plan/compute.py): --model's GEMMs and attention timed alone, and the rest of its
+real training steps fitted as elementwise traffic and a cost per kernel. The profile is JSON, by default in
 ~/.cache/strata/calibration.json.
 
 `--inference` measures instead what `strata plan --inference` needs on any device (a CPU, or the
@@ -14,12 +16,14 @@ user's own GPU): its memory bandwidth and the decode step's per-layer and per-to
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -30,8 +34,11 @@ from strata.distributed.mesh import init_distributed, pick_device
 from strata.infer.generate import generate
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
-from strata.plan.inputs import load_profile
-from strata.rules.pipeline_cut import unit_costs
+from strata.plan.compute import Kernels, StepWork, attention_flops, block_gemms, head_gemm
+from strata.plan.cost import Cluster, estimate
+from strata.plan.hardware import Device
+from strata.plan.inputs import CPU_LOCAL, load_profile, workload
+from strata.rules.layout import Layout
 from strata.tools.bench_generate import least_squares
 from strata.train.trainer import train
 
@@ -104,18 +111,38 @@ def fit(points: list[tuple[float, float]]) -> dict:
     return {"latency_s": max(0.0, my - slope * mx), "bandwidth": 1 / slope}
 
 
-def worker(out: str) -> None:
+def model_step_seconds(model: str, micro_batch: int = 4, seq_len: int = 128, seconds: float = 2.0) -> float:
+    """Mean seconds of a forward and backward of `model` (fp32, no optimizer, no communication),
+    over `seconds` of them: with other processes doing the same, the share of the machine one
+    process gets for a training step's mix of kernels."""
+    cfg = get_preset(model)
+    seq_len = min(seq_len, cfg.max_seq_len)
+    net = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len))
+    net(tokens, tokens).backward()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        net(tokens, tokens).backward()
+        done += 1
+    return (time.perf_counter() - started) / done
+
+
+def worker(out: str, model: str) -> None:
     """One rank of a calibration group (launched by torchrun)."""
     torch.set_num_threads(1)
     init_distributed(pick_device("cpu"), 120)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        dist.barrier()
-    rate = torch.tensor([matmul_rate()], dtype=torch.float64)
+    measured = []
+    for measure in (matmul_rate, memory_bandwidth, lambda: model_step_seconds(model)):
+        if world > 1:  # every process measures at once: they share the cores and the memory
+            dist.barrier()
+        measured.append(torch.tensor([measure()], dtype=torch.float64))
+    rate, bandwidth, step = measured
     collectives = {op: {} for op in OPS}
     if world > 1:
-        dist.all_reduce(rate)
-        rate /= world
+        for value in measured:
+            dist.all_reduce(value)
+            value /= world
         # every group size that divides the world, all groups of that size busy at once (as the
         # tp groups of a dp x tp layout are), while every process runs
         for size in [g for g in range(2, world + 1) if world % g == 0]:
@@ -126,21 +153,23 @@ def worker(out: str) -> None:
                 collectives[op][str(size)] = {**fit(points), "points": points}
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"matmul_flops": rate.item(), "collectives": collectives}, f)
+            json.dump({"matmul_flops": rate.item(), "memory_bandwidth": bandwidth.item(), "step_seconds": step.item(),
+                       "collectives": collectives}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def memory_bandwidth() -> float:
-    src = torch.ones(64 * 2**20)  # 256 MiB
+def memory_bandwidth(seconds: float = 1.0) -> float:
+    """Bytes/s of a 256 MiB copy (read + write), averaged over `seconds` of copying: with more
+    processes than cores, each gets its share of the time as well as of the memory."""
+    src = torch.ones(64 * 2**20)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(5):
-        started = time.perf_counter()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
         dst.copy_(src)
-        times.append(time.perf_counter() - started)
-    return 2 * src.numel() * 4 / min(times)  # read + write
+        done += 1
+    return done * 2 * src.numel() * 4 / (time.perf_counter() - started)
 
 
 def step_time(model: str, micro_batch: int, seq_len: int = 128) -> float:
@@ -150,51 +179,121 @@ def step_time(model: str, micro_batch: int, seq_len: int = 128) -> float:
     return statistics.median(train(cfg)["step_times"][1:])
 
 
-def step_costs(model: str, rate: float, memory_bandwidth: float, seq_len: int = 128) -> dict:
-    """The efficiency (FLOP/s of the forward and backward over the matmul rate, FLOPs as the
-    planner counts them) for micro-batches of 1-8 sequences: small ones run below the large ones'
-    rate. The optimizer step is taken out as the planner predicts it."""
+def _median_seconds(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def gemm_curve(cfg, rate: float, bandwidth: float, seq_len: int) -> tuple[float, float]:
+    """(the largest GEMMs' fraction of `rate`, the fixed cost per GEMM), fitted to fp32 GEMMs of the
+    model's own shapes (each block's and the head's, at every calibrated micro-batch) with the
+    planner's formula: max(FLOPs at the fraction, bytes at the bandwidth) + the fixed cost."""
+    measured = []
+    for b in MICRO_BATCHES:
+        work = StepWork(cfg, b * seq_len, b, seq_len, 1, False, True, 4)
+        for m, n, k in sorted(set(block_gemms(work) + [head_gemm(work)])):
+            x, w = torch.randn(int(m), int(k)), torch.randn(int(k), int(n))
+            measured.append(((m, n, k), _median_seconds(lambda: torch.mm(x, w))))
+    best = None  # the fit in relative error, so the small GEMMs count as much as the large ones
+    for fraction, overhead in itertools.product([0.2 + 0.01 * i for i in range(131)], [2e-6 * i for i in range(51)]):
+        curve = Kernels(fraction, overhead, 1.0, 1.0, 0.0)
+        error = sum((curve.gemm_seconds(*shape, rate, bandwidth, 4) / seconds - 1) ** 2 for shape, seconds in measured)
+        if best is None or error < best[0]:
+            best = (error, fraction, overhead)
+    return best[1], best[2]
+
+
+def attention_fraction(cfg, rate: float, seq_len: int, micro_batch: int = 4) -> float:
+    """Fused attention (SDPA, causal) forward and backward at the model's shape, over `rate`, its
+    FLOPs counted as the planner counts them (12·s·h per token)."""
+    shape = (micro_batch, cfg.n_heads, seq_len, cfg.head_dim)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    flops = 3 * attention_flops(StepWork(cfg, micro_batch * seq_len, micro_batch, seq_len, 1, False, True, 4))
+    return flops / _median_seconds(step) / rate
+
+
+def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) -> dict:
+    """This CPU's `Kernels` (strata/plan/compute.py): the GEMM curve and attention measured alone;
+    then real training steps of `model` at micro-batches 1-8, and what they take beyond the
+    planner's GEMMs, attention and optimizer step fitted as elementwise bytes at a fraction of the
+    memory bandwidth plus a cost per kernel (least squares over the micro-batches)."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
-    flops_per_token = 3 * sum(unit_costs(cfg, seq_len))
-    optimizer = cfg.num_params() * 32 / memory_bandwidth
-    by_tokens = {}
-    for b in (1, 2, 4, 8):
-        seconds = step_time(model, b, seq_len) - optimizer
-        by_tokens[str(b * seq_len)] = flops_per_token * b * seq_len / seconds / rate
-    return {"efficiency_by_tokens": by_tokens, "efficiency": by_tokens[str(4 * seq_len)]}
+    gemm_fraction, gemm_overhead = gemm_curve(cfg, rate, bandwidth, seq_len)
+    attention = attention_fraction(cfg, rate, seq_len)
+    device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None)
+    work = workload(cfg, 8, seq_len, "fp32")
+
+    def predicted(b: int, bandwidth_fraction: float, kernel_overhead: float) -> float:
+        kernels = Kernels(gemm_fraction, gemm_overhead, attention, bandwidth_fraction, kernel_overhead)
+        cluster = Cluster(replace(device, kernels=kernels), 1, 1, overlap=False)
+        return estimate(replace(work, global_batch=b), cluster, Layout(micro_batch=b)).step_time_s
+
+    rows = []
+    for b in MICRO_BATCHES:
+        base = predicted(b, 1e12, 0.0)  # the GEMMs, attention and optimizer step alone
+        rows.append((step_time(model, b, seq_len) - base, predicted(b, 1.0, 0.0) - base, predicted(b, 1e12, 1.0) - base))
+    # residual = bytes_term / bandwidth_fraction + kernels x kernel_overhead, for x = 1/fraction, y = overhead
+    sxx = sum(a * a for _, a, _ in rows)
+    sxy = sum(a * k for _, a, k in rows)
+    syy = sum(k * k for _, _, k in rows)
+    srx = sum(r * a for r, a, _ in rows)
+    sry = sum(r * k for r, _, k in rows)
+    det = sxx * syy - sxy * sxy
+    inverse_fraction = max((srx * syy - sry * sxy) / det, 1e-3)
+    overhead = max((sry * sxx - srx * sxy) / det, 0.0)
+    kernels = Kernels(gemm_fraction, gemm_overhead, attention, min(1 / inverse_fraction, 1e3), overhead)
+    return {"kernels": asdict(kernels), "kernels_model": model,
+            "measured_steps": {str(b): round(r + predicted(b, 1e12, 0.0), 6) for b, (r, _, _) in zip(MICRO_BATCHES, rows)}}
 
 
 def calibrate(max_procs: int, model: str, out: str) -> dict:
     profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": _total_memory(),
-               "matmul_flops": {}, "collectives": {op: {} for op in OPS}}
+               "matmul_flops": {}, "memory_bandwidth_per_process": {}, "step_seconds_per_process": {},
+               "collectives": {op: {} for op in OPS}}
     sizes = [1] + [n for n in (2, 4, 8, 16) if n <= max_procs]
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
             part = os.path.join(tmp, f"{n}.json")
             if n == 1:
-                worker(part)
+                worker(part, model)
             else:
-                code = launch_local(n, ["calibrate", "--worker", part])
+                code = launch_local(n, ["calibrate", "--worker", part, "--model", model])
                 if code != 0:
                     raise RuntimeError(f"calibration on {n} processes failed (exit code {code})")
             with open(part) as f:
                 measured = json.load(f)
             profile["matmul_flops"][str(n)] = measured["matmul_flops"]
+            profile["memory_bandwidth_per_process"][str(n)] = measured["memory_bandwidth"]
+            profile["step_seconds_per_process"][str(n)] = measured["step_seconds"]
             for op, by_size in measured["collectives"].items():
                 for size, values in by_size.items():
                     profile["collectives"][op][f"{size}/{n}"] = values
-            print(f"{n} process{'es' if n > 1 else ''}: {measured['matmul_flops'] / 1e9:.1f} GFLOP/s each"
+            print(f"{n} process{'es' if n > 1 else ''}: {measured['matmul_flops'] / 1e9:.1f} GFLOP/s and "
+                  f"{measured['memory_bandwidth'] / 1e9:.1f} GB/s each"
                   + "".join(f"; {op} in groups of {size}: {v['latency_s'] * 1e6:.0f} us + {v['bandwidth'] / 1e9:.2f} GB/s"
                             for op, by_size in measured["collectives"].items() for size, v in by_size.items()),
                   flush=True)
     torch.set_num_threads(1)
-    profile["memory_bandwidth"] = memory_bandwidth()
-    profile.update(step_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"]))
-    profile["efficiency_model"] = model
-    print(f"memory bandwidth {profile['memory_bandwidth'] / 1e9:.1f} GB/s; a {model} training step reaches "
-          + ", ".join(f"{e:.0%} at {k} tokens" for k, e in profile["efficiency_by_tokens"].items())
-          + " of the matmul rate", flush=True)
+    profile["memory_bandwidth"] = profile["memory_bandwidth_per_process"]["1"]
+    profile.update(kernel_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"]))
+    k = profile["kernels"]
+    print(f"memory bandwidth {profile['memory_bandwidth'] / 1e9:.1f} GB/s; {model}'s GEMMs reach up to "
+          f"{k['gemm_fraction']:.0%} of the matmul rate, +{k['gemm_overhead_s'] * 1e6:.0f} us each; attention "
+          f"{k['attention_fraction']:.0%}; elementwise kernels {k['bandwidth_fraction']:.0%} of the bandwidth, "
+          f"+{k['kernel_overhead_s'] * 1e6:.0f} us each", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(profile, f, indent=1)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from strata.checkpoint import store
 from strata.config import TrainConfig, validate
 from strata.errors import ConfigError
 from strata.plan.cost import Cluster
@@ -15,6 +16,7 @@ from strata.plan.hardware import DEVICES
 from strata.plan.inputs import build_cluster, cpu_local_cluster, default_profile_path, load_profile, workload
 from strata.plan.search import explain, search
 from strata.rules.dtypes import DTYPES
+from strata.train.preflight import resume_source
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split")
 
@@ -45,7 +47,9 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
         raise ConfigError(f"--parallel auto chooses the layout; drop --{given[0].replace('_', '-')} "
                           f"(or use --parallel manual)")
     precision = cfg.dtype if DTYPES[cfg.dtype].autocast else "fp32"  # what the planner prices
-    global_batch = cfg.global_batch if cfg.global_batch is not None else cfg.micro_batch * world_size
+    resumed = resumed_run(cfg)
+    global_batch = cfg.global_batch if cfg.global_batch is not None else \
+        resumed["global_batch"] if resumed else cfg.micro_batch * world_size
     work = workload(model, global_batch, cfg.seq_len, precision)
     cluster = local_cluster(world_size)
     ranked, rejected = search(work, cluster, offload=False, transfers=(cfg.reduce_dtype, cfg.gather_dtype))
@@ -61,8 +65,34 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
             continue  # a layout the planner allows but this strata does not run
         reasons = explain(e, ranked, rejected, cluster)
         return chosen, [f"--parallel auto chose {lay.describe()} for {world_size} x {cluster.device.name}: "
-                        f"{reasons[0].split(': ', 2)[2]}", *reasons[1:]]
+                        f"{reasons[0].split(': ', 2)[2]}", *reasons[1:], *replanned(resumed, chosen, world_size)]
     raise ConfigError(f"--parallel auto: no layout of {world_size} x {cluster.device.name} fits this model")
+
+
+def resumed_run(cfg: TrainConfig) -> dict | None:
+    """What the run this one resumes (--resume, --resume auto, a restart) was: its world size and
+    global batch (sequences per step, from its data position), or None. With
+    --parallel auto and no --global-batch, the resumed run keeps that batch whatever the world size
+    now, so losing or adding a node changes the accumulation, not the optimisation."""
+    source, _ = resume_source(cfg)
+    if source is None:
+        return None
+    manifest = store.read_state(source)
+    layout, position, saved = manifest["layout"], manifest["data_position"], manifest["config"]
+    global_batch = position["sequences"] // position["step"] if position["step"] else \
+        saved["global_batch"] or saved["micro_batch"] * layout["dp"]
+    return {"world": layout["dp"] * layout["tp"] * layout["pp"], "global_batch": global_batch}
+
+
+def replanned(resumed: dict | None, chosen: TrainConfig, world_size: int) -> list[str]:
+    """The line that says the cluster changed since the checkpoint, and what was kept."""
+    if resumed is None or resumed["world"] == world_size:
+        return []
+    accumulation = chosen.global_batch // (chosen.dp * chosen.micro_batch)
+    return [f"--parallel auto: the checkpoint was written by {resumed['world']} ranks, this run has {world_size}: "
+            f"planned again, the global batch of {chosen.global_batch} sequences kept "
+            f"({accumulation} micro-batch{'es' if accumulation > 1 else ''} of {chosen.micro_batch} per step on each "
+            f"of {chosen.dp} data-parallel rank{'s' if chosen.dp > 1 else ''})"]
 
 
 def as_flags(cfg: TrainConfig) -> list[str]:

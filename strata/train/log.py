@@ -63,6 +63,9 @@ class RunLog:
                   "model_state_bytes": sum(states.values()), "model_state_breakdown": _by_location(run, states),
                   "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
                   "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+        sharding = getattr(run.parallel, "sharding", None)
+        if hasattr(sharding, "peak_buffer_bytes"):  # ZeRO-3: gathered units and staged gradients
+            record["buffer_bytes"] = sharding.peak_buffer_bytes
         if run.scaler is not None:
             record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
         if run.pipeline is not None:  # measured on this rank's timeline and saved tensors

@@ -1,0 +1,144 @@
+"""The compute time of one micro-batch on one rank, built from the shapes of its work rather than
+from one efficiency constant (docs/cost-model.md, "Compute"):
+
+- every GEMM from its shape (m = the micro-batch's tokens; n and k after the tensor-parallel split)
+  on the device's curve: a fixed cost per GEMM plus its FLOPs at the largest GEMMs' rate, so small
+  GEMMs run below the peak and large ones approach it (the curve saturates); a GEMM that moves
+  more bytes than it computes (attention's batched GEMMs, unfused) runs at the memory's rate;
+- attention from its own shape: fused (one kernel at the device's attention rate), or unfused
+  (two batched GEMMs and the softmax's and dropout's passes over the b·a·s² scores);
+- what is not a GEMM (norms, residual adds, the MLP's activation, rotary, the loss's fp32 logits)
+  as bytes through memory at the device's elementwise rate, plus a cost per kernel launched.
+
+The device side is `Kernels`: from the device table (with sources) or measured here by
+`strata calibrate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How fast a device runs a training step's kernels."""
+    gemm_fraction: float  # of the dense peak the largest GEMMs reach (the curve's saturation)
+    gemm_overhead_s: float  # added to every GEMM (its launch and last partial wave)
+    attention_fraction: float  # fused attention, forward and backward, over the peak (FLOPs as counted: 12·s·h per token)
+    bandwidth_fraction: float  # of the memory bandwidth elementwise kernels reach
+    kernel_overhead_s: float  # added to every elementwise kernel
+
+    def gemm_seconds(self, m: float, n: float, k: float, peak: float, bandwidth: float, element_bytes: int,
+                     batch: float = 1) -> float:
+        """One (batched) GEMM of `batch` products of (m x k)(k x n): the longer of its FLOPs at the
+        saturated rate and its operands' bytes at the memory rate, plus the fixed cost."""
+        flops = 2 * m * n * k * batch
+        moved = (m * k + k * n + m * n) * batch * element_bytes
+        return max(flops / (peak * self.gemm_fraction), moved / bandwidth) + self.gemm_overhead_s
+
+    def gemm_efficiency(self, m: float, n: float, k: float, peak: float, bandwidth: float,
+                        element_bytes: int) -> float:
+        """The fraction of the peak a GEMM of this shape reaches: the curve the planner reads."""
+        return 2 * m * n * k / peak / self.gemm_seconds(m, n, k, peak, bandwidth, element_bytes)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one rank computes for one micro-batch, independent of where it runs."""
+    model: ModelConfig
+    tokens: int  # per micro-batch: micro-batch x sequence
+    micro_batch: int
+    seq_len: int
+    tp: int
+    sequence_parallel: bool
+    fused_attention: bool
+    element_bytes: int  # of an activation: 2 for bf16/fp16 runs, 4 for fp32
+
+
+@dataclass(frozen=True)
+class UnitSeconds:
+    """Seconds of one unit, forward and backward (the recomputation is the forward again)."""
+    forward: float
+    backward: float
+    attention_forward: float  # what selective recomputation runs again
+
+
+def block_gemms(w: StepWork) -> list[tuple[float, float, float]]:
+    """The (m, n, k) of each GEMM of a block's forward on one tensor-parallel rank (q, k, v and
+    the output projection; the MLP's two or three)."""
+    cfg, t, m = w.model, w.tp, w.tokens
+    kv = cfg.kv_heads * cfg.head_dim
+    attention = [(m, cfg.q_dim / t, cfg.d_model), (m, kv / t, cfg.d_model), (m, kv / t, cfg.d_model),
+                 (m, cfg.d_model, cfg.q_dim / t)]
+    ins = [(m, cfg.d_ff / t, cfg.d_model)] * (2 if cfg.gated_mlp else 1)
+    return attention + ins + [(m, cfg.d_model, cfg.d_ff / t)]
+
+
+def head_gemm(w: StepWork) -> tuple[float, float, float]:
+    return (w.tokens, w.model.vocab_size / w.tp, w.model.d_model)
+
+
+def attention_flops(w: StepWork) -> float:
+    """Forward FLOPs of the scores and the weighted values on one rank, as the model counts them
+    (4·s·h per token, s at most the sliding window)."""
+    return 4 * w.tokens * w.model.attended_positions(w.seq_len) * w.model.q_dim / w.tp
+
+
+def block_elementwise(w: StepWork) -> tuple[float, int]:
+    """(elements read and written, kernels) of a block's forward outside its GEMMs and fused
+    attention, per rank: two norms (read, write), two residual adds (two reads, a write), the
+    MLP's activation (a gated one reads two inputs), rotary on q and k. Without sequence
+    parallelism every tensor-parallel rank repeats the norms and adds on the whole hidden state."""
+    cfg, t = w.model, w.tp
+    hidden = cfg.d_model / (t if w.sequence_parallel else 1)
+    activation = (3 if cfg.gated_mlp else 2) * cfg.d_ff / t
+    rotary = 2 * (cfg.q_dim + cfg.kv_heads * cfg.head_dim) / t if cfg.position == "rope" else 0
+    per_token = 4 * hidden + 6 * hidden + activation + rotary
+    return per_token * w.tokens, 5 + (2 if rotary else 0)
+
+
+def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tuple[UnitSeconds, UnitSeconds, UnitSeconds]:
+    """(the embedding, one block, the head with its loss) for one micro-batch on one rank."""
+    cfg, eb = w.model, w.element_bytes
+    elementwise_rate = bandwidth * k.bandwidth_fraction
+
+    def gemms(shapes):
+        return sum(k.gemm_seconds(m, n, kk, peak, bandwidth, eb) for m, n, kk in shapes)
+
+    def elementwise(elements: float, kernels: int) -> float:
+        return elements * eb / elementwise_rate + kernels * k.kernel_overhead_s
+
+    if w.fused_attention:
+        attention_fwd = attention_flops(w) / (peak * k.attention_fraction)  # its backward: twice the FLOPs
+        attention_bwd = 2 * attention_fwd
+    else:  # scores and values as batched GEMMs (heads x micro-batch of them), softmax and dropout between
+        s, heads = w.seq_len, w.micro_batch * cfg.n_heads / w.tp
+        window = cfg.attended_positions(s)
+        bmm = k.gemm_seconds(s, window, cfg.head_dim, peak, bandwidth, eb, heads) + \
+            k.gemm_seconds(s, cfg.head_dim, window, peak, bandwidth, eb, heads)
+        # scale-mask-softmax reads and writes the scores; dropout reads them, writes them and a mask
+        scores = heads * s * window
+        attention_fwd = bmm + (4 * eb + 1) * scores / elementwise_rate + 2 * k.kernel_overhead_s
+        attention_bwd = 2 * attention_fwd
+    elements, kernels = block_elementwise(w)
+    block_gemm = gemms(block_gemms(w))
+    block = UnitSeconds(block_gemm + attention_fwd + elementwise(elements, kernels),
+                        2 * block_gemm + attention_bwd + 2 * elementwise(elements, kernels), attention_fwd)
+    hidden = cfg.d_model / (w.tp if w.sequence_parallel else 1)
+    embed_fwd = elementwise(2 * hidden * w.tokens, 1)
+    embedding = UnitSeconds(embed_fwd, 2 * embed_fwd, 0.0)
+    # the loss: the logits copied to fp32, read for the log-softmax, the gradient written back
+    loss = (w.tokens * cfg.vocab_size / w.tp) * (eb + 4 + 4) / elementwise_rate + 3 * k.kernel_overhead_s
+    head_gemm_s = gemms([head_gemm(w)])
+    head = UnitSeconds(head_gemm_s + loss + elementwise(2 * hidden * w.tokens, 1),
+                       2 * head_gemm_s + loss + 2 * elementwise(2 * hidden * w.tokens, 1), 0.0)
+    return embedding, block, head
+
+
+def best_gemm_efficiency(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> float:
+    """The highest fraction of the peak any of this work's kernels reaches: the GEMMs on the curve,
+    and fused attention. No step can show a higher MFU."""
+    shapes = block_gemms(w) + [head_gemm(w)]
+    best = max(k.gemm_efficiency(m, n, kk, peak, bandwidth, w.element_bytes) for m, n, kk in shapes)
+    return max(best, k.attention_fraction if w.fused_attention else 0.0)
