@@ -15,7 +15,7 @@ Parts, in order (each timed; when the --budget-s budget is spent the rest are sk
                 (uncalibrated, and calibrated on this device as `strata calibrate --inference` does)
   memory        the planner's peak for micro-batch 1/4 x checkpointing none/selective/full against
                 torch.cuda.max_memory_allocated
-  step_time     the planner's step time (device table, default efficiency; and with the efficiency
+  step_time     the planner's step time (device table, its compute model; and with the efficiency
                 measured here, as `strata calibrate` measures it for a CPU) against the measured runs
 
 Writes gpu_check.json and gpu_check.txt (a short report) into --out after every part, so a run cut
@@ -238,7 +238,7 @@ def _report_memory(p: dict) -> list[str]:
 
 
 def _report_step_time(p: dict) -> list[str]:
-    lines = [f"step time: planner ({p['plan_device']}, efficiency {p['default_efficiency']}) vs measured"]
+    lines = [f"step time: planner ({p['plan_device']}, {p['default_compute']}) vs measured"]
     for row in p["runs"]:
         calibrated = (f"; at the measured efficiency {row['efficiency_used']:.3g}: "
                       f"{row['predicted_calibrated_step_s'] * 1e3:.1f} ms ({_pct(row['relative_error_calibrated'])})"

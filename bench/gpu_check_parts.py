@@ -23,7 +23,6 @@ from strata.config import TrainConfig
 from strata.infer.generate import generate
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
-from strata.plan.cost import Cluster
 from strata.plan.hardware import DEVICES
 from strata.rules.pipeline_cut import unit_costs
 from strata.tools.bench_generate import Run, time_strata
@@ -351,8 +350,8 @@ def measured_efficiency(check: Check, spec: RunSpec, step_s: float) -> float | N
 
 
 def step_time(check: Check) -> dict:
-    """Every training run measured so far. The default prediction uses the planner's default
-    efficiency (0.63); the calibrated one the efficiency measured on the run without checkpointing at the same
+    """Every training run measured so far. The default prediction uses the planner's compute model
+    with the device table's kernels; the calibrated one the efficiency measured on the run without checkpointing at the same
     micro-batch (for that run it holds by construction; for checkpointed runs it tests the planner's
     recomputation terms)."""
     measured = {spec: run for spec, run in check.runs.items() if "error" not in run and not spec.compile}
@@ -372,7 +371,8 @@ def step_time(check: Check) -> dict:
             row.update(predicted_calibrated_step_s=calibrated_s,
                        relative_error_calibrated=calibrated_s / measured_s - 1)
         rows.append(row)
-    return {"plan_device": check.plan_device, "default_efficiency": Cluster.efficiency, "runs": rows}
+    return {"plan_device": check.plan_device, "default_compute": "the device's kernels (strata/plan/compute.py)",
+            "runs": rows}
 
 
 # --- generation: TTFT and time per output token against plan --inference ----------------------------

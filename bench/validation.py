@@ -44,7 +44,7 @@ def with_defaults(share: float, bandwidth: float, overhead: float) -> None:
 def fit() -> tuple[float, float, float]:
     """The defaults with the smallest worst error on the first half."""
     first, _ = halves()
-    grid = itertools.product([0.75 + 0.025 * i for i in range(9)], [0.5, 0.6, 0.7, 0.8, 0.9], [4e-6, 8e-6, 16e-6])
+    grid = itertools.product([0.75 + 0.025 * i for i in range(9)], [0.5, 0.6, 0.7, 0.8, 0.9, 1.0], [4e-6, 8e-6, 16e-6])
     best = None
     for share, bandwidth, overhead in grid:
         with_defaults(share, bandwidth, overhead)

@@ -18,29 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """How fast a device runs a training step's kernels."""
-    gemm_fraction: float  # of the dense peak the largest GEMMs reach (the curve's saturation)
-    gemm_overhead_s: float  # added to every GEMM (its launch and last partial wave)
-    attention_fraction: float  # fused attention, forward and backward, over the peak (FLOPs as counted: 12·s·h per token)
-    bandwidth_fraction: float  # of the memory bandwidth elementwise kernels reach
-    kernel_overhead_s: float  # added to every elementwise kernel
-
-    def gemm_seconds(self, m: float, n: float, k: float, peak: float, bandwidth: float, element_bytes: int,
-                     batch: float = 1) -> float:
-        """One (batched) GEMM of `batch` products of (m x k)(k x n): the longer of its FLOPs at the
-        saturated rate and its operands' bytes at the memory rate, plus the fixed cost."""
-        flops = 2 * m * n * k * batch
-        moved = (m * k + k * n + m * n) * batch * element_bytes
-        return max(flops / (peak * self.gemm_fraction), moved / bandwidth) + self.gemm_overhead_s
-
-    def gemm_efficiency(self, m: float, n: float, k: float, peak: float, bandwidth: float,
-                        element_bytes: int) -> float:
-        """The fraction of the peak a GEMM of this shape reaches: the curve the planner reads."""
-        return 2 * m * n * k / peak / self.gemm_seconds(m, n, k, peak, bandwidth, element_bytes)
+from strata.plan.hardware import Kernels
 
 
 @dataclass(frozen=True)
@@ -85,17 +63,33 @@ def attention_flops(w: StepWork) -> float:
     return 4 * w.tokens * w.model.attended_positions(w.seq_len) * w.model.q_dim / w.tp
 
 
+# Elements read and written per element of each op's output, as PyTorch's eager kernels run the
+# ops of strata's blocks (strata/model/layers.py): RMSNorm as x², its mean, x·rstd and ·weight
+# (LayerNorm is one fused kernel); a residual add; a gated MLP's activation and product (a plain
+# one's activation); rotary as the rotated half (neg, cat), x·cos, rotated·sin and their sum; the
+# attention output's transpose back to (batch, seq, heads·head_dim), a copy.
+NORM_PASSES = {"rmsnorm": 7, "gemma_rmsnorm": 9, "layernorm": 2}
+ADD_PASSES = 3
+GATED_MLP_PASSES, MLP_PASSES = 5, 2
+ROTARY_PASSES = 10
+TRANSPOSE_PASSES = 2
+
+
 def block_elementwise(w: StepWork) -> tuple[float, int]:
     """(elements read and written, kernels) of a block's forward outside its GEMMs and fused
-    attention, per rank: two norms (read, write), two residual adds (two reads, a write), the
-    MLP's activation (a gated one reads two inputs), rotary on q and k. Without sequence
-    parallelism every tensor-parallel rank repeats the norms and adds on the whole hidden state."""
+    attention, per rank (the passes above). Without sequence parallelism every tensor-parallel
+    rank repeats the norms and adds on the whole hidden state; the MLP's activation, rotary and
+    the attention's transpose are split with the heads and the MLP's width."""
     cfg, t = w.model, w.tp
     hidden = cfg.d_model / (t if w.sequence_parallel else 1)
-    activation = (3 if cfg.gated_mlp else 2) * cfg.d_ff / t
-    rotary = 2 * (cfg.q_dim + cfg.kv_heads * cfg.head_dim) / t if cfg.position == "rope" else 0
-    per_token = 4 * hidden + 6 * hidden + activation + rotary
-    return per_token * w.tokens, 5 + (2 if rotary else 0)
+    norms = 2 * NORM_PASSES[cfg.norm] * hidden
+    adds = 2 * ADD_PASSES * hidden
+    activation = (GATED_MLP_PASSES if cfg.gated_mlp else MLP_PASSES) * cfg.d_ff / t
+    rope = cfg.position == "rope"
+    rotary = ROTARY_PASSES * (cfg.q_dim + cfg.kv_heads * cfg.head_dim) / t if rope else 0
+    transpose = TRANSPOSE_PASSES * cfg.q_dim / t
+    kernels = 2 * (4 if cfg.norm != "layernorm" else 1) + 2 + (2 if cfg.gated_mlp else 1) + (10 if rope else 0) + 1
+    return (norms + adds + activation + rotary + transpose) * w.tokens, kernels
 
 
 def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tuple[UnitSeconds, UnitSeconds, UnitSeconds]:

@@ -7,9 +7,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from strata.plan.compute import Kernels
-
 GB = 10**9
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How fast a device runs a training step's kernels."""
+    gemm_fraction: float  # of the dense peak the largest GEMMs reach (the curve's saturation)
+    gemm_overhead_s: float  # added to every GEMM (its launch and last partial wave)
+    attention_fraction: float  # fused attention, forward and backward, over the peak (FLOPs as counted: 12·s·h per token)
+    bandwidth_fraction: float  # of the memory bandwidth elementwise kernels reach
+    kernel_overhead_s: float  # added to every elementwise kernel
+
+    def gemm_seconds(self, m: float, n: float, k: float, peak: float, bandwidth: float, element_bytes: int,
+                     batch: float = 1) -> float:
+        """One (batched) GEMM of `batch` products of (m x k)(k x n): the longer of its FLOPs at the
+        saturated rate and its operands' bytes at the memory rate, plus the fixed cost."""
+        flops = 2 * m * n * k * batch
+        moved = (m * k + k * n + m * n) * batch * element_bytes
+        return max(flops / (peak * self.gemm_fraction), moved / bandwidth) + self.gemm_overhead_s
+
+    def gemm_efficiency(self, m: float, n: float, k: float, peak: float, bandwidth: float,
+                        element_bytes: int) -> float:
+        """The fraction of the peak a GEMM of this shape reaches: the curve the planner reads."""
+        return 2 * m * n * k / peak / self.gemm_seconds(m, n, k, peak, bandwidth, element_bytes)
+
 
 # How fast each device runs a training step's kernels (strata/plan/compute.py; sources in
 # docs/cost-model.md). The largest GEMMs' fraction of the peak is measured for the best shape

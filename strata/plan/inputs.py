@@ -8,9 +8,8 @@ import os
 from strata.errors import ConfigError
 from strata.files import cache_dir, read_json_object
 from strata.model.config import ModelConfig
-from strata.plan.compute import Kernels
 from strata.plan.cost import BYTES, Cluster, Workload
-from strata.plan.hardware import DEVICES, GB, LINKS, Device
+from strata.plan.hardware import DEVICES, GB, LINKS, Device, Kernels
 from strata.rules.layout import check_workload
 
 CPU_LOCAL = "cpu-local"

@@ -34,9 +34,9 @@ from strata.distributed.mesh import init_distributed, pick_device
 from strata.infer.generate import generate
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
-from strata.plan.compute import Kernels, StepWork, attention_flops, block_gemms, head_gemm
+from strata.plan.compute import StepWork, attention_flops, block_gemms, head_gemm
 from strata.plan.cost import Cluster, estimate
-from strata.plan.hardware import Device
+from strata.plan.hardware import Device, Kernels
 from strata.plan.inputs import CPU_LOCAL, load_profile, workload
 from strata.rules.layout import Layout
 from strata.tools.bench_generate import least_squares
