@@ -41,7 +41,8 @@ def test_the_smallest_cluster_is_the_first_node_count_that_finishes_in_time():
         return ranked[0] if ranked else None
     nodes, best = smallest_cluster(best_at, 2e12, 10)
     assert run_cost(best, 2e12).train_days <= 10
-    assert run_cost(best_at(nodes - 1), 2e12).train_days > 10
+    fewer = best_at(nodes - 1)  # None: no layout runs the batch on that many nodes
+    assert fewer is None or run_cost(fewer, 2e12).train_days > 10
     assert nodes > 1 and best.layout.world_size == 8 * nodes
 
 

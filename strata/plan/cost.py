@@ -153,7 +153,6 @@ def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stri
 @dataclass(frozen=True)
 class StageLoad:
     """What one pipeline rank holds and computes (all its chunks together)."""
-    flops_per_token: float  # forward
     params: float
     layers: int  # transformer blocks
     first: bool  # holds the embedding
@@ -164,7 +163,6 @@ class StageLoad:
 def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLoad, ...]:
     """Per pipeline rank, from strata's own cut (balanced by forward FLOPs: the embedding with the
     first chunk, the head with the last), so an uneven stage costs what it costs."""
-    costs = unit_costs(cfg, seq_len)
     embed, block, head = cfg.unit_params()
     if p == 1:
         blocks_of_rank = [cfg.n_layers]
@@ -177,8 +175,7 @@ def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLo
         params = blocks * block + (embed if first else 0) + (head if last else 0)
         if last and not first and cfg.tie_embeddings:
             params += cfg.vocab_size * cfg.d_model  # the last stage's copy of the tied embedding
-        flops = blocks * costs[1] + (costs[0] if first else 0) + (costs[-1] if last else 0)
-        loads.append(StageLoad(flops, params, blocks, first, last))
+        loads.append(StageLoad(params, blocks, first, last))
     return tuple(loads)
 
 
@@ -315,7 +312,8 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     loads = stage_loads(cfg, lay.pp, lay.virtual_stages, s)
     memory = max((_rank_memory(work, lay, terms, rank, load) for rank, load in enumerate(loads)),
                  key=lambda kinds: sum(kinds.values()))
-    slowest = max((_rank_time(cluster, lay, terms, load) for load in loads), key=lambda rank: rank.total)
+    ranks = [_rank_time(cluster, lay, terms, load) for load in loads]
+    slowest = max(ranks, key=lambda rank: rank.total)
     m, t, p, v = terms.micro_batches, lay.tp, lay.pp, lay.virtual_stages
     ring = (1 if lay.sequence_parallel else 2) * (t - 1) / t
     comm_bytes = {"tp": slowest.tp_collectives * ring * terms.tp_message * m, "pp": 2 * v * m * terms.pp_message * (p > 1)}
@@ -323,7 +321,10 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, slowest.load.params / t, m,
                                                                       slowest.forward, slowest.backward,
                                                                       slowest.load.layers)
-    bubble_time = _bubble_time(lay, m, slowest.total)
+    # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's
+    # micro-batch; with unequal ones, the others' (the slowest stage's own is all in m x its time)
+    others = [r.total for r in ranks if r is not slowest] or [slowest.total]
+    bubble_time = _bubble_time(lay, m, sum(others) / len(others))
     optimizer = _optimizer_seconds(cluster, lay, slowest.load.params / t)
     gradient_passes = _gradient_pass_seconds(cluster, lay, slowest.load.params / t, m, work.fused_accumulation) / rate_scale
     step = m * slowest.total + gradient_passes + bubble_time + dp_exposed + optimizer
@@ -352,7 +353,8 @@ def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:
 
 def _bubble_time(lay: Layout, m: int, per_micro_batch: float) -> float:
     """Idle time of a step beyond the work of m micro-batches, from the simulated schedule: (p-1)
-    micro-batch slots for GPipe and 1F1B, /v interleaved, about a third of it for ZB-H1."""
+    micro-batch slots for GPipe and 1F1B, /v interleaved, about a third of it for ZB-H1, each slot
+    `per_micro_batch` long."""
     if lay.pp == 1:
         return 0.0
     return profile(lay.schedule, lay.pp, m, lay.virtual_stages).bubble_slots * per_micro_batch
