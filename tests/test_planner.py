@@ -241,3 +241,13 @@ def test_unfused_attention_costs_more_than_fused_and_more_so_with_longer_sequenc
         fused = estimate(work, cluster, layout)
         ratios.append(estimate(replace(work, fused_attention=False), cluster, layout).compute_s / fused.compute_s)
     assert 1 < ratios[0] < ratios[1], ratios
+
+
+def test_a_calibration_profile_from_before_the_kernel_measurements_is_refused_in_one_line(tmp_path, capsys):
+    old = {"cores": 2, "memory_bytes": 2**34, "memory_bandwidth": 1e10, "matmul_flops": {"1": 1e11},
+           "collectives": {}, "efficiency": 0.7, "efficiency_by_tokens": {"128": 0.7}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert strata_main(["plan", "--model", "tiny", "--device", "cpu-local", "--gpus-per-node", "1",
+                        "--profile", str(tmp_path / "old.json")]) == 2
+    err = capsys.readouterr().err
+    assert "predates the kernel measurements; run `strata calibrate` again" in err and "Traceback" not in err
