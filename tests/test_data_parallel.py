@@ -195,3 +195,17 @@ def test_accumulated_gradients_live_in_the_buffer_alone(zero):
     # One copy of the gradients while micro-batches accumulate: none of autograd's beside the buffer.
     for in_buffer in run_on_ranks(_grads_after_an_accumulation_micro_step, 2, zero, timeout=120):
         assert in_buffer and all(in_buffer)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero3_counts_its_gathered_parameters_as_buffers_not_activations(world):
+    """ZeRO-3 frees each unit's gathered parameters after its forward and gathers them again for
+    the backward, so autograd's saved references to them hold no memory: the saved activations are
+    those of ZeRO-0, and the gathered units are reported apart, as buffer_bytes: at least two of
+    the largest unit (the one in use and the one prefetched), at most every unit gathered and its
+    gradients staged."""
+    zero0, zero3 = (data_parallel(world, zero, "fp32")[0][1]["record"] for zero in (0, 3))
+    assert zero3["peak_activation_bytes"] == zero0["peak_activation_bytes"]
+    assert "buffer_bytes" not in zero0
+    largest = max(get_preset("tiny").unit_params())
+    assert 2 * 4 * largest <= zero3["buffer_bytes"] <= 2 * 4 * PSI

@@ -251,3 +251,42 @@ def test_a_calibration_profile_from_before_the_kernel_measurements_is_refused_in
                         "--profile", str(tmp_path / "old.json")]) == 2
     err = capsys.readouterr().err
     assert "predates the kernel measurements; run `strata calibrate` again" in err and "Traceback" not in err
+
+
+def test_gradient_passes_are_priced_per_micro_batch_as_the_runtime_makes_them():
+    """ZeRO-0/1 add each micro-batch's fp32 gradients after the first into the accumulated ones
+    (3 passes over them); Megatron's fused accumulation makes none; ZeRO-2/3 stage every
+    micro-batch's full gradients and add the reduced shard."""
+    from dataclasses import replace
+
+    from strata.plan.cost import _gradient_pass_seconds
+    cluster = _selene(1)
+    params, bandwidth = 1e9, cluster.device.memory_bandwidth
+    for m in (1, 8):
+        assert _gradient_pass_seconds(cluster, Layout(dp=8), params, m, False) == \
+            pytest.approx((m - 1) * 12 * params / bandwidth)
+        assert _gradient_pass_seconds(cluster, Layout(dp=8), params, m, True) == 0
+        assert _gradient_pass_seconds(cluster, Layout(dp=8, zero=2), params, m, True) == \
+            pytest.approx((m * 12 * params + (m - 1) * 12 * params / 8) / bandwidth)
+    work = workload(get_preset("llama3-8b"), 64, 2048, "bf16")
+    one, eight = (estimate(work, cluster, Layout(dp=8, zero=1, micro_batch=mb, checkpointing="full"))
+                  for mb in (8, 1))
+    fused = estimate(replace(work, fused_accumulation=True), cluster, Layout(dp=8, zero=1, micro_batch=1,
+                                                                            checkpointing="full"))
+    assert eight.compute_s - fused.compute_s == pytest.approx(7 * 12 * work.model.num_params() / bandwidth, rel=1e-6)
+    assert one.compute_s < eight.compute_s
+
+
+def test_a_bubble_slot_lasts_the_other_stages_micro_batch():
+    """With strata's uneven cut (the head on the last stage), the fill and drain wait on the
+    stages that are not the slowest: the bubble is shorter than (p-1) of the slowest's micro-batch."""
+    from strata.plan.cost import _rank_time, _terms, stage_loads
+    from strata.rules.schedules import profile
+    work = workload(get_preset("small"), 16, 128, "bf16")
+    cluster, layout = _selene(1), Layout(pp=2, micro_batch=2)
+    e = estimate(work, cluster, layout)
+    terms = _terms(work, cluster, layout, 1.0)
+    times = sorted(_rank_time(cluster, layout, terms, load).total for load in stage_loads(work.model, 2, 1, 128))
+    assert times[0] < times[1]
+    slots = profile("1f1b", 2, 16 // 2).bubble_slots  # from the schedule's simulation
+    assert e.bubble * e.step_time_s == pytest.approx(slots * times[0])  # slots of the faster stage
