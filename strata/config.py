@@ -16,6 +16,7 @@ from strata.rules.constants import BUCKET_MB
 from strata.rules.devices import check_device
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout, check_layout, check_transfer_dtypes
+from strata.rules.pipeline_cut import make_layout
 from strata.rules.schedules import SCHEDULES
 
 
@@ -59,9 +60,15 @@ class TrainConfig:
     tp: int = _key(1, "tensor-parallel degree")
     sequence_parallel: bool = _key(False, "with --tp: split norms and residuals along the sequence too")
     pp: int = _key(1, "pipeline-parallel degree (stages)")
-    schedule: str = _key("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1)")
+    schedule: str = _key("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1) | "
+                                 "2bw (PipeDream-2BW) | pipedream | pipedream-vs (vertical sync); the last three asynchronous: "
+                                 "stale weights, no flush")
     virtual_stages: int = _key(1, "with --schedule interleaved: model chunks per pipeline rank")
     pp_split: str | None = _key(None, "blocks per pipeline chunk, e.g. 3,5 (default: balanced by FLOPs)")
+    emulate_stages: int = _key(1, "with --pp 1 --schedule pipedream[-vs]: follow the weight-version rule of P "
+                                  "pipeline stages in one process (the reference a P-stage run equals)")
+    allow_async: bool = _key(False, "with --parallel auto: let the planner choose an asynchronous schedule (2bw, "
+                                    "pipedream), which changes the optimisation (no effect with --parallel manual)")
     zero: int = _key(0, "ZeRO stage 0-3")
     checkpointing: str = _key("none", "activation checkpointing: none | full | selective | every:K "
                                       "(first K blocks of each chunk)")
@@ -191,11 +198,38 @@ def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
           f"tp x pp = {cfg.tp * cfg.pp} does not divide the world size {world_size}")
     check_layout(model, layout_of(cfg, world_size), world_size, seq_len, global_batch_size(cfg, world_size))
     _need(cfg.pp > 1 or not cfg.trace, "trace", cfg.trace, "only with pp 2 or more")
+    check_asynchronous_run(cfg, model)
     # Zero-bubble's W step intercepts the torch functions the forward calls; compiled code calls none.
     _need(not (cfg.compile and cfg.pp > 1 and cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].splits_backward),
           "schedule", cfg.schedule, "not with --compile: its deferred weight gradients intercept torch functions, "
           "which compiled code does not call; valid with --compile: "
           + ", ".join(name for name, spec in SCHEDULES.items() if not spec.splits_backward))
+
+
+def check_asynchronous_run(cfg: TrainConfig, model: ModelConfig) -> None:
+    """The run settings an asynchronous schedule needs (its layout: rules/layout.check_asynchronous)."""
+    spec = SCHEDULES.get(cfg.schedule)
+    asynchronous = spec is not None and spec.asynchronous
+    if asynchronous:
+        _need(cfg.grad_clip == 0, "grad_clip", cfg.grad_clip,
+              f"not with --schedule {cfg.schedule}: clipping by the global norm would make every stage wait for "
+              f"the others' gradients each step, the flush this schedule removes; use --grad-clip 0")
+        _need(cfg.dtype != "fp16", "dtype", cfg.dtype,
+              f"not with --schedule {cfg.schedule}: fp16's loss scaling skips a step on every stage at once when "
+              f"one overflows, which needs them to meet; use bf16, fp32 or fp64")
+    _need(cfg.emulate_stages >= 1, "emulate_stages", cfg.emulate_stages, "must be >= 1")
+    if cfg.emulate_stages > 1:
+        _need(cfg.pp == 1 and asynchronous and spec.update_per_micro_batch, "emulate_stages", cfg.emulate_stages,
+              "only with --pp 1 --schedule pipedream or pipedream-vs (2BW's versions do not depend on the stages)")
+        _need(not model.tie_embeddings or spec.delay(cfg.emulate_stages, 0) == spec.delay(cfg.emulate_stages,
+                                                                                          cfg.emulate_stages - 1),
+              "emulate_stages", cfg.emulate_stages,
+              "not with a tied embedding (its first and last stage would compute with different versions)")
+        try:  # the emulated stages' cut is valid
+            make_layout(model, cfg.emulate_stages, 1, sequence_length(cfg, model), cfg.pp_split)
+        except ConfigError as e:
+            field = "emulate_stages" if e.field == "pp" else e.field
+            raise ConfigError(e.reason, field, cfg.emulate_stages if field == "emulate_stages" else e.value) from None
 
 
 def check_run_settings(cfg: TrainConfig) -> None:
@@ -204,6 +238,9 @@ def check_run_settings(cfg: TrainConfig) -> None:
     _need(cfg.n_layers is None or cfg.n_layers >= 1, "n_layers", cfg.n_layers, "must be >= 1")
     check_checkpoint_flags(cfg)
     _need(cfg.parallel in ("manual", "auto"), "parallel", cfg.parallel, "valid: manual, auto")
+    # (--allow-async stays in the ranks' argv after --parallel auto's choice, as --parallel manual: no effect there)
+    _need(not cfg.allow_async or cfg.parallel != "auto" or (cfg.grad_clip == 0 and cfg.dtype != "fp16"), "allow_async", True,
+          "the asynchronous schedules run without clipping and without fp16; add --grad-clip 0 (and use bf16 or fp32)")
     _need(cfg.dtype in DTYPES, "dtype", cfg.dtype, f"valid: {', '.join(DTYPES)}")
     _need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")), "data", cfg.data,
           f"no meta.json there; run `strata data prepare --out {cfg.data}` first, or use --data synthetic")
@@ -257,7 +294,8 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
 def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
     """The layout a config asks for (dp defaults to what tp and pp leave of the world)."""
     return Layout(data_parallel_size(cfg, world_size), cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero, cfg.micro_batch,
-                  cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule, cfg.pp_split,
+                  cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule,
+                  cfg.pp_split if cfg.emulate_stages == 1 else None,  # else the emulated stages' cut
                   cfg.reduce_dtype, cfg.gather_dtype)
 
 

@@ -22,7 +22,7 @@ import math
 import os
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -71,21 +71,32 @@ class LocalPiece:
 def local_pieces(model, parallel, tp_rank: int, tp_size: int) -> list[LocalPiece]:
     """This rank's pieces, in the optimizer's order (its state i belongs to piece i)."""
     names = {id(p): name for name, p in model.named_parameters()}
-    pieces = []
-    for values, param, lo, hi in parallel.optimizer_pieces():
-        spec = parallel.spec_of(param)
-        if spec.dim is None:
-            region = Region(spec.full_shape, None, 0, 0, lo, hi)
-        else:
-            length = (spec.padded or spec.full_shape[spec.dim]) // tp_size
-            region = Region(spec.full_shape, spec.dim, tp_rank * length, length, lo, hi)
-        pieces.append(LocalPiece(names[id(param)], region, values, parallel.writes(param, tp_rank)))
-    return pieces
+    return [LocalPiece(names[id(param)], replace(box_region(parallel, param, tp_rank, tp_size), lo=lo, hi=hi),
+                       values, parallel.writes(param, tp_rank))
+            for values, param, lo, hi in parallel.optimizer_pieces()]
 
 
-def snapshot(pieces: list[LocalPiece], optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def box_region(parallel, param, tp_rank: int, tp_size: int) -> Region:
+    """The whole of what this rank's tensor-parallel cut holds of `param`."""
+    spec = parallel.spec_of(param)
+    if spec.dim is None:
+        return Region.whole(spec.full_shape)
+    length = (spec.padded or spec.full_shape[spec.dim]) // tp_size
+    box = tuple(length if d == spec.dim else n for d, n in enumerate(spec.full_shape))
+    return Region(spec.full_shape, spec.dim, tp_rank * length, length, 0, math.prod(box))
+
+
+def version_kind(age: int) -> str:
+    """An asynchronous schedule's stashed weights, `age` updates older than the parameters."""
+    return f"version{age}"
+
+
+def snapshot(pieces: list[LocalPiece], optimizer, versions: dict[int, dict[str, torch.Tensor]] | None = None
+             ) -> tuple[dict[str, torch.Tensor], dict]:
     """Copies (on the CPU) of what this rank writes, and their index: a consistent state that
-    training may go on changing while it is written."""
+    training may go on changing while it is written. versions: an asynchronous schedule's older
+    weights, by age, each whole (this rank's tensor-parallel box), written as the pieces are."""
+    versions = versions or {}
     states = optimizer.state_dict()["state"] if optimizer is not None else {}
     if states and len(states) != len(pieces):
         raise AssertionError(f"optimizer has {len(states)} states for {len(pieces)} pieces")
@@ -97,10 +108,12 @@ def snapshot(pieces: list[LocalPiece], optimizer) -> tuple[dict[str, torch.Tenso
         if i in states:
             sources.update(exp_avg=states[i]["exp_avg"], exp_avg_sq=states[i]["exp_avg_sq"])
             step = float(states[i]["step"])
+        for age, weights in versions.items():
+            sources[version_kind(age)] = weights[piece.name].reshape(-1)[piece.region.lo:piece.region.hi]
         for kind, tensor in sources.items():
             tensors[f"{kind}/{piece.name}"] = tensor.detach().reshape(-1).to("cpu", copy=True)
         regions[piece.name] = asdict(piece.region)
-    return tensors, {"regions": regions, "optimizer_step": step, "rng": rng_state()}
+    return tensors, {"regions": regions, "optimizer_step": step, "rng": rng_state(), "versions": sorted(versions)}
 
 
 class ShardReader:
@@ -111,6 +124,7 @@ class ShardReader:
         self.path, self.verify = path, verify
         self.index: dict[str, list[tuple[str, Region]]] = {}
         self.steps, self.rngs = set(), {}
+        self.version_ages: dict[str, set[int]] = {}  # data file -> the older weight versions it holds
         for name in sorted(files):
             found = _SHARD_META.match(name)
             if found is None:
@@ -131,11 +145,17 @@ class ShardReader:
             self.index.setdefault(tensor_name, []).append((data_file, region))
         if meta["regions"]:  # a rank that only held replicas wrote nothing, and no step
             self.steps.add(meta["optimizer_step"])
+        self.version_ages[data_file] = set(meta.get("versions", ()))
         self.rngs[rank] = meta["rng"]
 
     @property
     def has_optimizer(self) -> bool:
         return bool(self.steps) and None not in self.steps
+
+    def has_version(self, age: int, name: str) -> bool:
+        """Whether every piece of `name` was saved with its weights `age` updates older (asynchronous
+        schedules save the versions their stage's delay keeps)."""
+        return all(age in self.version_ages[file] for file, _ in self._entries(name))
 
     @property
     def optimizer_step(self) -> float:

@@ -140,6 +140,8 @@ def _plan(sub) -> None:
     plan.add_argument("--explain", action="store_true", help="why the best layout wins and the others lose")
     plan.add_argument("--chart", help="PNG of the memory breakdown of the layouts shown")
     plan.add_argument("--no-offload", action="store_true", help="leave optimizer offload out of the search")
+    plan.add_argument("--allow-async", action="store_true", help="also consider the asynchronous pipeline schedules "
+                      "(2bw, pipedream): no bubble, but stale weights change the optimisation")
     plan.add_argument("--profile", help="calibration profile for cpu-local (default: the one `strata calibrate` wrote)")
     plan.add_argument("--inference", action="store_true",
                       help="serving instead of training: weights + KV cache, and the time per output token, per tp x pp")

@@ -54,7 +54,7 @@ def run_plan(args) -> int:
         runs = e.fits and not reason
         shown, ranked, rejected = [e], [e] if runs else [], [] if runs else [e]
     else:
-        ranked, rejected = search(work, cluster, offload=not args.no_offload)
+        ranked, rejected = search(work, cluster, offload=not args.no_offload, allow_async=args.allow_async)
         if not ranked:
             smallest = rejected[0] if rejected else None
             need = f"; the smallest layout needs {smallest.memory_bytes_per_device / 1e9:.1f} GB per device " \
@@ -106,7 +106,7 @@ def _check_cost_flags(args) -> tuple[float | None, int]:
 
 
 def _best(work, cluster, args):
-    ranked, _ = search(work, cluster, offload=not args.no_offload)
+    ranked, _ = search(work, cluster, offload=not args.no_offload, allow_async=args.allow_async)
     return ranked[0] if ranked else None
 
 

@@ -11,7 +11,7 @@ from strata.errors import ConfigError
 from strata.files import check_image_file, check_output_file
 from strata.rules.devices import check_device
 from strata.rules.layout import Layout, check_schedule
-from strata.rules.schedules import MAX_SIMULATED_ACTIONS, build, unit_costs
+from strata.rules.schedules import MAX_SIMULATED_ACTIONS, SCHEDULES, build, profile, unit_costs
 
 # Files a command writes, by command: (flag, is a picture). Checked before any work, so a typo in
 # a directory costs one line, not a finished computation.
@@ -170,6 +170,10 @@ def schedule_command(args, argv: list[str]) -> int:
     idle = idle_fractions(ranks)
     print(f"{args.schedule}, pp {args.pp}, {args.micro_batches} micro-batches, virtual stages {v}: idle per rank "
           f"{', '.join(f'{x:.3f}' for x in idle)} (gpipe/1f1b theory {(args.pp - 1) / (args.micro_batches + args.pp - 1):.3f})")
+    if SCHEDULES[args.schedule].asynchronous:  # one step, filled and drained, is 1F1B's; between pauses, none
+        print(f"{args.schedule} does not flush between steps: in steady state one more step adds its work alone, idle "
+              f"{profile(args.schedule, args.pp, args.micro_batches).bubble_slots:.3f} micro-batch slots per step; the "
+              f"fill and drain above come at each pause (an evaluation, a checkpoint, the end)")
     if args.out:
         plot_schedule(ranks, args.out, f"simulated {args.schedule}")
         print(f"wrote {args.out}")

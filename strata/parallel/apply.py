@@ -27,6 +27,7 @@ from strata.parallel.tensor import apply_tensor_parallel, shard_specs
 from strata.parallel.zero3 import ShardParameters
 from strata.rules.dtypes import torch_dtype
 from strata.rules.pipeline_cut import PipelineLayout
+from strata.rules.schedules import SCHEDULES
 
 BUCKET_STAGES = {0: Replicate, 1: ShardOptimizerStates, 2: ShardGradients}  # ZeRO-3: ShardParameters
 
@@ -60,6 +61,8 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         tied = tied_copy(model, stage[0], stage[1]) if stage is not None else None
         settings = replace(settings, counted_elsewhere=frozenset({id(tied)} if tied is not None else ()))
         sharding = BUCKET_STAGES[cfg.zero]([p for p in model.parameters() if p.requires_grad], settings)
+        if SCHEDULES[cfg.schedule].asynchronous and cfg.zero == 0:  # weight stashing swaps the parameters' storage
+            sharding.separate_optimizer_targets()
     model.reset_buffers()
     return model, DataParallel(model, sharding, settings)
 

@@ -101,10 +101,22 @@ class DataParallel:
         return [g for g, _ in self.sharding.grad_pairs()]
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the averaged gradient. Squares are summed in fp64 over what this
-        rank holds, over the dp ranks when they hold disjoint parts (ZeRO), over the tp ranks
-        for tensor-parallel slices (replicated parameters count once), and over the pipeline
-        stages."""
+        """The global L2 norm of the averaged gradient: the squares of `grad_squares`, summed over
+        the pipeline stages."""
+        total = self.grad_squares()
+        if self.settings.pp_group is not None:
+            comm.all_reduce(total, self.settings.pp_group, "pp")
+        return total.sqrt().to(self.grad_dtype)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        grads = self.local_grads()
+        return grads[0].dtype if grads else self.params[0].dtype  # the masters' gradients' dtype
+
+    def grad_squares(self) -> torch.Tensor:
+        """This pipeline stage's sum of squared gradient elements (fp64, 0-dim): over what this rank
+        holds, over the dp ranks when they hold disjoint parts (ZeRO), over the tp ranks for
+        tensor-parallel slices (replicated parameters count once)."""
         settings = self.settings
         pairs = [(g, p) for g, p in self.sharding.grad_pairs() if id(p) not in settings.counted_elsewhere]
         squares = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # (tp-split, replicated)
@@ -119,10 +131,7 @@ class DataParallel:
             split = squares[:1].clone()
             comm.all_reduce(split, settings.tp_group, "tp")
             squares[0] = split[0]
-        total = squares.sum()
-        if settings.pp_group is not None:
-            comm.all_reduce(total, settings.pp_group, "pp")
-        return total.sqrt().to(pairs[0][0].dtype if pairs else self.params[0].dtype)  # the masters' gradients' dtype
+        return squares.sum()
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_(self.local_grads(), max_norm, total_norm)
@@ -137,6 +146,10 @@ class DataParallel:
         biases do not."""
         pieces = self.optimizer_pieces()
         return [t for t, p, _, _ in pieces if p.dim() >= 2], [t for t, p, _, _ in pieces if p.dim() < 2]
+
+    def prepare_step(self) -> None:
+        """Just before the optimizer step: see `Replicate.separate_optimizer_targets`."""
+        self.sharding.prepare_step()
 
     def after_step(self) -> None:
         """After the optimizer step (and after loading a checkpoint): ZeRO-1/2 gather every rank's

@@ -128,6 +128,9 @@ class _Buckets:
         if self.group is not None and sync:
             self.reductions.complete()
 
+    def prepare_step(self) -> None:
+        """Before the optimizer step (ZeRO-0 with separate targets hands them the gradients)."""
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state: every rank holds it already."""
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -157,6 +160,7 @@ class Replicate(_Buckets):
         self.gradients = GradientBuffer(self.buckets, self.total, params[0]) if self.group is not None else None
         self.grad_buffer = self.gradients.flat if self.gradients is not None else None
         self._collect = self.gradients.collect if self.gradients is not None else None
+        self.targets: dict[nn.Parameter, torch.Tensor] = {}  # what the optimizer updates in a parameter's place
 
     def _start(self, bucket: Bucket):
         self._wires[bucket.index] = wire = self._on_wire(self.grad_buffer[bucket.start:bucket.start + bucket.size])
@@ -171,9 +175,20 @@ class Replicate(_Buckets):
         return [(p.grad, p) for p in self.params if p.grad is not None]
 
     def optimizer_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter, int, int]]:
-        """Each parameter whole, matrices first."""
+        """Each parameter whole (or its separate target), matrices first."""
         ordered = [p for p in self.params if p.dim() >= 2] + [p for p in self.params if p.dim() < 2]
-        return [(p, p, 0, p.numel()) for p in ordered]
+        return [(self.targets.get(p, p), p, 0, p.numel()) for p in ordered]
+
+    def separate_optimizer_targets(self) -> None:
+        """Asynchronous schedules: the optimizer updates, in place, tensors sharing each parameter's
+        storage (its `.data`, with an autograd version counter of its own) rather than the
+        parameters, whose counters the graphs of micro-batches still in flight check (ZeRO-1/2
+        update views of their flat buffer already). Their gradients are handed over in `prepare_step`."""
+        self.targets = {p: p.data for p in self.params}
+
+    def prepare_step(self) -> None:
+        for p, target in self.targets.items():
+            target.grad = p.grad
 
     def after_step(self) -> None:
         """Nothing to do: every replica applied the same update."""

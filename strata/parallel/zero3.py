@@ -236,6 +236,9 @@ class ShardParameters:
     def after_step(self) -> None:
         """Nothing: the updated shards are what the next forward gathers."""
 
+    def prepare_step(self) -> None:
+        """Nothing: the optimizer updates this rank's shards, which carry their gradients."""
+
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.shard_grad.zero_()

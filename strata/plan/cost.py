@@ -20,7 +20,7 @@ from strata.rules.constants import BUCKET_MB
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import make_layout, unit_costs
-from strata.rules.schedules import profile
+from strata.rules.schedules import SCHEDULES, profile
 
 BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the training precisions priced
 
@@ -265,9 +265,17 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
     activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
     activations += (terms.tokens * cfg.d_model * terms.act_bytes if load.first else 0) + \
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
-    return {"weights": states.weights, "gradients": states.grads,
-            "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
-            "activations": activations, "buffers": _buffers(cfg, lay, t)}
+    memory = {"weights": states.weights, "gradients": states.grads,
+              "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
+              "activations": activations, "buffers": _buffers(cfg, lay, t)}
+    spec = SCHEDULES[lay.schedule]
+    if spec.asynchronous:
+        # The stashed copies of the stage's weights the layers compute with (parallel/pipeline/
+        # versions.py): delay + 1 (2 for 2BW, p - rank for PipeDream) besides the optimizer's, in the
+        # parameters' dtype (fp32 masters unless gathered in bf16).
+        compute_bytes = 2 if lay.gather_dtype == "bf16" else 4
+        memory["weight_versions"] = spec.versions(lay.pp, rank) * load.params / t * compute_bytes
+    return memory
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ def table(estimates: list[Estimate], costs: list | None = None) -> str:
     for i, e in enumerate(estimates):
         mem = e.memory_breakdown
         gb = " + ".join(f"{mem[k] / 1e9:.1f}" for k in ("weights", "gradients", "optimizer_states", "activations", "buffers"))
+        if mem.get("weight_versions"):  # an asynchronous schedule's stashed weights
+            gb += f" + {mem['weight_versions'] / 1e9:.1f} stashed weight versions"
         comm = ", ".join(f"{e.comm_seconds[g]:.3g}" for g in ("tp", "dp", "pp"))
         rows.append(f"| {e.layout.describe()} | {'yes' if e.fits else 'no'} | {e.memory_bytes_per_device / 1e9:.1f} = {gb} "
                     f"| {comm} | {e.bubble:.1%} | {e.step_time_s:.3g} | {e.tokens_per_s:,.0f} "
@@ -78,10 +80,11 @@ def chart(estimates: list[Estimate], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     parts = ("weights", "gradients", "optimizer_states", "activations", "buffers")
+    parts += ("weight_versions",) if any(e.memory_breakdown.get("weight_versions") for e in estimates) else ()
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(estimates)), 4.5))
     bottoms = [0.0] * len(estimates)
     for part in parts:
-        values = [e.memory_breakdown[part] / 1e9 for e in estimates]
+        values = [e.memory_breakdown.get(part, 0.0) / 1e9 for e in estimates]
         ax.bar(range(len(estimates)), values, bottom=bottoms, label=part.replace("_", " "))
         bottoms = [b + v for b, v in zip(bottoms, values)]
     ax.set_xticks(range(len(estimates)), [e.layout.describe().replace(",", "\n", 3) for e in estimates], fontsize=7)

@@ -10,6 +10,7 @@ from strata.errors import ConfigError
 from strata.plan.cost import Cluster, Estimate, Workload, estimate
 from strata.rules.checkpointing import PLANNED_MODES
 from strata.rules.layout import ZERO_STAGES, Layout, check_layout
+from strata.rules.schedules import SCHEDULES
 
 MICRO_BATCHES = (1, 2, 4, 8)
 # A layout whose communication takes this many times its compute is refused, whatever it fits in.
@@ -20,13 +21,14 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32")
-            ) -> Iterator[Layout]:
+def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
+            allow_async: bool = False) -> Iterator[Layout]:
     """Every layout of `world` devices strata runs for this model and batch: the candidates below,
     each passed through the trainer's own layout check. transfers: the (reduce, gather) dtypes the
     run asked for; a layout they do not apply to (bf16 reductions without dp, bf16 gathers
-    without ZeRO) is not run, so not offered."""
-    for layout in _candidates(work, world, offload, transfers):
+    without ZeRO) is not run, so not offered. allow_async: offer the asynchronous schedules too,
+    which change the optimisation (stale weights), so only when asked."""
+    for layout in _candidates(work, world, offload, transfers, allow_async):
         try:
             check_layout(work.model, layout, world, work.seq_len, work.global_batch)
         except ConfigError:
@@ -34,13 +36,14 @@ def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[s
         yield layout
 
 
-def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str]) -> Iterator[Layout]:
+def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str],
+                allow_async: bool) -> Iterator[Layout]:
     """The search space: every split of the world into tp x pp x dp, the schedules worth trying for
     each pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP."""
     for t in divisors(world):
         for p in divisors(world // t):
             d = world // (t * p)
-            for v, schedule in _schedules(work.model.n_layers, p):
+            for v, schedule in _schedules(work.model.n_layers, p, allow_async):
                 for zero in ZERO_STAGES:
                     for b in MICRO_BATCHES:
                         for checkpointing in PLANNED_MODES:
@@ -50,10 +53,11 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                                                  reduce_dtype=transfers[0], gather_dtype=transfers[1])
 
 
-def _schedules(n_layers: int, p: int) -> list[tuple[int, str]]:
+def _schedules(n_layers: int, p: int, allow_async: bool) -> list[tuple[int, str]]:
     if p == 1:
         return [(1, "1f1b")]
-    found = [(1, "1f1b"), (1, "zb")]
+    found = [(1, "1f1b"), (1, "zb")] + ([(1, name) for name, spec in SCHEDULES.items() if spec.asynchronous]
+                                        if allow_async else [])
     found += [(v, "interleaved") for v in (2, 4) if n_layers % (p * v) == 0]
     return found
 
@@ -67,11 +71,11 @@ def refusal(e: Estimate) -> str | None:
     return None
 
 
-def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32")
-           ) -> tuple[list[Estimate], list[Estimate]]:
+def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
+           allow_async: bool = False) -> tuple[list[Estimate], list[Estimate]]:
     """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first)."""
     ranked, rejected = [], []
-    for layout in layouts(work, cluster.world, offload, transfers):
+    for layout in layouts(work, cluster.world, offload, transfers, allow_async):
         e = estimate(work, cluster, layout)
         reason = refusal(e)
         if reason:
@@ -117,6 +121,14 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         f"with tensor parallelism over {link} (tp>1)": lambda lay: lay.tp > 1,
         "with tensor parallelism across nodes": lambda lay: lay.tp > cluster.devices_per_node,
     }
+    spec = SCHEDULES[best.layout.schedule]
+    if spec.asynchronous:  # a choice the user allowed: say what it changes
+        lines.append(f"{best.layout.schedule} ({spec.source}): no pipeline flush, so no bubble in steady state, but every "
+                     f"micro-batch computes with weights up to {spec.delay(best.layout.pp, 0)} update(s) old "
+                     f"(a different optimisation, not the synchronous run); the first stage stashes "
+                     f"{spec.versions(best.layout.pp, 0)} copies of its weights "
+                     f"({best.memory_breakdown.get('weight_versions', 0) / 1e9:.1f} GB on the fullest stage)")
+        alternatives["with a synchronous schedule"] = lambda lay: not SCHEDULES[lay.schedule].asynchronous
     for label, wanted in alternatives.items():
         if wanted(best.layout):
             continue

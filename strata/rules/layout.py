@@ -160,4 +160,28 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     if global_batch % (layout.micro_batch * layout.dp):
         raise ConfigError(f"must be a multiple of micro_batch {layout.micro_batch} x dp {layout.dp} = "
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)
+    check_asynchronous(model, layout, global_batch)
     return check_pipeline(model, layout, seq_len)
+
+
+def check_asynchronous(model: ModelConfig, layout: Layout, global_batch: int) -> None:
+    """What the asynchronous schedules (2bw, pipedream) run with; their weight stashing points the
+    parameters at other storage between a forward and its backward."""
+    spec = SCHEDULES.get(layout.schedule)
+    if spec is None or not spec.asynchronous:
+        return
+    if layout.zero > 1:
+        raise ConfigError(f"not with --schedule {layout.schedule}: ZeRO-2/3 reduce (and ZeRO-3 gathers) the "
+                          f"parameters the stashed weight versions stand in for; use zero 0 or 1", "zero", layout.zero)
+    if layout.offload != "none":
+        raise ConfigError(f"not with --schedule {layout.schedule} (the optimizer updates the newest weights on the "
+                          f"device while stashed versions compute); use offload none", "offload", layout.offload)
+    if spec.update_per_micro_batch and global_batch != layout.micro_batch * layout.dp:
+        raise ConfigError(f"--schedule {layout.schedule} updates the weights after every micro-batch: the global "
+                          f"batch must be micro_batch x dp = {layout.micro_batch * layout.dp}", "global_batch",
+                          global_batch)
+    apart = spec.delay(layout.pp, 0) - spec.delay(layout.pp, layout.pp - 1)
+    if apart and model.tie_embeddings:
+        raise ConfigError(f"not with a tied embedding: its two copies, on the first and the last stage, would "
+                          f"compute with versions {apart} updates apart, which no single process can reproduce; "
+                          f"use --schedule 2bw or pipedream-vs", "schedule", layout.schedule)

@@ -10,8 +10,16 @@ processes, by simulating it.
 
 Chunk c (of p·v) lives on rank c % p; with v = 1 chunk c is stage c on rank c.
 
+The asynchronous schedules (PipeDream-2BW and PipeDream) never flush: their pipeline is one 1F1B
+over the run's whole stream of micro-batches, numbered across steps (micro-batch k belongs to step
+k // m), and a step's part of it on a rank is a `segment`: its backwards of the step's micro-batches
+and the forwards that run between them, some of which belong to the next step. What they change is
+which weights a micro-batch sees: `ScheduleSpec.delay` (below) is the rule, and the runtime keeps
+the weight versions it needs (strata/parallel/pipeline/versions.py).
+
 Sources: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al.
-2021); ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024)."""
+2021); ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024); PipeDream (Narayanan et al.
+2019); PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", 2021)."""
 
 from __future__ import annotations
 
@@ -110,18 +118,55 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return schedule
 
 
+def segment(p: int, m: int, rank: int, step: int, fill: bool, stop: int) -> list[Action]:
+    """Rank `rank`'s actions in step `step` of a flushless 1F1B over the micro-batch stream (global
+    numbers k = step·m + j): a backward of each of the step's micro-batches, each after the forward
+    of the micro-batch p-rank-1 places later, which may belong to the next step (or a later one,
+    when m < p). fill: the pipeline is empty (the run's first step, or after a pause), so the
+    warm-up forwards come first; stop: the first micro-batch not to start (the stream pauses there
+    for an evaluation, a checkpoint or the end); the step drains the pipeline when it is the next
+    step's first. With fill and a drain it is one step of 1F1B, and the segments between a fill and
+    a drain concatenate to one 1F1B over all their micro-batches."""
+    ahead, first, end = p - rank - 1, step * m, (step + 1) * m
+    actions = [Action("F", k, rank) for k in range(first, min(first + ahead, stop))] if fill else []
+    for k in range(first, end):
+        if k + ahead < stop:
+            actions.append(Action("F", k + ahead, rank))
+        actions.append(Action("B", k, rank))
+    return actions
+
+
+def flushless(p: int, m: int, steps: int) -> Schedule:
+    """`steps` consecutive segments on every rank, filled at the start and drained at the end."""
+    return [[a for t in range(steps) for a in segment(p, m, r, t, t == 0, steps * m)] for r in range(p)]
+
+
 # `strata schedule` simulates at most this many actions (F, B, W): a few seconds of Python.
 MAX_SIMULATED_ACTIONS = 100_000
 
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """What the runtime, the planner and the CLI know of a schedule: how to build it and the two
+    """What the runtime, the planner and the CLI know of a schedule: how to build it and the
     properties that change how it runs."""
-    build: Callable[[int, int, int], Schedule]  # (p, m, v) -> actions per rank
+    build: Callable[[int, int, int], Schedule]  # (p, m, v) -> actions per rank (async: one step, filled and drained)
     splits_backward: bool  # B computes input gradients only and W the weight gradients (zero-bubble)
     virtual_stages: bool  # several chunks per rank: needs v >= 2 (and only it accepts v > 1)
     source: str
+    # Asynchronous schedules: (p, stage) -> how many updates older than the newest are the weights a
+    # step's micro-batches use on that stage (forward and backward alike: weight stashing). None:
+    # synchronous, every micro-batch of step t sees the weights after t updates.
+    delay: Callable[[int, int], int] | None = None
+    update_per_micro_batch: bool = False  # PipeDream: a step is one micro-batch per data-parallel rank
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.delay is not None
+
+    def versions(self, p: int, stage: int) -> int:
+        """Weight versions stage `stage` stashes at its peak: the one each in-flight step computes
+        with, and the newest (that the next micro-batch to start will use)."""
+        return self.delay(p, stage) + 1 if self.asynchronous else 1
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -129,6 +174,19 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "1f1b": ScheduleSpec(lambda p, m, v: one_f_one_b(p, m), False, False, "Narayanan et al. 2021 (PipeDream-Flush)"),
     "interleaved": ScheduleSpec(interleaved_one_f_one_b, False, True, "Narayanan et al. 2021"),
     "zb": ScheduleSpec(lambda p, m, v: zero_bubble_h1(p, m), True, False, "Qi et al. 2024 (ZB-H1)"),
+    # W(t+1) = W(t) - lr·grad f(W(t-1)) on every stage whatever p: the update that ends step t is
+    # applied to the newest weights while step t+1's first micro-batches already run on them.
+    "2bw": ScheduleSpec(lambda p, m, v: one_f_one_b(p, m), False, False, "Narayanan et al. 2021 (PipeDream-2BW)",
+                        delay=lambda p, stage: 1),
+    # An update after every micro-batch; the forward of micro-batch k on stage i follows the
+    # backward of k-(p-i) there, so it sees p-i-1 fewer updates than the newest.
+    "pipedream": ScheduleSpec(lambda p, m, v: one_f_one_b(p, m), False, False, "Narayanan et al. 2019 (PipeDream)",
+                              delay=lambda p, stage: p - stage - 1, update_per_micro_batch=True),
+    # PipeDream's vertical sync: a micro-batch uses on every stage the version the first stage gave
+    # it when it entered the pipeline, p-1 updates old.
+    "pipedream-vs": ScheduleSpec(lambda p, m, v: one_f_one_b(p, m), False, False,
+                                 "Narayanan et al. 2019 (PipeDream, vertical sync)",
+                                 delay=lambda p, stage: p - 1, update_per_micro_batch=True),
 }
 
 
@@ -217,8 +275,9 @@ def unit_costs(name: str, v: int) -> dict[str, float]:
     """Per-action costs of a stage's work split into v chunks: F 1, B 2 (or B 1 + W 1 where the
     schedule splits the backward), each chunk doing 1/v of it. What the planner and `strata
     schedule` simulate with (a backward costs about twice a forward)."""
-    backward = 1 if SCHEDULES[name].splits_backward else 2
-    return {"F": 1 / v, "B": backward / v, "W": 1 / v}
+    if SCHEDULES[name].splits_backward:
+        return {"F": 1 / v, "B": 1 / v, "W": 1 / v}
+    return {"F": 1 / v, "B": 2 / v}  # (a "W" here would be added to B: `simulate` runs a whole backward as B + W)
 
 
 @dataclass(frozen=True)
@@ -252,12 +311,31 @@ def profile(name: str, p: int, m: int, v: int = 1) -> Profile:
 
 
 def _simulated_profile(name: str, p: int, m: int, v: int) -> Profile:
+    if SCHEDULES[name].asynchronous:
+        return _steady_profile(p, m)
     schedule = build(name, p, m, v)
     costs = unit_costs(name, v)
     sim = simulate(schedule, p * v, costs)
-    per_micro_batch = v * (costs["F"] + costs["B"] + (costs["W"] if SCHEDULES[name].splits_backward else 0))
+    per_micro_batch = v * sum(costs.values())
     return Profile((sim.makespan - max(sim.busy)) / per_micro_batch,
                    tuple(peak_in_flight(actions) / v for actions in schedule))
+
+
+# Steps simulated to see a flushless schedule's steady state: the fill is in the first, the drain in
+# the last, and the one added between two runs of it costs exactly its steady-state time.
+STEADY_STEPS = 3
+
+
+def _steady_profile(p: int, m: int) -> Profile:
+    """A flushless schedule's cost per step in steady state: what one more step between the fill and
+    the drain adds to the makespan, beyond its work (zero with equal stages: nothing waits), and its
+    peak activations (those of 1F1B: p - rank micro-batches on rank `rank`, whatever m)."""
+    costs = unit_costs("1f1b", 1)
+    short, long = (flushless(p, m, steps) for steps in (STEADY_STEPS, STEADY_STEPS + 1))
+    added = simulate(long, p, costs).makespan - simulate(short, p, costs).makespan
+    per_micro_batch = costs["F"] + costs["B"]
+    return Profile(max(added - m * per_micro_batch, 0.0) / per_micro_batch,
+                   tuple(float(peak_in_flight(actions)) for actions in long))
 
 
 def peak_in_flight(actions: list[Action]) -> int:

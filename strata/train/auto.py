@@ -52,7 +52,8 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
         resumed["global_batch"] if resumed else cfg.micro_batch * world_size
     work = workload(model, global_batch, cfg.seq_len, precision)
     cluster = local_cluster(world_size)
-    ranked, rejected = search(work, cluster, offload=False, transfers=(cfg.reduce_dtype, cfg.gather_dtype))
+    ranked, rejected = search(work, cluster, offload=False, transfers=(cfg.reduce_dtype, cfg.gather_dtype),
+                              allow_async=cfg.allow_async)
     for e in ranked:
         lay = e.layout
         chosen = replace(cfg, parallel="manual", dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,

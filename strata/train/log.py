@@ -26,10 +26,15 @@ class RunLog:
         self.progress = tqdm(total=cfg.steps, initial=run.start_step, disable=not (self.is_main and cfg.progress),
                              desc="train", unit="step", dynamic_ncols=True)
 
-    def step(self, run, step: int, loss: float, grad_norm: float, states: dict[str, int], elapsed: float) -> dict:
-        record = self._record(run, step, loss, grad_norm, states, elapsed)
+    def measure(self, run, step: int, states: dict[str, int], elapsed: float) -> dict:
+        """Step `step`'s record without its loss and gradient norm, taken when it ends (an
+        asynchronous pipeline learns those a step later: `emit` adds them)."""
+        return self._record(run, step, states, elapsed)
+
+    def emit(self, record: dict, loss: float, grad_norm: float) -> dict:
+        record.update(loss=loss, grad_norm=grad_norm)
         self.writer.write(record)
-        for key, value in (("losses", loss), ("step_times", elapsed), ("records", record)):
+        for key, value in (("losses", loss), ("step_times", record["step_time_s"]), ("records", record)):
             self.summary[key].append(value)
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", mfu=f"{record['mfu']:.1%}")
@@ -54,10 +59,11 @@ class RunLog:
         self.progress.close()
         self.writer.close()
 
-    def _record(self, run, step: int, loss: float, grad_norm: float, states: dict[str, int], elapsed: float) -> dict:
-        """Step `step` (0-based) as one JSON object: the loss, rates, memory and communication."""
+    def _record(self, run, step: int, states: dict[str, int], elapsed: float) -> dict:
+        """Step `step` (0-based) as one JSON object: rates, memory and communication (`emit` adds
+        the loss and the gradient norm)."""
         tokens_per_s = self.tokens_per_step / elapsed
-        record = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr_at(step, run.cfg), "grad_norm": grad_norm,
+        record = {"kind": "train", "step": step + 1, "loss": None, "lr": lr_at(step, run.cfg), "grad_norm": None,
                   "tokens_per_s": tokens_per_s,
                   "mfu": tokens_per_s * self.flops_per_token / (self.peak * run.world_size), "step_time_s": elapsed,
                   "model_state_bytes": sum(states.values()), "model_state_breakdown": _by_location(run, states),
@@ -68,6 +74,9 @@ class RunLog:
             record["buffer_bytes"] = sharding.peak_buffer_bytes
         if run.scaler is not None:
             record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
+        if run.versions:  # asynchronous schedules: stashed weight versions per (emulated) stage, after the update
+            record.update(weight_versions=[len(v.stashes) for v in run.versions],
+                          weight_version_bytes=[v.stash_bytes() for v in run.versions])
         if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
             record.update(bubble=run.pipeline.idle_fraction, peak_activation_bytes=run.pipeline.peak_activation_bytes)
         else:  # one micro-batch's activations at a time

@@ -25,11 +25,13 @@ from strata.model.transformer import Transformer
 from strata.parallel.apply import compile_seconds, parallelize
 from strata.parallel.data import DataParallel
 from strata.parallel.pipeline.executor import PipelineExecutor
-from strata.parallel.pipeline.stage import chunk_views, embedding_group
+from strata.parallel.pipeline.stage import chunk_views, embedding_group, stage_parameters
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
+from strata.parallel.pipeline.versions import WeightVersions
 from strata.parallel.tensor import gather_tensor_parallel, shard_specs
 from strata.rules.dtypes import DTYPES, parameter_dtype, torch_dtype
 from strata.rules.pipeline_cut import make_layout
+from strata.rules.schedules import SCHEDULES
 from strata.train import metrics as m
 from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
@@ -66,6 +68,8 @@ class Run:
     pieces: list | None = None  # what this rank holds of each logical tensor (checkpoints)
     checkpointer: store.Checkpointer | None = None
     hf_origin: dict | None = None  # a converted model's Hugging Face config, names and dtype: saved along
+    versions: list[WeightVersions] | None = None  # asynchronous schedules: per (emulated) stage
+    drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -104,6 +108,8 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
               owns_process_group=owns_process_group)
     if cfg.dtype == "fp16":
         run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
+    if SCHEDULES[cfg.schedule].asynchronous:
+        run.versions = _weight_versions(run, stage_layout, pp_rank, seq_len)
     if stage_layout is not None:
         _add_pipeline(run, stage_layout, pp_rank, groups["pp"], seq_len)
     run.pieces = shards.local_pieces(model, parallel, tp_rank, dims.tp)
@@ -132,7 +138,21 @@ def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) 
     shape = (cfg.micro_batch, seq_len // (cfg.tp if cfg.sequence_parallel else 1), run.model_cfg.d_model)
     run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, cfg.schedule,
                                     pp_group, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
-                                    run.model)
+                                    run.model, run.versions[0] if run.versions else None)
+
+
+def _weight_versions(run: Run, stage_layout, pp_rank: int, seq_len: int) -> list[WeightVersions]:
+    """The weight versions an asynchronous schedule stashes: this rank's stage's, or in one process
+    each emulated stage's (--emulate-stages P runs the version rule of P stages), with its delay."""
+    cfg, spec = run.cfg, SCHEDULES[run.cfg.schedule]
+    trainable = [(name, p) for name, p in run.model.named_parameters() if p.requires_grad]
+    if stage_layout is not None:
+        return [WeightVersions(trainable, spec.delay(cfg.pp, pp_rank))]
+    if cfg.emulate_stages == 1:
+        return [WeightVersions(trainable, spec.delay(1, 0))]
+    emulated = make_layout(run.model_cfg, cfg.emulate_stages, 1, seq_len, cfg.pp_split)
+    return [WeightVersions(named, spec.delay(cfg.emulate_stages, stage))
+            for stage, named in enumerate(stage_parameters(run.model, emulated))]
 
 
 def _restore(run: Run) -> None:
@@ -161,15 +181,40 @@ def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
                               f"(a converted model?); use --init-from to start training from its weights")
         if resume and reader.rngs:  # the same rank's streams; under a smaller old world, rank 0's
             shards.set_rng_state(reader.rngs.get(run.rank, reader.rngs[0]))
-    run.parallel.after_step()  # ZeRO-1/2: gather every rank's loaded shard into the parameters
+        run.parallel.after_step()  # ZeRO-1/2: gather every rank's loaded shard into the parameters
+        if run.versions:
+            _restore_versions(run, reader, manifest["data_position"]["step"] if resume else 0)
     run.hf_origin = manifest.get("hf")  # so --to-hf and generate still know the model it came from
     return manifest
+
+
+def _restore_versions(run: Run, reader: shards.ShardReader, step: int) -> None:
+    """An asynchronous schedule's older weights, as the checkpoint saved them; one saved without
+    them (by a synchronous schedule, or by --init-from's new start) starts the rule afresh, every
+    version the loaded weights."""
+    tp_rank = dist.get_rank(run.tp_group) if run.tp_group is not None else 0
+    for versions in run.versions:
+        older = {age: {name: reader.read(shards.version_kind(age), name,
+                                         shards.box_region(run.parallel, p, tp_rank, run.dims.tp))
+                       for name, p in zip(versions.names, versions.params)}
+                 for age in range(1, min(versions.delay, step) + 1)
+                 if all(reader.has_version(age, name) for name in versions.names)}
+        missing = min(versions.delay, step) - len(older)
+        if missing and run.rank == 0:
+            print(f"note: the checkpoint holds no weights older than its last update for {missing} of the "
+                  f"versions --schedule {run.cfg.schedule} computes with; they start as the loaded weights",
+                  file=sys.stderr, flush=True)
+        versions.restore(step, older)
 
 
 def save_checkpoint(run: Run, step: int) -> str:
     """Snapshot this rank's pieces and hand them to the checkpointer (which may write them in the
     background)."""
-    tensors, meta = shards.snapshot(run.pieces, run.optimizer)
+    older = {}
+    for versions in run.versions or ():  # the stages (emulated in one process) hold disjoint parameters
+        for age, weights in versions.older().items():
+            older.setdefault(age, {}).update(weights)
+    tensors, meta = shards.snapshot(run.pieces, run.optimizer, older)
     state = {"config": run.cfg.to_dict(), "model_config": run.model_cfg.to_dict(), "layout": layout(run),
              "data_position": {"step": step, "sequences": step * run.cfg.global_batch}}
     if run.scaler is not None:
@@ -220,6 +265,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         loss_sum = pipeline_forward_backward(run, micro_batches)
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+        for versions in run.versions or ():  # weight stashing in one process: the reference of the rule
+            versions.use_step(step)
         for i, (inputs, targets) in enumerate(micro_batches):
             # Shapes never change: count what a micro-batch saves for backward once (hooks cost time).
             count = run.activation_bytes is None
@@ -232,6 +279,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
                 # (the average over micro-batches and over the data-parallel ranks: their reductions sum)
                 (loss * (scale * run.parallel.loss_factor / len(micro_batches))).backward()
             loss_sum += loss.detach().double()
+        for versions in run.versions or ():
+            versions.use_masters()
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.dp
@@ -253,11 +302,74 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
                                  f"before the update (lower --lr, or use fp32/bf16)")
     if cfg.grad_clip > 0:
         run.parallel.clip_(cfg.grad_clip, grad_norm)
+    return loss, grad_norm.item(), update(run)
+
+
+def update(run: Run) -> dict[str, int]:
+    """The optimizer step on the accumulated (reduced, clipped) gradients; a new weight version
+    under an asynchronous schedule. Returns the model-state bytes at their peak: after the update,
+    before the gradients are freed."""
+    run.parallel.prepare_step()
     run.optimizer.step()
     run.parallel.after_step()
+    for versions in run.versions or ():
+        versions.updated()
     states = run.parallel.state_bytes(run.optimizer)
+    if run.versions:
+        states["versions"] = sum(v.stash_bytes() for v in run.versions)
     run.parallel.zero_grad()
-    return loss, grad_norm.item(), states
+    return states
+
+
+@dataclass
+class PendingMetrics:
+    """An asynchronous pipeline step's loss and gradient norm: known on the last stage and summed
+    over the stages by a reduction that completes in the background (waiting for it at the end of
+    the step would make every stage wait for the first, the flush the schedule removes)."""
+    step: int
+    sums: torch.Tensor  # (loss sum over micro-batches, squared gradient norm)
+    work: object
+    micro_batches: int
+
+    def wait(self) -> tuple[float, float]:
+        self.work.wait()
+        loss = self.sums[0].item() / self.micro_batches
+        grad_norm = math.sqrt(self.sums[1].item())
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank alike: the sums were reduced
+            raise FloatingPointError(f"step {self.step + 1}: the loss is {loss} and the gradient norm {grad_norm} "
+                                     f"(an asynchronous schedule learns it a step late); lower --lr")
+        return loss, grad_norm
+
+
+def async_pipeline_step(run: Run, step: int) -> tuple[PendingMetrics, dict[str, int]]:
+    """One step of an asynchronous schedule (PipeDream-2BW, PipeDream): this rank's segment of the
+    flushless pipeline, its data-parallel reduction and its own update, without meeting the other
+    stages (but through the activations, and a tied embedding's gradient sum)."""
+    cfg = run.cfg
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    m = cfg.global_batch // (cfg.micro_batch * run.dims.dp)
+    steps: dict[int, list] = {}  # the steps whose micro-batches this segment reads: this one and later ones
+
+    def micro_batch(k: int):
+        if k // m not in steps:
+            steps[k // m] = run.train_data.micro_batches(k // m, cfg.micro_batch)
+        return steps[k // m][k % m]
+
+    run.pipeline.loss_scale = run.parallel.loss_factor
+    with run.parallel.backward(is_last_micro_batch=False):
+        pause = next(s for s in range(step + 1, cfg.steps + 1) if pauses_after(cfg, s))
+        loss_sum = run.pipeline.segment(micro_batch, m, step, fill=run.drained, stop=pause * m)
+    run.drained = pause == step + 1
+    if run.embedding_group is not None:
+        comm.all_reduce(run.model.tied_weight().grad, run.embedding_group, "embedding")
+    run.parallel.reduce_gradients()
+    if run.dp_group is not None:
+        comm.all_reduce(loss_sum, run.dp_group, "dp")
+        loss_sum /= run.dims.dp
+    sums = torch.stack([loss_sum, run.parallel.grad_squares()])
+    work = comm.all_reduce(sums, run.pp_group, "pp", async_op=True)
+    return PendingMetrics(step, sums, work, m), update(run)
 
 
 def pipeline_forward_backward(run: Run, micro_batches) -> torch.Tensor:
@@ -304,12 +416,25 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
     if run.start_step == 0:
         validate_and_log(run, log, 0)
     try:  # a non-finite loss stops training; a checkpoint being written is finished first
+        pending = None  # an asynchronous pipeline's step whose loss is still being summed, and its record
         for step in range(run.start_step, cfg.steps):
             comm.counter.reset()
             started = time.perf_counter()
-            loss, grad_norm, states = train_step(run, step)
+            if run.versions and run.pipeline is not None:
+                metrics, states = async_pipeline_step(run, step)
+            else:
+                loss, grad_norm, states = train_step(run, step)
             m.synchronize(run.device)  # the optimizer's kernels belong to this step, not the next
-            log.step(run, step, loss, grad_norm, states, time.perf_counter() - started)
+            record = log.measure(run, step, states, time.perf_counter() - started)
+            if run.versions and run.pipeline is not None:
+                if pending is not None:  # the step before: its sums are in by now, or soon
+                    log.emit(pending[1], *pending[0].wait())
+                pending = (metrics, record)
+                if run.drained:
+                    log.emit(record, *metrics.wait())
+                    pending = None
+            else:
+                log.emit(record, loss, grad_norm)
             if cfg.compile and step == run.start_step:
                 log.compiled(step + 1, compile_seconds())
             evaluate_and_save(run, log, step + 1)
@@ -327,10 +452,17 @@ def validate_and_log(run: Run, log: RunLog, step: int) -> None:
     log.evaluation(step, val_loss)
 
 
+def pauses_after(cfg: TrainConfig, steps_done: int) -> bool:
+    """Whether something other than the next step comes after `steps_done` steps: a validation, a
+    checkpoint, the end. An asynchronous pipeline drains before it."""
+    return (steps_done == cfg.steps or bool(cfg.eval_every and steps_done % cfg.eval_every == 0)
+            or saves_after(cfg, steps_done))
+
+
 def evaluate_and_save(run: Run, log: RunLog, steps_done: int) -> None:
     """Validate and save when --eval-every and --save-every say so, and after the last step."""
     cfg, last = run.cfg, steps_done == run.cfg.steps
-    if (cfg.eval_every and steps_done % cfg.eval_every == 0) or last:
+    if last or (cfg.eval_every and steps_done % cfg.eval_every == 0):
         validate_and_log(run, log, steps_done)
     if saves_after(cfg, steps_done):
         log.summary["checkpoint"] = save_checkpoint(run, steps_done)

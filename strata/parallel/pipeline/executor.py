@@ -15,6 +15,10 @@ waited for only when the action needs it. Shapes are known ahead (micro-batch, s
 storage (Megatron's trick: backward needs only its autograd node, not its values); its node and
 saved activations go once its backward has run.
 
+The asynchronous schedules run through `segment` instead of `step`: one step's part of a pipeline
+that does not flush between steps, each action computing with its step's weight version
+(versions.py), the forwards run ahead for later steps left in flight to the next call.
+
 Each action's compute time is recorded (the timeline), from which the step's idle fraction per rank
 is measured, and the bytes a chunk's forward saves for backward are counted (on its first forward;
 the shapes never change), so the peak activation memory of the schedule is measured, not
@@ -32,9 +36,10 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.memory.activations import count_saved_activations
+from strata.parallel.pipeline.versions import WeightVersions
 from strata.parallel.pipeline.zero_bubble import DeferWeightGrads, WeightGradStore
 from strata.rules.pipeline_cut import PipelineLayout
-from strata.rules.schedules import SCHEDULES, Action, build
+from strata.rules.schedules import SCHEDULES, Action, build, segment
 
 GROUP = "pp"
 
@@ -57,10 +62,12 @@ def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
 class PipelineExecutor:
     def __init__(self, chunks: dict[int, nn.Module], layout: PipelineLayout, schedule: str, group,
                  activation_shape: tuple[int, ...], activation_dtype: torch.dtype, device: torch.device,
-                 autocast=contextlib.nullcontext, model_states: nn.Module | None = None):
+                 autocast=contextlib.nullcontext, model_states: nn.Module | None = None,
+                 versions: WeightVersions | None = None):
         self.chunks, self.layout, self.schedule, self.group = chunks, layout, schedule, group
         self.shape, self.dtype, self.device, self.autocast = activation_shape, activation_dtype, device, autocast
         self.model_states = model_states  # its parameters are not activations
+        self.versions = versions  # asynchronous schedules: this stage's weight versions
         self.rank = dist.get_rank(group)
         self.peers = [dist.get_global_rank(group, r) for r in range(layout.stages)]
         self.last_chunk = layout.num_chunks - 1
@@ -79,23 +86,54 @@ class PipelineExecutor:
         m = len(micro_batches)
         actions = build(self.schedule, self.layout.stages, m, self.layout.virtual_stages)[self.rank]
         self._begin(m)
+        comm.barrier(self.group, GROUP)  # a common start, so the ranks' timelines line up
+        loss_sum = self._run(actions, lambda k: micro_batches[k], m, step=0)
+        self._wait_sends()
+        self._measure_idle()
+        return loss_sum
+
+    def segment(self, micro_batch, m: int, step: int, fill: bool, stop: int) -> torch.Tensor:
+        """Asynchronous schedules: this rank's part of step `step` of the flushless 1F1B
+        (strata/rules/schedules.segment), each action computing with the weight version its step
+        uses. micro_batch(k): micro-batch k of the stream (step k // m); the forwards that run ahead
+        belong to later steps and stay in flight to the next call; none starts at `stop` or later
+        (the pipeline drains when that is the next step's first). No barrier and no collective: the
+        ranks meet only through the activations they pass. Returns the sum of step `step`'s losses
+        on the last stage's rank, 0 elsewhere."""
+        drain = stop == (step + 1) * m
+        if fill:
+            # Live micro-batches span at most this step's m and the p-1 forwarded ahead: their tags
+            # stay apart modulo m + p.
+            self._begin(m + self.layout.stages)
+            self.held, self.live, self.peak = {}, 0, 0
+            self.previous_end = None
+        actions = segment(self.layout.stages, m, self.rank, step, fill, stop)
+        loss_sum = self._run(actions, micro_batch, m, step)
+        if drain:
+            self._wait_sends()
+        self._measure_idle_locally()
+        return loss_sum
+
+    def _run(self, actions: list[Action], micro_batch, m: int, step: int) -> torch.Tensor:
+        """Run this rank's actions: micro_batch(k) gives micro-batch k's (inputs, targets)."""
         self.timeline = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        held: dict[tuple[int, int], int] = {}  # activation bytes of micro-batches not yet released
-        live, peak = 0, 0
+        if self.versions is None:  # a step holds its own micro-batches only
+            self.held, self.live, self.peak = {}, 0, 0
         releases = "W" if self.store is not None else "B"
-        comm.barrier(self.group, GROUP)  # a common start, so the ranks' timelines line up
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         for n, action in enumerate(actions):
             key = (action.microbatch, action.chunk)
+            if self.versions is not None:  # weight stashing: forward and backward see the step's version
+                self.versions.use_step(action.microbatch // m)
             if action.kind == "F":
-                x = self._input(action, micro_batches)
+                x = self._input(action, micro_batch)
                 start = time.perf_counter()
-                loss, held[key] = self._forward(action, x, micro_batches, m)
-                if loss is not None:
+                loss, self.held[key] = self._forward(action, x, micro_batch, m)
+                if loss is not None and action.microbatch // m == step:
                     loss_sum += loss.double()
-                live += held[key]
-                peak = max(peak, live)
+                self.live += self.held[key]
+                self.peak = max(self.peak, self.live)
             elif action.kind == "B":
                 grad = self._output_grad(action)
                 start = time.perf_counter()
@@ -104,34 +142,36 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 self.store.run(key)
             if action.kind == releases:
-                live -= held.pop(key)
+                self.live -= self.held.pop(key)
             self.timeline.append(Timed(action, start - t0, time.perf_counter() - t0))
             if n + 1 == len(actions) or not self._receives(actions[n + 1]):
                 self._post_sends()  # else they go out with that receive, in one batch
-        self._wait_sends()
-        self.peak_activation_bytes = peak
-        self._measure_idle()
+        if self.versions is not None:
+            self.versions.use_masters()
+        self.peak_activation_bytes = self.peak
         return loss_sum
 
-    def _begin(self, m: int) -> None:
-        self.m = m
+    def _begin(self, tag_window: int) -> None:
+        """A pipeline run from empty; messages are tagged by micro-batch modulo tag_window (more than
+        the micro-batches ever in flight at once)."""
+        self.tag_window = tag_window
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         # sends not yet posted: (tensor, peer, tag, the output it was detached from, or None)
         self.queued: list[tuple[torch.Tensor, int, int, torch.Tensor | None]] = []
         self.sending: list[tuple[comm._Pending, torch.Tensor | None]] = []  # posted: (handle, output to free)
 
-    def _input(self, action: Action, micro_batches) -> torch.Tensor:
+    def _input(self, action: Action, micro_batch) -> torch.Tensor:
         if action.chunk == 0:  # its own copy: a view would keep (and count) the whole batch
-            return micro_batches[action.microbatch][0].to(self.device, copy=True)
+            return micro_batch(action.microbatch)[0].to(self.device, copy=True)
         x = self._receive(self._tag(action.chunk, action.microbatch, grad=False), action.chunk - 1)
         return x.requires_grad_(torch.is_grad_enabled())
 
-    def _forward(self, action: Action, x, micro_batches, m: int):
+    def _forward(self, action: Action, x, micro_batch, m: int):
         """Run chunk c on micro-batch i; returns (its unscaled loss or None, bytes saved for backward)."""
         i, c = action.microbatch, action.chunk
         last = c == self.last_chunk
-        targets = micro_batches[i][1].to(self.device) if last else None
+        targets = micro_batch(i)[1].to(self.device) if last else None
         defer = DeferWeightGrads(self.store) if self.store is not None and torch.is_grad_enabled() else \
             contextlib.nullcontext()
         # Every micro-batch has the same shapes, so a chunk saves the same bytes each time: count
@@ -174,7 +214,7 @@ class PipelineExecutor:
 
     # --- communication --------------------------------------------------------------------------
     def _tag(self, receiving_chunk: int, microbatch: int, grad: bool) -> int:
-        return (2 * receiving_chunk + int(grad)) * self.m + microbatch
+        return (2 * receiving_chunk + int(grad)) * self.tag_window + microbatch % self.tag_window
 
     def _receive(self, tag: int, from_chunk: int) -> torch.Tensor:
         """Post the queued sends with this receive (one batched call) and wait for the receive."""
@@ -216,6 +256,15 @@ class PipelineExecutor:
         self.sending = []
 
     # --- measurements ---------------------------------------------------------------------------
+    def _measure_idle_locally(self) -> None:
+        """Asynchronous schedules, without a collective: 1 - compute time / the time since this
+        rank's previous segment ended (from its start, after a fill), the steady-state idle fraction."""
+        busy = sum(t.end - t.start for t in self.timeline)
+        end = time.perf_counter()
+        span = end - (self.previous_end if self.previous_end is not None else self.t0)
+        self.previous_end = end
+        self.idle_fraction = 1 - busy / span if span > 0 else 0.0
+
     def _measure_idle(self) -> None:
         """Idle fraction of this rank over the step: 1 - compute time / the slowest rank's span."""
         busy = sum(t.end - t.start for t in self.timeline)
@@ -229,7 +278,7 @@ class PipelineExecutor:
         """One batch through every chunk, in order; the loss on the last stage's rank, 0 elsewhere."""
         self._begin(1)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        batch = [(inputs, targets)]
+        batch = [(inputs, targets)].__getitem__
         for c in self.layout.chunks_of(self.rank):
             out, _ = self._forward(Action("F", 0, c), self._input(Action("F", 0, c), batch), batch, 1)
             if out is not None:

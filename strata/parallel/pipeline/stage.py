@@ -41,6 +41,20 @@ def chunk_views(model: Transformer, layout: PipelineLayout, pp_rank: int) -> dic
     return {c: model.view(layout.blocks_of(c), outputs=c == layout.num_chunks - 1) for c in chunks}
 
 
+def stage_parameters(model: Transformer, layout: PipelineLayout) -> list[list[tuple[str, nn.Parameter]]]:
+    """The parameters each chunk of `layout` would hold, on one process that holds them all: its
+    blocks, the inputs on the first, the outputs on the last (what `keep_stage` keeps)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    last = layout.num_chunks - 1
+    stages = []
+    for c in range(layout.num_chunks):
+        modules = [model.layers()[b] for b in layout.blocks_of(c)]
+        modules += (model.input_layers() if c == 0 else []) + (model.output_layers() if c == last else [])
+        params = {id(p): p for module in modules for p in module.parameters() if p.requires_grad}
+        stages.append([(names[i], p) for i, p in params.items()])
+    return stages
+
+
 def embedding_group(dims: ParallelDims, rank: int, timeout_s: float):
     """The process group of the first and the last stage's ranks at this rank's (dp, tp) place,
     over which a tied embedding's gradients are summed; None on the other stages. Every rank
