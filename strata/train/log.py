@@ -26,11 +26,6 @@ class RunLog:
         self.progress = tqdm(total=cfg.steps, initial=run.start_step, disable=not (self.is_main and cfg.progress),
                              desc="train", unit="step", dynamic_ncols=True)
 
-    def measure(self, run, step: int, states: dict[str, int], elapsed: float) -> dict:
-        """Step `step`'s record without its loss and gradient norm, taken when it ends (an
-        asynchronous pipeline learns those a step later: `emit` adds them)."""
-        return self._record(run, step, states, elapsed)
-
     def emit(self, record: dict, loss: float, grad_norm: float) -> dict:
         record.update(loss=loss, grad_norm=grad_norm)
         self.writer.write(record)
@@ -59,9 +54,10 @@ class RunLog:
         self.progress.close()
         self.writer.close()
 
-    def _record(self, run, step: int, states: dict[str, int], elapsed: float) -> dict:
-        """Step `step` (0-based) as one JSON object: rates, memory and communication (`emit` adds
-        the loss and the gradient norm)."""
+    def measure(self, run, step: int, states: dict[str, int], elapsed: float) -> dict:
+        """Step `step` (0-based) as one JSON object, taken when it ends: rates, memory and
+        communication; `emit` adds the loss and the gradient norm (which an asynchronous pipeline
+        learns a step later) and writes it."""
         tokens_per_s = self.tokens_per_step / elapsed
         record = {"kind": "train", "step": step + 1, "loss": None, "lr": lr_at(step, run.cfg), "grad_norm": None,
                   "tokens_per_s": tokens_per_s,

@@ -348,18 +348,18 @@ def async_pipeline_step(run: Run, step: int) -> tuple[PendingMetrics, dict[str, 
     cfg = run.cfg
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
-    m = cfg.global_batch // (cfg.micro_batch * run.dims.dp)
+    per_step = cfg.global_batch // (cfg.micro_batch * run.dims.dp)  # micro-batches of a step on this rank
     steps: dict[int, list] = {}  # the steps whose micro-batches this segment reads: this one and later ones
 
     def micro_batch(k: int):
-        if k // m not in steps:
-            steps[k // m] = run.train_data.micro_batches(k // m, cfg.micro_batch)
-        return steps[k // m][k % m]
+        if k // per_step not in steps:
+            steps[k // per_step] = run.train_data.micro_batches(k // per_step, cfg.micro_batch)
+        return steps[k // per_step][k % per_step]
 
     run.pipeline.loss_scale = run.parallel.loss_factor
     with run.parallel.backward(is_last_micro_batch=False):
         pause = next(s for s in range(step + 1, cfg.steps + 1) if pauses_after(cfg, s))
-        loss_sum = run.pipeline.segment(micro_batch, m, step, fill=run.drained, stop=pause * m)
+        loss_sum = run.pipeline.segment(micro_batch, per_step, step, fill=run.drained, stop=pause * per_step)
     run.drained = pause == step + 1
     if run.embedding_group is not None:
         comm.all_reduce(run.model.tied_weight().grad, run.embedding_group, "embedding")
@@ -369,7 +369,7 @@ def async_pipeline_step(run: Run, step: int) -> tuple[PendingMetrics, dict[str, 
         loss_sum /= run.dims.dp
     sums = torch.stack([loss_sum, run.parallel.grad_squares()])
     work = comm.all_reduce(sums, run.pp_group, "pp", async_op=True)
-    return PendingMetrics(step, sums, work, m), update(run)
+    return PendingMetrics(step, sums, work, per_step), update(run)
 
 
 def pipeline_forward_backward(run: Run, micro_batches) -> torch.Tensor:
@@ -452,19 +452,22 @@ def validate_and_log(run: Run, log: RunLog, step: int) -> None:
     log.evaluation(step, val_loss)
 
 
+def evaluates_after(cfg: TrainConfig, steps_done: int) -> bool:
+    """--eval-every's steps, and the last."""
+    return steps_done == cfg.steps or bool(cfg.eval_every and steps_done % cfg.eval_every == 0)
+
+
 def pauses_after(cfg: TrainConfig, steps_done: int) -> bool:
     """Whether something other than the next step comes after `steps_done` steps: a validation, a
     checkpoint, the end. An asynchronous pipeline drains before it."""
-    return (steps_done == cfg.steps or bool(cfg.eval_every and steps_done % cfg.eval_every == 0)
-            or saves_after(cfg, steps_done))
+    return evaluates_after(cfg, steps_done) or saves_after(cfg, steps_done)
 
 
 def evaluate_and_save(run: Run, log: RunLog, steps_done: int) -> None:
     """Validate and save when --eval-every and --save-every say so, and after the last step."""
-    cfg, last = run.cfg, steps_done == run.cfg.steps
-    if last or (cfg.eval_every and steps_done % cfg.eval_every == 0):
+    if evaluates_after(run.cfg, steps_done):
         validate_and_log(run, log, steps_done)
-    if saves_after(cfg, steps_done):
+    if saves_after(run.cfg, steps_done):
         log.summary["checkpoint"] = save_checkpoint(run, steps_done)
 
 
