@@ -206,11 +206,12 @@ class Simulation:
         return 1 - self.busy[rank] / self.makespan
 
 
-def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Simulation:
+def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float], times: bool = True) -> Simulation:
     """Run the schedule with the given cost per action kind (per chunk) and zero-cost messages.
     Each rank runs its actions in order, an action starting when its inputs exist: F(c) after
     F(c-1) of the same micro-batch, B(c) after B(c+1) (the last chunk after its own F), W(c) after
-    B(c). Raises Deadlock (a RuntimeError) if no rank can proceed.
+    B(c). Raises Deadlock (a RuntimeError) if no rank can proceed. times=False leaves out each
+    action's start and finish (what the planner's thousands of calls do not read).
 
     Each action is visited once: a rank runs until an input is missing, then waits on it, and the
     action that produces it wakes the rank (the times do not depend on the order ranks are run)."""
@@ -223,25 +224,45 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Sim
     split_backward = any(a.kind == "W" for actions in schedule for a in actions)
     duration = {kind: cost[kind] if split_backward or kind != "B" else cost["B"] + cost.get("W", 0)
                 for kind in ("F", "B", "W") if kind in cost}
+    last = num_chunks - 1
     waiting: dict[tuple, list[int]] = {}  # an action not run yet -> the ranks blocked on it
     runnable = list(range(len(schedule)))
     while runnable:
         r = runnable.pop()
-        while position[r] < len(keys[r]):
-            key = keys[r][position[r]]
-            deps = _dependencies(key, num_chunks)
-            missing = next((d for d in deps if d not in finish), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(r)
+        ranks_keys, pos, clock_r = keys[r], position[r], clock[r]
+        while pos < len(ranks_keys):
+            key = ranks_keys[pos]
+            kind, i, c = key
+            # its inputs, as the docstring says, written out: this loop is the planner's hot path
+            first = ("F", i, c - 1) if kind == "F" and c > 0 else ("F", i, c) if kind == "B" else \
+                ("B", i, c) if kind == "W" else None
+            second = ("B", i, c + 1) if kind == "B" and c < last else None
+            ready = True
+            for dep in (first, second):
+                if dep is not None:
+                    done = finish.get(dep)
+                    if done is None:
+                        waiting.setdefault(dep, []).append(r)
+                        ready = False
+                        break
+                    if done > clock_r:
+                        clock_r = done
+            if not ready:
                 break
-            start = max(clock[r], *(finish[d] for d in deps)) if deps else clock[r]
-            start_at[key] = start
-            finish[key] = clock[r] = start + duration[key[0]]
-            busy[r] += duration[key[0]]
-            position[r] += 1
-            runnable.extend(waiting.pop(key, ()))
+            if times:
+                start_at[key] = clock_r
+            clock_r += duration[kind]
+            finish[key] = clock_r
+            busy[r] += duration[kind]
+            pos += 1
+            woken = waiting.pop(key, None)
+            if woken:
+                runnable.extend(woken)
+        position[r], clock[r] = pos, clock_r
     if any(position[r] < len(schedule[r]) for r in range(len(schedule))):
         raise Deadlock({r: schedule[r][position[r]] for r in range(len(schedule)) if position[r] < len(schedule[r])})
+    if not times:
+        return Simulation({}, {}, busy, max(clock))
     by_action = {a: (a.kind, a.microbatch, a.chunk) for actions in schedule for a in actions}
     return Simulation({a: start_at[k] for a, k in by_action.items()}, {a: finish[k] for a, k in by_action.items()},
                       busy, max(clock))
@@ -249,7 +270,7 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float]) -> Sim
 
 def _stuck_ranks(schedule: Schedule, num_chunks: int) -> list[int]:
     try:
-        simulate(schedule, num_chunks, {"F": 1.0, "B": 1.0, "W": 1.0})
+        simulate(schedule, num_chunks, {"F": 1.0, "B": 1.0, "W": 1.0}, times=False)
         return []
     except Deadlock as e:
         return sorted(e.stuck)
@@ -259,16 +280,6 @@ class Deadlock(RuntimeError):
     def __init__(self, stuck: dict[int, Action]):
         super().__init__(f"deadlock: ranks waiting at {stuck}")
         self.stuck = stuck
-
-
-def _dependencies(key: tuple, num_chunks: int) -> tuple:
-    """What an action (kind, micro-batch, chunk) waits for: its input from the neighbouring chunk."""
-    kind, i, c = key
-    if kind == "F":
-        return (("F", i, c - 1),) if c > 0 else ()
-    if kind == "B":
-        return (("F", i, c), ("B", i, c + 1)) if c < num_chunks - 1 else (("F", i, c),)
-    return (("B", i, c),)
 
 
 def unit_costs(name: str, v: int) -> dict[str, float]:
@@ -315,7 +326,7 @@ def _simulated_profile(name: str, p: int, m: int, v: int) -> Profile:
         return _steady_profile(p, m)
     schedule = build(name, p, m, v)
     costs = unit_costs(name, v)
-    sim = simulate(schedule, p * v, costs)
+    sim = simulate(schedule, p * v, costs, times=False)
     per_micro_batch = v * sum(costs.values())
     return Profile((sim.makespan - max(sim.busy)) / per_micro_batch,
                    tuple(peak_in_flight(actions) / v for actions in schedule))
@@ -332,7 +343,7 @@ def _steady_profile(p: int, m: int) -> Profile:
     peak activations (those of 1F1B: p - rank micro-batches on rank `rank`, whatever m)."""
     costs = unit_costs("1f1b", 1)
     short, long = (flushless(p, m, steps) for steps in (STEADY_STEPS, STEADY_STEPS + 1))
-    added = simulate(long, p, costs).makespan - simulate(short, p, costs).makespan
+    added = simulate(long, p, costs, times=False).makespan - simulate(short, p, costs, times=False).makespan
     per_micro_batch = costs["F"] + costs["B"]
     return Profile(max(added - m * per_micro_batch, 0.0) / per_micro_batch,
                    tuple(float(peak_in_flight(actions)) for actions in long))
