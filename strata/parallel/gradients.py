@@ -196,6 +196,8 @@ class Replicate(_Buckets):
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        for target in self.targets.values():  # else they would keep the last step's gradients alive
+            target.grad = None
 
     def held_bytes(self) -> dict[str, int]:
         return {"params": tensor_bytes(self.params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
