@@ -221,9 +221,7 @@ def check_asynchronous_run(cfg: TrainConfig, model: ModelConfig) -> None:
     if cfg.emulate_stages > 1:
         _need(cfg.pp == 1 and asynchronous and spec.update_per_micro_batch, "emulate_stages", cfg.emulate_stages,
               "only with --pp 1 --schedule pipedream or pipedream-vs (2BW's versions do not depend on the stages)")
-        _need(not model.tie_embeddings or spec.delay(cfg.emulate_stages, 0) == spec.delay(cfg.emulate_stages,
-                                                                                          cfg.emulate_stages - 1),
-              "emulate_stages", cfg.emulate_stages,
+        _need(not model.tie_embeddings or not spec.tied_apart(cfg.emulate_stages), "emulate_stages", cfg.emulate_stages,
               "not with a tied embedding (its first and last stage would compute with different versions)")
         try:  # the emulated stages' cut is valid
             make_layout(model, cfg.emulate_stages, 1, sequence_length(cfg, model), cfg.pp_split)

@@ -179,3 +179,23 @@ def test_a_resumed_run_continues_bit_for_bit_and_under_one_process(schedule, tmp
                 "emulate_stages": 2 if schedule == "pipedream" else 1}
     one = _run({**settings, "resume": str(tmp_path / "ckpt" / "step_000004")})
     torch.testing.assert_close(one["losses"], ranks[0]["whole"][4:], rtol=1e-5, atol=0)
+
+
+def test_zero0_optimizer_targets_share_the_storage_but_not_the_version_counter_and_drop_their_gradients():
+    """What lets weight stashing work under ZeRO-0: the optimizer's in-place update leaves the
+    parameter's autograd version counter (which in-flight graphs check) alone, and the targets let
+    go of the gradients when the parameters do."""
+    from strata.parallel.data import DataParallelSettings
+    from strata.parallel.gradients import Replicate
+    param = torch.nn.Parameter(torch.ones(4, 4))
+    sharding = Replicate([param], DataParallelSettings())
+    sharding.separate_optimizer_targets()
+    (target, _, _, _), = sharding.optimizer_pieces()
+    y = (param * param).sum()  # saves the parameter for backward
+    param.grad = torch.full((4, 4), 2.0)
+    sharding.prepare_step()
+    torch.optim.SGD([target], lr=0.5).step()
+    assert torch.equal(param.detach(), torch.zeros(4, 4))  # the same storage, updated
+    y.backward()  # the saved parameter's version counter was not bumped: no error
+    sharding.zero_grad()
+    assert param.grad is None and target.grad is None

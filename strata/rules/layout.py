@@ -180,7 +180,7 @@ def check_asynchronous(model: ModelConfig, layout: Layout, global_batch: int) ->
         raise ConfigError(f"--schedule {layout.schedule} updates the weights after every micro-batch: the global "
                           f"batch must be micro_batch x dp = {layout.micro_batch * layout.dp}", "global_batch",
                           global_batch)
-    apart = spec.delay(layout.pp, 0) - spec.delay(layout.pp, layout.pp - 1)
+    apart = spec.tied_apart(layout.pp)
     if apart and model.tie_embeddings:
         raise ConfigError(f"not with a tied embedding: its two copies, on the first and the last stage, would "
                           f"compute with versions {apart} updates apart, which no single process can reproduce; "

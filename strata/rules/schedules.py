@@ -163,6 +163,11 @@ class ScheduleSpec:
     def asynchronous(self) -> bool:
         return self.delay is not None
 
+    def tied_apart(self, p: int) -> int:
+        """Updates between the versions the first and the last of p stages compute with: a tied
+        embedding, which both hold, must see one version, so it needs 0."""
+        return self.delay(p, 0) - self.delay(p, p - 1) if self.asynchronous else 0
+
     def versions(self, p: int, stage: int) -> int:
         """Weight versions stage `stage` stashes at its peak: the one each in-flight step computes
         with, and the newest (that the next micro-batch to start will use)."""
