@@ -7,7 +7,8 @@ on one device, for the rare times a GPU machine is lent.
 Parts, in order (each timed; when the --budget-s budget is spent the rest are skipped and listed):
   environment   torch, CUDA, the device, which optional modules were missing
   correctness   `tiny` trained 6 steps on the device equals the CPU run (fp64 within 1e-9, fp32 within
-                1e-4: losses and final weights); greedy generation gives the CPU's tokens
+                1e-4: losses and final weights); ZeRO-Infinity with everything in pinned host memory
+                equals the run kept on the device bit for bit; greedy generation gives the CPU's tokens
   mfu           bf16 training of the ~1B LLaMA-shaped preset at 2048 tokens and of gpt2-124m: MFU
                 against the device table's peak, and the measured matmul peak beside it; eager
                 and --compile, with the compile time

@@ -15,7 +15,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -195,6 +195,21 @@ def training_matches_cpu(check: Check, dtype: str) -> dict:
             and loss_diff <= tolerance and param_diff <= tolerance}
 
 
+def offload_matches_memory(check: Check) -> dict:
+    """ZeRO-Infinity's GPU paths (shards and Adam's moments in pinned host memory, checkpointed
+    activations there too) against the same run kept on the device: bit for bit."""
+    def run(**offload):
+        cfg = replace(tiny_config("fp32", check.device.type), checkpointing="full", **offload)
+        return train(cfg, keep_state=True)
+    reference = run()
+    offloaded = run(offload_params="cpu", offload="cpu", offload_activations="cpu")
+    param_diff = max_state_difference(reference["state"], offloaded["state"])
+    return {"tolerance": 0.0, "max_loss_diff": max(abs(a - b) for a, b in zip(reference["losses"], offloaded["losses"])),
+            "max_param_diff": param_diff, "losses_cpu": reference["losses"], "losses_device": offloaded["losses"],
+            "offload": offloaded["records"][-1].get("offload"),
+            "passed": reference["losses"] == offloaded["losses"] and param_diff == 0.0}
+
+
 def greedy_tokens(device: torch.device | str, dtype: torch.dtype) -> list[list[int]]:
     model = build_model(get_preset("tiny"), device, dtype, seed=0)
     steps = [ids.tolist() for ids in generate(model, GREEDY_PROMPTS, GREEDY_TOKENS)]
@@ -208,7 +223,8 @@ def generation_matches_cpu(check: Check, dtype: torch.dtype) -> dict:
 
 def correctness(check: Check) -> dict:
     out = {"model": "tiny", "steps": CORRECTNESS_STEPS, "reference": "cpu", "device": str(check.device),
-           "training": {dtype: training_matches_cpu(check, dtype) for dtype in ("fp64", "fp32")},
+           "training": {**{dtype: training_matches_cpu(check, dtype) for dtype in ("fp64", "fp32")},
+                        "fp32 offloaded vs on the device": offload_matches_memory(check)},
            "generation": {name: generation_matches_cpu(check, dtype)
                           for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32))}}
     out["passed"] = all(r["passed"] for kind in ("training", "generation") for r in out[kind].values())

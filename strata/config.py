@@ -76,7 +76,13 @@ class TrainConfig:
                                 "checkpointing recomputes the compiled code)")
     offload: str = _key("none", "none | cpu | disk: optimizer step in host memory (cpu), or Adam's moments "
                                 "in a file (disk)")
-    offload_dir: str | None = _key(None, "with --offload disk: where the moment files go (default: the temp directory)")
+    offload_params: str = _key("none", "none | cpu | disk: ZeRO-Infinity: ZeRO-3's parameter shards and their gradients "
+                                       "in host memory or in files under --offload-dir, read in a unit at a time "
+                                       "(with --zero 3; on one process it alone means ZeRO-3)")
+    offload_activations: str = _key("none", "none | cpu: with --checkpointing, the block inputs kept for backward go to "
+                                            "host memory (on a GPU) or to a file under --offload-dir (on a CPU device)")
+    offload_dir: str | None = _key(None, "with --offload disk, --offload-params disk or --offload-activations: where "
+                                         "the files go (default: the temp directory)")
     reduce_dtype: str = _key("fp32", "dtype of the data-parallel gradient reduction: fp32 (the master gradients') "
                                      "or bf16 (half the bytes)")
     gather_dtype: str = _key("fp32", "with ZeRO-1/2/3: dtype the parameters are all-gathered in: fp32 (the masters) "
@@ -266,7 +272,10 @@ def check_run_settings(cfg: TrainConfig) -> None:
     _need(cfg.vocab_size is None or cfg.vocab_size >= 2, "vocab_size", cfg.vocab_size, "must be >= 2")
     _need(cfg.vocab_size is None or cfg.data == "synthetic", "vocab_size", cfg.vocab_size,
           "only for --data synthetic; a data set brings its tokenizer's")
-    _need(cfg.offload_dir is None or cfg.offload == "disk", "offload_dir", cfg.offload_dir, "only with offload disk")
+    _need(cfg.offload_dir is None or "disk" in (cfg.offload, cfg.offload_params) or cfg.offload_activations != "none",
+          "offload_dir", cfg.offload_dir, "only with offload disk, offload_params disk or offload_activations cpu")
+    _need(cfg.offload_params == "none" or cfg.dtype != "fp16", "offload_params", cfg.offload_params,
+          "not with dtype fp16 (loss scaling checks the gradients in memory); use bf16")
     check_transfer_dtypes(cfg.reduce_dtype, cfg.gather_dtype, cfg.dtype)  # against dp and zero: check_layout
 
 
@@ -291,10 +300,16 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
 
 def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
     """The layout a config asks for (dp defaults to what tp and pp leave of the world)."""
-    return Layout(data_parallel_size(cfg, world_size), cfg.tp, cfg.pp, cfg.virtual_stages, cfg.zero, cfg.micro_batch,
-                  cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule,
+    return Layout(data_parallel_size(cfg, world_size), cfg.tp, cfg.pp, cfg.virtual_stages, zero_stage(cfg),
+                  cfg.micro_batch, cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule,
                   cfg.pp_split if cfg.emulate_stages == 1 else None,  # else the emulated stages' cut
-                  cfg.reduce_dtype, cfg.gather_dtype)
+                  cfg.reduce_dtype, cfg.gather_dtype, cfg.offload_params, cfg.offload_activations)
+
+
+def zero_stage(cfg: TrainConfig) -> int:
+    """The ZeRO stage a run uses: --offload-params streams ZeRO-3's shards, so on one process it
+    alone means stage 3 (ZeRO-Infinity on one device); else --zero."""
+    return 3 if cfg.offload_params != "none" and cfg.zero == 0 else cfg.zero
 
 
 def sequence_length(cfg: TrainConfig, model: ModelConfig) -> int:

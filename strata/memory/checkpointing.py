@@ -12,7 +12,11 @@ recompute the rest in backward, trading compute for memory.
 
 Applied by wrapping forward methods, so parameter names and the model's code are unchanged; it
 uses torch.utils.checkpoint (non-reentrant), which recomputes with the same kernels and so gives
-bit-identical gradients. The kept block inputs are reported to the saved-activation counter."""
+bit-identical gradients. The kept block inputs are reported to the saved-activation counter.
+
+With `--offload-activations` the kept inputs leave memory too (strata/memory/tiers.py
+`OffloadedActivations`): torch's checkpoint saves a region's inputs as saved tensors before it
+installs its own hooks, so hooks installed around it see exactly those inputs and nothing else."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from strata.memory.activations import observe
 from strata.rules.checkpointing import parse
 
 
-def _checkpointed(forward):
+def _checkpointed(forward, offload=None):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation, generation: nothing to save anyway
@@ -38,8 +42,9 @@ def _checkpointed(forward):
         # backward recomputes the region, or it would build a different graph (torch's private
         # helper is the only way to read the mode stack).
         modes = torch.overrides._get_current_function_mode_stack()
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: (
-            contextlib.nullcontext(), _entered(modes)), **kwargs)
+        with offload.hooks() if offload is not None else contextlib.nullcontext():
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: (
+                contextlib.nullcontext(), _entered(modes)), **kwargs)
     return run
 
 
@@ -51,10 +56,10 @@ def _entered(modes):
         yield
 
 
-def apply_checkpointing(model, mode: str, chunks: list[range] | None = None) -> None:
+def apply_checkpointing(model, mode: str, chunks: list[range] | None = None, offload=None) -> None:
     """Wrap the blocks of strata's Transformer (any stage of it) for `mode`. chunks: the global
     block indices of each pipeline chunk this model holds (every:K counts from each chunk's start);
-    None: the model's blocks are one chunk."""
+    None: the model's blocks are one chunk. offload: an OffloadedActivations for what is kept."""
     kind, k = parse(mode)
     if kind == "none":
         return
@@ -63,8 +68,8 @@ def apply_checkpointing(model, mode: str, chunks: list[range] | None = None) -> 
         chunks = [range(min(layers), max(layers) + 1)] if layers else []
     for index, block in layers.items():
         if kind == "selective":
-            block.wrap_core_attention(_checkpointed)
+            block.wrap_core_attention(functools.partial(_checkpointed, offload=offload))
             continue
         start = next(c.start for c in chunks if index in c)
         if kind == "full" or index - start < k:
-            block.forward = _checkpointed(block.forward)
+            block.forward = _checkpointed(block.forward, offload)

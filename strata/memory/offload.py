@@ -16,6 +16,10 @@ at most two chunks of moments at any time. The kernel is elementwise, so the res
 that of `torch.optim.AdamW(fused=True)` over the whole tensors. With ZeRO each rank streams only
 its own shards (the tensors it is given).
 
+With offloaded parameters (`--offload-params`, ZeRO-Infinity) the same `StreamingAdamW` runs a unit
+of shards at a time, as the parameter tier reads them in, with the moments in memory, in host
+memory (`--offload cpu`) or on disk: the optimizer step is then one pass over the tiers.
+
 Reads and writes use pread/pwrite on a plain file, not a memory map: mapped pages would count in
 the process's resident memory, which is what this is for."""
 
@@ -25,6 +29,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from strata.memory import tiers
 
 ELEMENT = 4  # fp32 moments
 
@@ -71,74 +77,59 @@ class HostOffloadAdamW:
         return masters + moments
 
 
-class DiskOffloadAdamW:
-    """AdamW with decoupled weight decay whose moments are on disk. Has what the trainer uses of a
-    torch optimizer: param_groups (lr is set per step), step(), state_dict(), load_state_dict()."""
+class StreamingAdamW:
+    """AdamW with decoupled weight decay, stepping one tensor (or one chunk of it) at a time with
+    PyTorch's fused kernel, its moments where `moments` keeps them (in memory, or in a file: the
+    `--offload disk` stream). stream: None, or a callable yielding groups of the tensors to update
+    in turn (ZeRO-Infinity's offloaded shards: each group is read in before and written back after,
+    strata/parallel/zero3.py). Has what the trainer uses of a torch optimizer: param_groups (lr is
+    set per step), step(), state, state_dict(), load_state_dict()."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], directory: str, rank: int,
-                 eps: float = 1e-8, chunk_elements: int = 1 << 18):
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], moments: "MemoryMoments | DiskMoments",
+                 eps: float = 1e-8, stream=None):
         self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, **g} for g in groups]
-        self.chunk = chunk_elements
-        os.makedirs(directory, exist_ok=True)
-        # the pid keeps two jobs on one machine (or one directory) apart
-        self.path = os.path.join(directory, f"adam_moments_rank{rank}_pid{os.getpid()}.bin")
         self.params = [p for g in self.param_groups for p in g["params"]]
-        # file layout: for each tensor, exp_avg then exp_avg_sq, contiguous
-        self.offsets, offset = [], 0
-        for p in self.params:
-            self.offsets.append(offset)
-            offset += 2 * p.numel() * ELEMENT
-        self.file_bytes = offset
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self.fd, self.file_bytes)  # zeros: Adam's initial moments
+        self.group_of = [g for g in self.param_groups for _ in g["params"]]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.moments, self.stream = moments, stream
+        moments.allocate(self.params)
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]
-        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-offload")
-        self.state: dict = {}  # what a torch optimizer holds in memory: nothing here
 
-    # --- the step -------------------------------------------------------------------------------
-    def _read(self, index: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        numel = self.params[index].numel()
-        base = self.offsets[index]
-        avg = torch.empty(length, dtype=torch.float32)
-        avg_sq = torch.empty(length, dtype=torch.float32)
-        os.preadv(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
-        os.preadv(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
-        return avg, avg_sq
-
-    def _write(self, index: int, start: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
-        numel = self.params[index].numel()
-        base = self.offsets[index]
-        os.pwritev(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
-        os.pwritev(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
+    @property
+    def state(self) -> dict:
+        """What a torch optimizer holds in memory (nothing when the moments are on disk)."""
+        return self.moments.in_memory()
 
     @torch.no_grad()
     def step(self) -> None:
-        work = []  # (group, tensor index, start, length) in file order
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.steps[index] += 1
-                    work += [(group, index, s, min(self.chunk, p.numel() - s)) for s in range(0, p.numel(), self.chunk)]
-                index += 1
-        pending = self.reader.submit(self._read, *work[0][1:]) if work else None
-        for n, (group, i, start, length) in enumerate(work):
-            avg, avg_sq = pending.result()
+        for tensors in (self.stream() if self.stream is not None else [self.params]):
+            self._step([self.index[id(t)] for t in tensors])
+
+    def _step(self, indices: list[int]) -> None:
+        work = []  # (tensor index, start, length) in the moments' order
+        for i in indices:
+            if self.params[i].grad is not None:
+                self.steps[i] += 1
+                work += self.moments.chunks(i, self.params[i].numel())
+        pending = self.moments.read(*work[0]) if work else None
+        for n, (i, start, length) in enumerate(work):
+            avg, avg_sq = self.moments.result(pending)
             if n + 1 < len(work):  # read-ahead: the next chunk loads while this one computes
-                pending = self.reader.submit(self._read, *work[n + 1][1:])
+                pending = self.moments.read(*work[n + 1])
+            group = self.group_of[i]
             param, grad = self.params[i].view(-1), self.params[i].grad.view(-1)
             beta1, beta2 = group["betas"]
             torch._fused_adamw_([param[start:start + length]], [grad[start:start + length]], [avg], [avg_sq], [],
                                 [self.steps[i]], amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
                                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-            self._write(i, start, avg, avg_sq)
+            self.moments.write(i, start, avg, avg_sq)
 
     # --- checkpoints and accounting -------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch.optim.AdamW's format (the moments are read back into memory for saving)."""
+        """torch.optim.AdamW's format (moments on disk are read back into memory for saving)."""
         state = {}
         for i, p in enumerate(self.params):
-            avg, avg_sq = self._read(i, 0, p.numel())
+            avg, avg_sq = self.moments.result(self.moments.read(i, 0, p.numel()))
             state[i] = {"step": self.steps[i].clone(), "exp_avg": avg.view_as(p), "exp_avg_sq": avg_sq.view_as(p)}
         groups, start = [], 0
         for g in self.param_groups:
@@ -152,8 +143,127 @@ class DiskOffloadAdamW:
             if entry is None:
                 continue
             self.steps[i] = entry["step"].to(torch.float32).reshape(()).clone()
-            self._write(i, 0, entry["exp_avg"].reshape(-1).float().contiguous(),
-                        entry["exp_avg_sq"].reshape(-1).float().contiguous())
+            self.moments.load(i, entry["exp_avg"].reshape(-1).float().contiguous(),
+                              entry["exp_avg_sq"].reshape(-1).float().contiguous())
+
+    def disk_bytes(self) -> int:
+        return self.moments.disk_bytes()
+
+    def host_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values())
+
+    def close(self) -> None:
+        self.moments.close()
+
+
+class MemoryMoments:
+    """Adam's moments as tensors in memory: on the parameters' device, or with `host` in host
+    memory (`--offload cpu` beside offloaded parameters: each tensor's moments are copied to the
+    device for its update and back, on a GPU; on a CPU device nothing moves)."""
+
+    def __init__(self, host: bool = False):
+        self.host = host
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.devices: list[torch.device] = []
+
+    def allocate(self, params) -> None:
+        for p in params:  # zeros: Adam's initial moments
+            where = "cpu" if self.host else p.device
+            self.tensors.append((torch.zeros(p.numel(), dtype=torch.float32, device=where),
+                                 torch.zeros(p.numel(), dtype=torch.float32, device=where)))
+            self.devices.append(p.device)
+
+    def in_memory(self) -> dict:
+        return {i: {"exp_avg": a, "exp_avg_sq": b} for i, (a, b) in enumerate(self.tensors)}
+
+    def chunks(self, i: int, numel: int) -> list[tuple[int, int, int]]:
+        return [(i, 0, numel)]
+
+    def read(self, i: int, start: int, length: int):
+        avg, avg_sq = (t[start:start + length] for t in self.tensors[i])
+        return avg.to(self.devices[i]), avg_sq.to(self.devices[i])
+
+    @staticmethod
+    def result(pending):
+        return pending
+
+    def write(self, i: int, start: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
+        for kept, new in zip(self.tensors[i], (avg, avg_sq)):
+            if kept.device != new.device:  # else the kernel updated them in place
+                kept[start:start + new.numel()].copy_(new)
+
+    def load(self, i: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
+        for kept, new in zip(self.tensors[i], (avg, avg_sq)):
+            kept.copy_(new)
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class DiskMoments:
+    """Adam's two moments in one file per rank, streamed in chunks of `chunk_elements` through a
+    reader thread (at most two chunks in memory)."""
+
+    def __init__(self, directory: str, rank: int, chunk_elements: int = 1 << 18):
+        self.chunk = chunk_elements
+        os.makedirs(directory, exist_ok=True)
+        # the pid keeps two jobs on one machine (or one directory) apart
+        self.path = os.path.join(directory, f"adam_moments_rank{rank}_pid{os.getpid()}.bin")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-offload")
+        self.offsets, self.numels, self.file_bytes = [], [], 0
+        self.writes = []  # queued on the reader thread, not known to be done
+
+    def allocate(self, params) -> None:
+        # file layout: for each tensor, exp_avg then exp_avg_sq, contiguous
+        for p in params:
+            self.offsets.append(self.file_bytes)
+            self.numels.append(p.numel())
+            self.file_bytes += 2 * p.numel() * ELEMENT
+        os.ftruncate(self.fd, self.file_bytes)  # zeros: Adam's initial moments
+
+    @staticmethod
+    def in_memory() -> dict:
+        return {}
+
+    def chunks(self, i: int, numel: int) -> list[tuple[int, int, int]]:
+        return [(i, s, min(self.chunk, numel - s)) for s in range(0, numel, self.chunk)]
+
+    def _read(self, index: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        base, numel = self.offsets[index], self.numels[index]
+        avg = torch.empty(length, dtype=torch.float32)
+        avg_sq = torch.empty(length, dtype=torch.float32)
+        os.preadv(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
+        os.preadv(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
+        return avg, avg_sq
+
+    def read(self, i: int, start: int, length: int):
+        tiers.io.record("read", "disk", 2 * length * ELEMENT)
+        return self.reader.submit(self._read, i, start, length)
+
+    @staticmethod
+    def result(pending):
+        tiers.wait(pending)
+        return pending.result()
+
+    def _write(self, index: int, start: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
+        base, numel = self.offsets[index], self.numels[index]
+        os.pwritev(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
+        os.pwritev(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
+
+    def write(self, index: int, start: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
+        """In the background, after the reads queued before it; at most two chunks wait."""
+        tiers.io.record("written", "disk", 2 * avg.numel() * ELEMENT)
+        self.writes = [w for w in self.writes if not w.done()]
+        self.writes.append(self.reader.submit(self._write, index, start, avg.cpu(), avg_sq.cpu()))
+        while len(self.writes) > 2:
+            tiers.wait(self.writes.pop(0))
+
+    def load(self, i: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
+        self.write(i, 0, avg, avg_sq)
 
     def disk_bytes(self) -> int:
         return self.file_bytes

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from strata.config import TrainConfig
 from strata.memory.checkpointing import apply_checkpointing
+from strata.memory.tiers import OffloadedActivations, Tier
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
 from strata.parallel.data import DataParallel, DataParallelSettings
@@ -33,9 +34,10 @@ BUCKET_STAGES = {0: Replicate, 1: ShardOptimizerStates, 2: ShardGradients}  # Ze
 
 
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
-                dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None
-                ) -> tuple[Transformer, DataParallel]:
-    """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None."""
+                dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None,
+                offload_dir: str | None = None, rank: int = 0) -> tuple[Transformer, DataParallel]:
+    """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None.
+    offload_dir, rank: where and under which rank's name offloaded parameters and activations go."""
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
     if tp_group is not None:
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
@@ -43,8 +45,12 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         keep_stage(model, stage[0], stage[1])
     if cfg.compile:
         compile_layers(model)
+    # activations to host memory on a GPU; a CPU device's host memory is where they are: a file then
+    activations = OffloadedActivations(Tier("disk" if device.type == "cpu" else "cpu", "activations", offload_dir,
+                                            rank)) if cfg.offload_activations != "none" else None
     apply_checkpointing(model, cfg.checkpointing,
-                        [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None)
+                        [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None,
+                        activations)
     init = local_initial_values(model, cfg.seed, tp_group)
     on_wire = {name: torch_dtype(value) if value != "fp32" else None
                for name, value in (("reduce_dtype", cfg.reduce_dtype), ("gather_dtype", cfg.gather_dtype))}
@@ -52,7 +58,8 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                                     **on_wire)
     if cfg.zero == 3:  # (without pipeline stages: no tied copy to leave out)
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
-        sharding = ShardParameters(model, settings, lambda name: init(name).to(device, dtype), device, dtype)
+        tier = Tier(cfg.offload_params, "params", offload_dir, rank) if cfg.offload_params != "none" else None
+        sharding = ShardParameters(model, settings, lambda name: init(name).to(device, dtype), device, dtype, tier)
     else:
         model = model.to_empty(device=device).to(dtype)
         with torch.no_grad():
@@ -64,7 +71,7 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         if SCHEDULES[cfg.schedule].asynchronous and cfg.zero == 0:  # weight stashing swaps the parameters' storage
             sharding.separate_optimizer_targets()
     model.reset_buffers()
-    return model, DataParallel(model, sharding, settings)
+    return model, DataParallel(model, sharding, settings, activations)
 
 
 def compile_layers(model: Transformer) -> None:

@@ -45,9 +45,10 @@ class DataParallelSettings:
 
 
 class DataParallel:
-    def __init__(self, model: nn.Module, sharding, settings: DataParallelSettings):
-        """sharding: the ZeRO stage's strategy, already holding the model's parameters."""
-        self.model, self.sharding, self.settings = model, sharding, settings
+    def __init__(self, model: nn.Module, sharding, settings: DataParallelSettings, activations=None):
+        """sharding: the ZeRO stage's strategy, already holding the model's parameters.
+        activations: the tier checkpointed activations are offloaded to (closed with the rest)."""
+        self.model, self.sharding, self.settings, self.activations = model, sharding, settings, activations
         self.params = sharding.params
         specs = shard_specs(model)
         self._spec_of = {id(p): specs[name] for name, p in model.named_parameters()}
@@ -72,7 +73,7 @@ class DataParallel:
     def backward(self, is_last_micro_batch: bool):
         """Wrap each micro-batch's backward; gradients are reduced after the last one (after every
         one under ZeRO-2/3)."""
-        with self.sharding.backward(is_last_micro_batch or self.sharding.reduce_every_micro_batch):
+        with self.sharding.backward(is_last_micro_batch or self.sharding.reduce_every_micro_batch, is_last_micro_batch):
             yield
         if is_last_micro_batch:
             self._sum_partial_grads_over_tp()
@@ -118,10 +119,10 @@ class DataParallel:
         holds, over the dp ranks when they hold disjoint parts (ZeRO), over the tp ranks for
         tensor-parallel slices (replicated parameters count once)."""
         settings = self.settings
-        pairs = [(g, p) for g, p in self.sharding.grad_pairs() if id(p) not in settings.counted_elsewhere]
+        pairs = [(n, p) for n, p in self.sharding.grad_norm_pairs() if id(p) not in settings.counted_elsewhere]
         squares = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # (tp-split, replicated)
         if pairs:
-            norms = torch.stack(torch._foreach_norm([g for g, _ in pairs])).double()  # one kernel per dtype
+            norms = torch.stack([n for n, _ in pairs]).double()
             replicated = torch.tensor([self.spec_of(p).dim is None for _, p in pairs], device=norms.device)
             squares[0] = norms[~replicated].square().sum()
             squares[1] = norms[replicated].square().sum()
@@ -134,7 +135,7 @@ class DataParallel:
         return squares.sum()
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        torch.nn.utils.clip_grads_with_norm_(self.local_grads(), max_norm, total_norm)
+        self.sharding.clip_(max_norm, total_norm)
 
     def optimizer_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter, int, int]]:
         """What the optimizer updates, in its order: (tensor, the parameter it is part of, its
@@ -167,6 +168,17 @@ class DataParallel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The logical model's tensors on this rank (ZeRO-3 gathers them a unit at a time)."""
         return self.sharding.full_state_dict(self.model)
+
+    def in_memory(self):
+        """A context in which offloaded parameter shards are in memory (a checkpoint reads or
+        writes them); a no-op for every other stage."""
+        return self.sharding.in_memory()
+
+    def close(self) -> None:
+        """Remove the offload tiers' files."""
+        self.sharding.close()
+        if self.activations is not None:
+            self.activations.tier.close()
 
     def writes(self, param: nn.Parameter, tp_rank: int) -> bool:
         """Whether this rank writes its piece of `param` to a checkpoint, so that every element is

@@ -120,9 +120,10 @@ class _Buckets:
         return flat if wanted == flat.dtype else flat.to(wanted)
 
     @contextmanager
-    def backward(self, sync: bool):
+    def backward(self, sync: bool, final: bool = True):
         """Around one micro-batch's backward: with sync, its buckets are reduced as they complete
-        and all of them by the end; without (an accumulation micro-step), gradients add up."""
+        and all of them by the end; without (an accumulation micro-step), gradients add up.
+        final (the step's last micro-batch) matters to ZeRO-3's offload only."""
         self.reductions.sync = self.group is None or sync
         yield
         if self.group is not None and sync:
@@ -130,6 +131,24 @@ class _Buckets:
 
     def prepare_step(self) -> None:
         """Before the optimizer step (ZeRO-0 with separate targets hands them the gradients)."""
+
+    def grad_norm_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(the norm of this rank's gradient of a parameter, or of its piece; the parameter)."""
+        pairs = self.grad_pairs()
+        return list(zip(norm_pairs([g for g, _ in pairs]), (p for _, p in pairs)))
+
+    def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        torch.nn.utils.clip_grads_with_norm_([g for g, _ in self.grad_pairs()], max_norm, total_norm)
+
+    @contextmanager
+    def in_memory(self):
+        """Everything is in memory already (ZeRO-3's offloaded shards are not: zero3.py)."""
+        yield
+
+    offloaded_bytes = 0
+
+    def close(self) -> None:
+        """Nothing to release (ZeRO-3's tier files are)."""
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state: every rank holds it already."""
@@ -438,3 +457,9 @@ def sharded_optimizer_pieces(pieces: list[Piece], shard_params: list[torch.Tenso
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def norm_pairs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's L2 norm (one kernel per dtype); every stage takes them the same way, so an
+    offloaded run that takes them a unit at a time gets the same bits."""
+    return list(torch._foreach_norm(grads)) if grads else []

@@ -18,7 +18,16 @@ The shards are the fp32 masters the optimizer updates. With a gather dtype (`--g
 FSDP2's param_dtype; ZeRO-1/2 use it alike, strata/parallel/gradients.py) each gather sends the
 shard cast to it, so the full parameters, and the layers computing with them, are in that dtype,
 and each unit moves half the bytes; gradients come back in it and are staged in the reduce
-dtype, and a checkpoint gathers the fp32 masters themselves."""
+dtype, and a checkpoint gathers the fp32 masters themselves.
+
+ZeRO-Infinity (Rajbhandari et al. 2021; `--offload-params cpu|disk`, strata/memory/tiers.py): the
+shards and their gradients live in a tier, not in memory. A unit's shard is read (in the background,
+one unit ahead) before its gather and dropped once gathered: the tier's copy is current, only the
+optimizer changes it. Its gradient shard is written after each reduce-scatter (read first only when
+an earlier micro-batch of the step left one), with the per-piece norms of the final gradient taken
+then, so that clipping needs no second pass. The optimizer runs a unit at a time (`stream_units`),
+the shard and gradient read, the clip applied, the updated shard written back. One process
+(dp 1) runs the same code with copies for collectives, as ZeRO-Infinity does on one device."""
 
 from __future__ import annotations
 
@@ -28,12 +37,13 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from strata.distributed import comm
+from strata.memory import tiers
+from strata.memory.tiers import Tier
 from strata.parallel.buckets import Bucket, plan_buckets, shard_pieces
-from strata.parallel.gradients import MAX_IN_FLIGHT, gather_shards, sharded_optimizer_pieces, tensor_bytes
+from strata.parallel.gradients import MAX_IN_FLIGHT, gather_shards, norm_pairs, sharded_optimizer_pieces, tensor_bytes
 
 
 class Unit:
@@ -51,6 +61,12 @@ class Unit:
         self.gather_source: torch.Tensor | None = None  # the shard in the gather dtype, while it is sent
         self.staging: torch.Tensor | None = None  # the full gradient, during backward
         self.ready = 0
+        self.pieces: list[int] = []  # indices of its pieces in ShardParameters.pieces
+        # offloaded (--offload-params): reads in flight, and what the tier holds
+        self.shard_read = self.grad_read = None
+        self.shard_here = self.grad_here = True  # in memory, or on its way there (a read is queued)
+        self.grad_zero = True  # the gradient shard is zero (nothing written to the tier this step)
+        self.grad_norms: list[torch.Tensor] = []  # per piece, of the final gradient
 
 
 class ShardParameters:
@@ -60,13 +76,16 @@ class ShardParameters:
     reduce_every_micro_batch = True
 
     def __init__(self, model: nn.Module, settings, init_fn: Callable[[str], torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, tier: Tier | None = None):
         """model may be on the meta device: then init_fn(name) gives each parameter's initial
         value (this rank's tensor-parallel slice), and only one unit is ever materialised in full
-        at a time."""
-        self.model, self.settings, self.group = model, settings, settings.dp_group
-        self.dp_size, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        at a time. tier: where the shards and their gradients live (None: in memory)."""
+        self.model, self.settings, self.group, self.tier = model, settings, settings.dp_group, tier
+        self.dp_size, self.dp_rank = settings.dp_size, settings.dp_rank
         self._pending: list = []
+        self.final = True  # this backward is the step's last micro-batch (its gradients are final)
+        self.clip: tuple[float, torch.Tensor] | None = None  # offloaded: applied as the optimizer reads
+        self.pinned = False  # `in_memory()`: every shard held
         self.peak_buffer_bytes = 0  # gathered units and staged gradients alive at once, at most
         names = {id(p): n for n, p in model.named_parameters()}
         tied = model.tied_weight() is not None  # the head reads the first unit's matrix last: keep it
@@ -115,19 +134,58 @@ class ShardParameters:
             n = piece.end - piece.start
             shard = unit.shard[piece.shard_index:piece.shard_index + n]
             shard.grad = unit.shard_grad[piece.shard_index:piece.shard_index + n]
+            unit.pieces.append(len(self.pieces))
             self.pieces.append(piece)
             self.shard_params.append(shard)
         self._free(unit)
+        if self.tier is not None:
+            self.tier.reserve(f"shard{unit.index}", unit.shard)
+            self.tier.reserve(f"grad{unit.index}", unit.shard_grad)
+            self.tier.evict(f"shard{unit.index}", unit.shard, dirty=True)
+            self.tier.evict(f"grad{unit.index}", unit.shard_grad, dirty=False)
+            unit.shard_here = unit.grad_here = False
 
     # --- gather and free ----------------------------------------------------------------------
     def _gather(self, unit: Unit) -> None:
-        """Start the all-gather of a unit's parameters (no wait)."""
+        """Start the all-gather of a unit's parameters (no wait; an offloaded shard is read first)."""
         if unit.gathered or unit.pending_gather is not None:
             return
+        self._fetch_shard(unit)
+        tiers.wait(unit.shard_read)
+        unit.shard_read = None
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
         unit.gather_source = unit.shard.to(unit.full.dtype)  # the shard itself without a gather dtype
-        unit.pending_gather = comm.all_gather(unit.full, unit.gather_source, self.group, "dp", async_op=True)
+        if self.group is None:  # one process: the shard is the whole unit
+            unit.full.copy_(unit.gather_source)
+            unit.gather_source, unit.gathered = None, True
+            self._drop_shard(unit)
+        else:
+            unit.pending_gather = comm.all_gather(unit.full, unit.gather_source, self.group, "dp", async_op=True)
         self._count_buffers()
+
+    # --- the tier (--offload-params) --------------------------------------------------------------
+    def _fetch_shard(self, unit: Unit) -> None:
+        """Start reading an offloaded shard back, unless it is in memory or on its way."""
+        if self.tier is not None and not unit.shard_here:
+            unit.shard_read = self.tier.fetch(f"shard{unit.index}", unit.shard)
+            unit.shard_here = True
+
+    def _drop_shard(self, unit: Unit, dirty: bool = False) -> None:
+        """Free an offloaded shard's memory (the tier's copy is current unless `dirty`)."""
+        if self.tier is not None and not self.pinned and unit.shard_here:
+            self.tier.evict(f"shard{unit.index}", unit.shard, dirty)
+            unit.shard_here = False
+
+    def _fetch_grad(self, unit: Unit):
+        """The unit's gradient shard in memory: zeros when the tier holds none this step."""
+        if self.tier is None or unit.grad_here:
+            return
+        unit.grad_read = self.tier.zeros(unit.shard_grad) if unit.grad_zero else \
+            self.tier.fetch(f"grad{unit.index}", unit.shard_grad)
+        unit.grad_here = True
+
+    def _unit_grads(self, unit: Unit) -> list[torch.Tensor]:
+        return [self.shard_params[i].grad for i in unit.pieces]
 
     def _count_buffers(self) -> None:
         alive = sum(u.full.untyped_storage().nbytes() + (tensor_bytes([u.staging]) if u.staging is not None else 0)
@@ -140,14 +198,30 @@ class ShardParameters:
             unit.pending_gather.wait()
             unit.pending_gather = unit.gather_source = None
             unit.gathered = True
+            self._drop_shard(unit)
 
     def _free(self, unit: Unit) -> None:
         unit.full.untyped_storage().resize_(0)
         unit.gathered = False
 
-    def _prefetch(self, index: int) -> None:
-        if 0 <= index < len(self.units):
-            self._gather(self.units[index])
+    def _prefetch(self, index: int, direction: int) -> None:
+        """Start gathering the unit computed next; offloaded, start reading its shard and the
+        next one's (read-ahead), and on one process gather it only if its read has landed, so
+        compute does not wait here (with data parallelism the gather is issued now regardless:
+        the ranks' collectives must come in the same order)."""
+        if not 0 <= index < len(self.units):
+            return
+        unit = self.units[index]
+        if self.tier is None:
+            self._gather(unit)
+            return
+        if not (unit.gathered or unit.pending_gather is not None):
+            self._fetch_shard(unit)
+            # every rank must issue its collectives in one order, whatever its disk's timing
+            if unit.shard_read is None or unit.shard_read.done() or self.group is not None:
+                self._gather(unit)
+        if 0 <= index + direction < len(self.units) and not self.units[index + direction].gathered:
+            self._fetch_shard(self.units[index + direction])
 
     # --- hooks --------------------------------------------------------------------------------
     def _register_hooks(self, unit: Unit) -> None:
@@ -160,7 +234,7 @@ class ShardParameters:
 
     def _before_forward(self, unit: Unit, module, args) -> None:
         self._ensure_gathered(unit)
-        self._prefetch(unit.index + 1)
+        self._prefetch(unit.index + 1, 1)
 
     def _after_forward(self, unit: Unit, module, args, output) -> None:
         if not unit.keep_after_forward:
@@ -174,7 +248,7 @@ class ShardParameters:
 
     def _before_backward(self, unit: Unit, module, grad_output) -> None:
         self._ensure_gathered(unit)
-        self._prefetch(unit.index - 1)
+        self._prefetch(unit.index - 1, -1)
 
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
         if unit.staging is None:  # staged directly in the dtype it travels in
@@ -192,23 +266,49 @@ class ShardParameters:
         if unit.staging is None:  # no gradient reached this unit: reduce zeros
             unit.staging = unit.shard.new_zeros(unit.bucket.size, dtype=self.settings.reduce_dtype or unit.shard.dtype)
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
-        self._pending.append((unit, comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group, "dp",
-                                                        async_op=True)))
+        self._pending.append((unit, None if self.group is None else
+                              comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group, "dp", async_op=True)))
         unit.ready = -1  # reduced for this backward
         while len(self._pending) > MAX_IN_FLIGHT:  # bound the full gradients alive at once
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         unit, work = self._pending.pop(0)
-        work.wait()
+        if work is not None:
+            work.wait()
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
+        if self.tier is not None and unit.grad_zero:
+            # The step's first gradient of the unit: the reduced shard is the gradient itself (adding
+            # it to zeros changes at most the sign of a zero, which no later arithmetic sees), so it
+            # goes to the tier as it is, without a zeroed buffer and an add.
+            self._leave(unit, unit.staging[lo:hi].to(unit.shard_grad.dtype))  # from the reduce dtype
+            unit.staging = None
+            return
+        self._fetch_grad(unit)
+        tiers.wait(unit.grad_read)
+        unit.grad_read = None
         unit.shard_grad.add_(unit.staging[lo:hi])  # a sum: the loss carried 1/dp
         unit.staging = None
+        if self.tier is not None:
+            self._leave(unit, unit.shard_grad)
+            self.tier.evict(f"grad{unit.index}", unit.shard_grad, dirty=False)  # written by _leave
+            unit.grad_here = False
+
+    def _leave(self, unit: Unit, grad: torch.Tensor) -> None:
+        """Write a unit's accumulated gradient shard to the tier; on the step's last micro-batch take
+        its pieces' norms first (clipping needs them, and the gradient is leaving memory)."""
+        if self.final:
+            unit.grad_norms = norm_pairs([grad[self.pieces[i].shard_index:self.pieces[i].shard_index +
+                                               self.pieces[i].end - self.pieces[i].start] for i in unit.pieces])
+        self.tier.write(f"grad{unit.index}", grad)
+        unit.grad_zero = False
 
     # --- what data parallelism calls -------------------------------------------------------------
     @contextmanager
-    def backward(self, sync: bool):
-        """Gradients are reduce-scattered on every micro-batch: no full gradient is kept."""
+    def backward(self, sync: bool, final: bool = True):
+        """Gradients are reduce-scattered on every micro-batch: no full gradient is kept. final:
+        the step's last micro-batch."""
+        self.final = final
         with warnings.catch_warnings():
             # The embedding's inputs are token ids: its backward pre-hook fires on the output
             # gradient alone, which is what we want.
@@ -230,6 +330,69 @@ class ShardParameters:
     def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]
 
+    def grad_norm_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(the norm of this rank's piece of a gradient, its parameter); offloaded, the norms taken
+        as the final gradients were written."""
+        if self.tier is None:
+            return list(zip(norm_pairs([g for g, _ in self.grad_pairs()]), (p for _, p in self.grad_pairs())))
+        norms = {i: n for unit in self.units for i, n in zip(unit.pieces, unit.grad_norms)}
+        return [(norms[i], pc.param) for i, pc in enumerate(self.pieces)]
+
+    def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        if self.tier is None:
+            torch.nn.utils.clip_grads_with_norm_([g for g, _ in self.grad_pairs()], max_norm, total_norm)
+        else:  # the same arithmetic, on each unit's gradients as the optimizer reads them
+            self.clip = (max_norm, total_norm)
+
+    def stream_units(self):
+        """For the optimizer: this rank's shards, a unit at a time, each with its gradient in
+        memory (the next unit read meanwhile); the updated shard is written back after. Yields the
+        unit's shard tensors (the optimizer's, in `optimizer_pieces`)."""
+        for unit in self.units:
+            for ahead in (unit, self.units[unit.index + 1] if unit.index + 1 < len(self.units) else None):
+                if ahead is not None:
+                    self._fetch_shard(ahead)
+                    self._fetch_grad(ahead)
+            for read in ("shard_read", "grad_read"):
+                tiers.wait(getattr(unit, read))
+                setattr(unit, read, None)
+            if self.clip is not None:
+                torch.nn.utils.clip_grads_with_norm_(self._unit_grads(unit), *self.clip)
+            yield [self.shard_params[i] for i in unit.pieces]
+            self._drop_shard(unit, dirty=True)
+            if self.tier is not None:  # zero_grad follows: nothing to write
+                self.tier.evict(f"grad{unit.index}", unit.shard_grad, dirty=False)
+                unit.grad_here = False
+        self.clip = None
+
+    @contextmanager
+    def in_memory(self):
+        """Every offloaded shard read into memory and held (checkpoints read and write them);
+        written back and freed after."""
+        if self.tier is None:
+            yield
+            return
+        for unit in self.units:
+            self._fetch_shard(unit)
+            tiers.wait(unit.shard_read)
+            unit.shard_read = None
+        self.pinned = True
+        try:
+            yield
+        finally:
+            self.pinned = False
+            for unit in self.units:
+                self._drop_shard(unit, dirty=True)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """What the tier holds: the shards and their gradients."""
+        return self.tier.bytes_held() if self.tier is not None else 0
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+
     def optimizer_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter, int, int]]:
         return sharded_optimizer_pieces(self.pieces, self.shard_params)
 
@@ -241,10 +404,18 @@ class ShardParameters:
 
     def zero_grad(self) -> None:
         for unit in self.units:
-            unit.shard_grad.zero_()
+            if self.tier is None:
+                unit.shard_grad.zero_()
+            else:  # nothing to write: the next gradient is added to zeros made then
+                unit.grad_zero, unit.grad_norms = True, []
 
     def held_bytes(self) -> dict[str, int]:
-        return {"params": tensor_bytes(self.shard_params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
+        """In memory now: offloaded shards and gradients count only while they are read in (or
+        on their way in; an eviction counts as done when it is queued)."""
+        if self.tier is None:
+            return {"params": tensor_bytes(self.shard_params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
+        return {kind: sum(tensor_bytes([getattr(u, tensor)]) for u in self.units if getattr(u, here))
+                for kind, tensor, here in (("params", "shard", "shard_here"), ("grads", "shard_grad", "grad_here"))}
 
     @torch.no_grad()
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -252,7 +423,12 @@ class ShardParameters:
         of their own, whatever the gather dtype) and persistent buffers."""
         state = {}
         for unit in self.units:
-            masters = gather_shards(unit.shard, unit.full.numel(), self.group)
+            self._fetch_shard(unit)
+            tiers.wait(unit.shard_read)
+            unit.shard_read = None
+            masters = gather_shards(unit.shard, unit.full.numel(), self.group) if self.group is not None else \
+                unit.shard.clone()
+            self._drop_shard(unit)
             for (_, _, name), param, offset in zip(unit.slots, unit.bucket.params, unit.bucket.offsets):
                 state[name] = masters[offset:offset + param.numel()].view(param.shape).clone()
         for name, buf in self.model.named_buffers():

@@ -16,6 +16,7 @@ from strata.model.config import ModelConfig
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
 from strata.plan.hardware import Device
 from strata.plan.memory import activation_bytes_per_layer, held_state_bytes
+from strata.plan.offload import offload_cost, offloads
 from strata.rules.constants import BUCKET_MB
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
@@ -93,12 +94,16 @@ class Estimate:
     exposed_comm_s: dict[str, float] = field(default_factory=dict)  # by group: what no compute hides
     optimizer_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    tier_bytes: dict[str, float] = field(default_factory=dict)  # offloaded: what host memory and disk hold
+    io_s: float = 0.0  # offload transfers per step, hidden or not
+    exposed_io_s: float = 0.0  # of them, what neither compute nor the optimizer step hides
 
     def shares(self) -> dict[str, float]:
         """The step split into parts that add up to it: compute, each group's exposed
-        communication, the pipeline bubble and the optimizer step."""
+        communication, the pipeline bubble, the optimizer step and offload transfers not hidden."""
         parts = {"compute": self.compute_s, **{f"{g} communication": s for g, s in self.exposed_comm_s.items()},
-                 "pipeline bubble": self.bubble * self.step_time_s, "optimizer step": self.optimizer_s}
+                 "pipeline bubble": self.bubble * self.step_time_s, "optimizer step": self.optimizer_s,
+                 "offload I/O": self.exposed_io_s}
         return {name: seconds / self.step_time_s for name, seconds in parts.items()}
 
     @property
@@ -111,7 +116,8 @@ class Estimate:
                 "comm_bytes": self.comm_bytes, "compute_s": self.compute_s, "bubble": self.bubble,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "exposed_comm_seconds": self.exposed_comm_s, "optimizer_s": self.optimizer_s,
-                "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "notes": self.notes}
+                "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "notes": self.notes,
+                "tier_bytes": self.tier_bytes, "io_seconds": self.io_s, "exposed_io_seconds": self.exposed_io_s}
 
 
 # --- links -----------------------------------------------------------------------------------------
@@ -266,8 +272,13 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
     activations += (terms.tokens * cfg.d_model * terms.act_bytes if load.first else 0) + \
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
     memory = {"weights": states.weights, "gradients": states.grads,
-              "optimizer_states": 0.0 if lay.offload == "cpu" else states.optimizer,
+              "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
               "activations": activations, "buffers": _buffers(cfg, lay, t)}
+    if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
+        memory["weights"] = memory["gradients"] = 0.0  # is read in ahead of its gather (two at once)
+        memory["buffers"] += 2 * 4 * max(cfg.unit_params()) / t / lay.dp
+    if lay.offload_activations != "none":  # only the block being recomputed has its input back
+        memory["activations"] -= terms.activation_per_layer * (load.layers - 1)
     spec = SCHEDULES[lay.schedule]
     if spec.asynchronous:
         # The stashed copies of the stage's weights the layers compute with (parallel/pipeline/
@@ -336,6 +347,18 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     optimizer = _optimizer_seconds(cluster, lay, slowest.load.params / t)
     gradient_passes = _gradient_pass_seconds(cluster, lay, slowest.load.params / t, m, work.fused_accumulation) / rate_scale
     step = m * slowest.total + gradient_passes + bubble_time + dp_exposed + optimizer
+    io = exposed_io = 0.0
+    tiers = {}
+    if offloads(lay):
+        page_cache = cluster.device.memory_bytes - sum(memory.values()) if cluster.device.name == "cpu-local" else 0
+        off = offload_cost(cluster.device, lay, slowest.load.params / t, max(cfg.unit_params()) / t,
+                           terms.activation_per_layer * slowest.load.layers, m,
+                           cfg.unit_params()[0] / t if cfg.tie_embeddings else 0.0, max(page_cache, 0.0))
+        exposed_io = off.first_read_s + max(0.0, off.during_compute_s - m * slowest.total)
+        io, tiers = off.total_s, off.tier_bytes
+        # the step's pass over the tiers: as long as the longer of its arithmetic and its transfers
+        exposed_io += max(0.0, off.optimizer_s - optimizer)
+        step += exposed_io
     tokens_per_step = work.global_batch * s
     params, attention = cfg.matmul_params(), cfg.n_layers * 4 * cfg.attended_positions(s) * cfg.q_dim
     recomputed = {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing]
@@ -347,7 +370,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                     mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak,
                     kernel_ceiling=terms.kernel_ceiling,
                     exposed_comm_s={"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]},
-                    optimizer_s=optimizer)
+                    optimizer_s=optimizer, tier_bytes=tiers, io_s=io, exposed_io_s=exposed_io)
 
 
 def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:

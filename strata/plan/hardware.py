@@ -52,6 +52,16 @@ def _kernels(best_gemm_fraction: float, attention_fraction: float) -> Kernels:
                    KERNEL_OVERHEAD_S)
 
 
+# The tiers below device memory that offloading uses (ZeRO-Offload, ZeRO-Infinity), bytes/s per
+# device: host memory over PCIe, per direction, at about 80% of the link (3.0 x16: 16 GB/s, 4.0: 32,
+# 5.0: 64); and the node's NVMe drives shared by its devices, each drive about 6.5 GB/s read and
+# 3.5 GB/s written sequentially (PCIe 4.0 U.2 data-centre drives' datasheets), 4 drives for 8 GPUs
+# in a DGX A100, 8 in a DGX H100/H200 (NVIDIA's DGX datasheets). cpu-local: `strata calibrate`
+# measures this machine's disk (and its host tier is its own memory).
+PCIE3, PCIE4, PCIE5 = 12.8 * GB, 25.6 * GB, 51.2 * GB
+NVME_READ, NVME_WRITE = 6.5 * GB, 3.5 * GB
+
+
 @dataclass(frozen=True)
 class Device:
     name: str
@@ -60,12 +70,16 @@ class Device:
     memory_bandwidth: float  # bytes/s, HBM (or GDDR)
     nvlink_bandwidth: float | None  # bytes/s per direction per device; None: no NVLink
     kernels: Kernels = field(default_factory=lambda: _kernels(0.8, 0.5))  # cpu-local: strata calibrate's
+    host_bandwidth: float = PCIE4  # bytes/s to and from host memory, per direction
+    disk_read: float | None = NVME_READ / 2  # bytes/s this device's share of the node's drives reads
+    disk_write: float | None = NVME_WRITE / 2  # (None: not measured; disk offload is not priced)
+    disk_cached_read: float | None = None  # what a read the page cache serves reaches (cpu-local: measured)
 
 
 # NVIDIA datasheets (V100 SXM2, A100 SXM4, A800 SXM4, H100 SXM5, H200 SXM, GeForce RTX 4090).
 # fp32 is the plain (non-TF32) rate; RTX 4090's 16-bit rate is with fp32 accumulation.
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("V100-32G", 32 * GB, {"fp16": 125e12, "fp32": 15.7e12}, 900 * GB, 150 * GB, _kernels(0.8, 0.5)),
+    Device("V100-32G", 32 * GB, {"fp16": 125e12, "fp32": 15.7e12}, 900 * GB, 150 * GB, _kernels(0.8, 0.5), PCIE3),
     Device("A100-40G", 40 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 1555 * GB, 300 * GB,
            _kernels(0.859, 0.5)),
     Device("A100-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 300 * GB,
@@ -73,9 +87,9 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     Device("A800-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 200 * GB,
            _kernels(0.859, 0.5)),
     Device("H100-80G", 80 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 3350 * GB, 450 * GB,
-           _kernels(0.801, 0.35)),
+           _kernels(0.801, 0.35), PCIE5, NVME_READ, NVME_WRITE),
     Device("H200", 141 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 4800 * GB, 450 * GB,
-           _kernels(0.83, 0.35)),
+           _kernels(0.83, 0.35), PCIE5, NVME_READ, NVME_WRITE),
     Device("RTX-4090", 24 * GB, {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}, 1008 * GB, None,
            _kernels(0.8, 0.5)),
 )}

@@ -86,8 +86,11 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
     measured = sorted(int(n) for n in profile["matmul_flops"])
     nearest = str(min(measured, key=lambda n: (abs(n - processes), n)))
     share = profile["step_seconds_per_process"]["1"] / profile["step_seconds_per_process"][nearest]
+    disk = profile.get("disk", {})  # absent in profiles from before the disk was measured
     device = Device(CPU_LOCAL, int(profile["memory_bytes"] / processes), {"fp32": profile["matmul_flops"]["1"] * share},
-                    profile["memory_bandwidth"] * share, None, Kernels(**profile["kernels"]))
+                    profile["memory_bandwidth"] * share, None, Kernels(**profile["kernels"]),
+                    host_bandwidth=profile["memory_bandwidth"] * share, disk_read=disk.get("read_bytes_per_s"),
+                    disk_write=disk.get("write_bytes_per_s"), disk_cached_read=disk.get("cached_read_bytes_per_s"))
     collectives = {op: {n: m["points"] for n, m in by_size.items()} for op, by_size in profile["collectives"].items()}
     return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0, efficiency, collectives,
                    overlap=False, shared_cores=profile["cores"])

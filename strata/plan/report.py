@@ -11,9 +11,9 @@ from strata.rules.layout import Layout, check_layout, check_transfer_dtypes
 LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("virtual_stages", int),
                "zero": ("zero", int), "mb": ("micro_batch", int), "ckpt": ("checkpointing", str),
                "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool),
-               "reduce": ("reduce_dtype", str), "gather": ("gather_dtype", str)}
+               "reduce": ("reduce_dtype", str), "gather": ("gather_dtype", str),
+               "offload_params": ("offload_params", str), "offload_activations": ("offload_activations", str)}
 KEY_OF_FIELD = {field: key for key, (field, _) in LAYOUT_KEYS.items()}
-PLANNED_OFFLOAD = ("none", "cpu")  # what the cost model prices (disk: not yet)
 
 
 def parse_layout(text: str, work: Workload, world: int) -> Layout:
@@ -39,8 +39,6 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
     layout = Layout(**{"dp": world // (tp * pp), **values})
     if layout.checkpointing not in PLANNED_MODES:
         raise ConfigError(f"--layout {text}: ckpt={layout.checkpointing}: the planner prices {', '.join(PLANNED_MODES)}")
-    if layout.offload not in PLANNED_OFFLOAD:
-        raise ConfigError(f"--layout {text}: offload={layout.offload}: the planner prices {', '.join(PLANNED_OFFLOAD)}")
     try:
         check_transfer_dtypes(layout.reduce_dtype, layout.gather_dtype, work.precision)
         check_layout(work.model, layout, world, work.seq_len, work.global_batch)

@@ -22,13 +22,17 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
-            allow_async: bool = False) -> Iterator[Layout]:
+            allow_async: bool = False, params_offload: bool = False) -> Iterator[Layout]:
     """Every layout of `world` devices strata runs for this model and batch: the candidates below,
     each passed through the trainer's own layout check. transfers: the (reduce, gather) dtypes the
     run asked for; a layout they do not apply to (bf16 reductions without dp, bf16 gathers
     without ZeRO) is not run, so not offered. allow_async: offer the asynchronous schedules too,
-    which change the optimisation (stale weights), so only when asked."""
-    for layout in _candidates(work, world, offload, transfers, allow_async):
+    which change the optimisation (stale weights), so only when asked. params_offload: instead,
+    the ZeRO-Infinity layouts (ZeRO-3 with its shards in host memory or on disk), which `search`
+    tries only when nothing else fits."""
+    candidates = _infinity_candidates(work, world, offload, transfers) if params_offload else \
+        _candidates(work, world, offload, transfers, allow_async)
+    for layout in candidates:
         try:
             check_layout(work.model, layout, world, work.seq_len, work.global_batch)
         except ConfigError:
@@ -53,6 +57,24 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                                                  reduce_dtype=transfers[0], gather_dtype=transfers[1])
 
 
+def _infinity_candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str]) -> Iterator[Layout]:
+    """ZeRO-3 over tp x dp (no pipeline: ZeRO-3 runs without stages) with its shards in host
+    memory or on disk, Adam's moments beside them or in device memory, checkpointed activations
+    kept or offloaded too."""
+    if not offload:
+        return
+    for t in divisors(world):
+        for b in MICRO_BATCHES:
+            for checkpointing in PLANNED_MODES:
+                for params in ("cpu", "disk"):
+                    for moments in ("none", "cpu", "disk"):
+                        for activations in ("none", "cpu") if checkpointing != "none" else ("none",):
+                            for sp in (False, True) if t > 1 else (False,):
+                                yield Layout(world // t, t, 1, 1, 3, b, checkpointing, moments, sp,
+                                             reduce_dtype=transfers[0], gather_dtype=transfers[1],
+                                             offload_params=params, offload_activations=activations)
+
+
 def _schedules(n_layers: int, p: int, allow_async: bool) -> list[tuple[int, str]]:
     if p == 1:
         return [(1, "1f1b")]
@@ -73,9 +95,22 @@ def refusal(e: Estimate) -> str | None:
 
 def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
            allow_async: bool = False) -> tuple[list[Estimate], list[Estimate]]:
-    """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first)."""
+    """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first).
+    Parameter offload (ZeRO-Infinity) is offered only when nothing else fits, as a last resort: it
+    trades device memory for transfers over PCIe or from disk on every step."""
+    ranked, rejected = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers, allow_async))
+    if not ranked and offload:
+        last_resort, still = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers,
+                                                               params_offload=True))
+        for e in last_resort:
+            e.notes.append("parameters offloaded: no layout without it fits")
+        ranked, rejected = last_resort, sorted(rejected + still, key=lambda e: e.memory_bytes_per_device)
+    return ranked, rejected
+
+
+def _estimates(work: Workload, cluster: Cluster, candidates) -> tuple[list[Estimate], list[Estimate]]:
     ranked, rejected = [], []
-    for layout in layouts(work, cluster.world, offload, transfers, allow_async):
+    for layout in candidates:
         e = estimate(work, cluster, layout)
         reason = refusal(e)
         if reason:
@@ -121,6 +156,8 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         f"with tensor parallelism over {link} (tp>1)": lambda lay: lay.tp > 1,
         "with tensor parallelism across nodes": lambda lay: lay.tp > cluster.devices_per_node,
     }
+    if best.layout.offload_params != "none":
+        lines.append(_offload_line(best, rejected))
     spec = SCHEDULES[best.layout.schedule]
     if spec.asynchronous:  # a choice the user allowed: say what it changes
         lines.append(f"{best.layout.schedule} ({spec.source}): no pipeline flush, so no bubble in steady state, but every "
@@ -144,6 +181,18 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
                 f"({rival.layout.describe()})"
             lines.append(f"{label}: {why}")
     return lines
+
+
+def _offload_line(best: Estimate, rejected: list[Estimate]) -> str:
+    """Why the parameters leave the device, and what it costs."""
+    kept = [e for e in rejected if e.layout.offload_params == "none"]
+    smallest = min(kept, key=lambda e: e.memory_bytes_per_device, default=None)
+    why = (f"the smallest layout that keeps them needs {smallest.memory_bytes_per_device / 1e9:.1f} GB per device "
+           f"({smallest.layout.describe()})") if smallest is not None else "no layout keeps them"
+    held = ", ".join(f"{tier} {nbytes / 1e9:.1f} GB" for tier, nbytes in best.tier_bytes.items())
+    return (f"parameters offloaded (ZeRO-Infinity), because nothing else fits: {why}. Per device the tiers hold "
+            f"{held}; their transfers take {_duration(best.io_s)} per step, {_duration(best.exposed_io_s)} of it "
+            f"not hidden behind compute or the optimizer step")
 
 
 def _shares(e: Estimate) -> str:

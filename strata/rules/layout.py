@@ -17,6 +17,8 @@ from strata.rules.schedules import SCHEDULES
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_TARGETS = ("none", "disk", "cpu")  # where the optimizer's states live and its step runs
+PARAM_OFFLOAD_TARGETS = ("none", "cpu", "disk")  # where ZeRO-3's shards and gradients live (ZeRO-Infinity)
+ACTIVATION_OFFLOAD_TARGETS = ("none", "cpu")  # checkpointed block inputs: host memory (a file on a CPU device)
 # What data-parallel traffic travels in: "fp32", the master tensors' own dtype (fp64 in an fp64
 # run), or bf16, half the bytes. reduce: the gradients; gather: the parameters ZeRO-1/2 gather
 # after the step and ZeRO-3 before each use, which the layers then compute with.
@@ -38,6 +40,8 @@ class Layout:
     pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (None: balanced by FLOPs)
     reduce_dtype: str = "fp32"  # a TRANSFER_DTYPES name: data-parallel gradients
     gather_dtype: str = "fp32"  # a TRANSFER_DTYPES name: ZeRO-1/2/3's parameter all-gathers
+    offload_params: str = "none"  # a PARAM_OFFLOAD_TARGETS name (with zero 3)
+    offload_activations: str = "none"  # an ACTIVATION_OFFLOAD_TARGETS name (with checkpointing)
 
     @property
     def world_size(self) -> int:
@@ -56,6 +60,10 @@ class Layout:
             parts.append(f"ckpt={self.checkpointing}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.offload_params != "none":
+            parts.append(f"offload_params={self.offload_params}")
+        if self.offload_activations != "none":
+            parts.append(f"offload_activations={self.offload_activations}")
         for kind in ("reduce", "gather"):
             if getattr(self, f"{kind}_dtype") != "fp32":
                 parts.append(f"{kind}={getattr(self, f'{kind}_dtype')}")
@@ -138,17 +146,17 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     check_workload(model, seq_len, global_batch)
     if layout.zero not in ZERO_STAGES:
         raise ConfigError(f"valid: {', '.join(map(str, ZERO_STAGES))}", "zero", layout.zero)
-    if layout.zero and layout.dp == 1:
+    check_offload(layout)
+    if layout.zero and layout.dp == 1 and not (layout.zero == 3 and layout.offload_params != "none"):
         raise ConfigError("ZeRO shards states across data-parallel ranks, and dp is 1; use zero 0, or more "
-                          "processes with dp > 1", "zero", layout.zero)
+                          "processes with dp > 1 (or offload_params cpu|disk: ZeRO-Infinity on one process)",
+                          "zero", layout.zero)
     check_tensor_parallel(model, layout.tp)
     if layout.sequence_parallel and layout.tp == 1:
         raise ConfigError("needs tp 2 or more", "sequence_parallel", True)
     if layout.sequence_parallel and seq_len % layout.tp:
         raise ConfigError(f"must be a multiple of tp {layout.tp} with sequence parallelism", "seq_len", seq_len)
     parse_checkpointing(layout.checkpointing)
-    if layout.offload not in OFFLOAD_TARGETS:
-        raise ConfigError(f"valid: {', '.join(OFFLOAD_TARGETS)}", "offload", layout.offload)
     if layout.reduce_dtype != "fp32" and layout.dp == 1:
         raise ConfigError("sets the dtype of data-parallel reductions, and dp is 1", "reduce_dtype", layout.reduce_dtype)
     if layout.gather_dtype != "fp32" and layout.zero == 0:
@@ -162,6 +170,26 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)
     check_asynchronous(model, layout, global_batch)
     return check_pipeline(model, layout, seq_len)
+
+
+def check_offload(layout: Layout) -> None:
+    """Where states and activations may go: the optimizer's (any stage), ZeRO-3's shards (ZeRO-
+    Infinity: with zero 3, not with pipeline stages, which ZeRO-3 runs without), checkpointed
+    activations (there must be checkpointing)."""
+    for field, valid in (("offload", OFFLOAD_TARGETS), ("offload_params", PARAM_OFFLOAD_TARGETS),
+                         ("offload_activations", ACTIVATION_OFFLOAD_TARGETS)):
+        if getattr(layout, field) not in valid:
+            raise ConfigError(f"valid: {', '.join(valid)}", field, getattr(layout, field))
+    if layout.offload_params != "none":
+        if layout.zero != 3:
+            raise ConfigError(f"streams ZeRO-3's parameter shards: needs zero 3 (zero is {layout.zero}; on one "
+                              f"process offload_params alone means zero 3)", "offload_params", layout.offload_params)
+        if layout.pp > 1:
+            raise ConfigError(f"not with pp {layout.pp}: it streams ZeRO-3's shards, and ZeRO-3 runs without "
+                              f"pipeline stages", "offload_params", layout.offload_params)
+    if layout.offload_activations != "none" and layout.checkpointing == "none":
+        raise ConfigError("moves what activation checkpointing keeps; add checkpointing full (or selective, every:K)",
+                          "offload_activations", layout.offload_activations)
 
 
 def check_asynchronous(model: ModelConfig, layout: Layout, global_batch: int) -> None:

@@ -8,7 +8,9 @@ For 1, 2, 4, ... up to --nproc processes running at once (through torchrun, as t
   bandwidth (bytes of the whole tensor, so the fit holds the ring's factors);
 then, on one process, the memory bandwidth (a large copy) and how this CPU runs a training step's
 kernels (strata/plan/compute.py): --model's GEMMs and attention timed alone, and the rest of its
-real training steps fitted as elementwise traffic and a cost per kernel. The profile is JSON, by default in
+real training steps fitted as elementwise traffic and a cost per kernel; and the disk under
+--disk-dir (where offloaded files go): its write rate (data synced), its read rate with the file
+out of the page cache, and with it in. The profile is JSON, by default in
 ~/.cache/strata/calibration.json.
 
 `--inference` measures instead what `strata plan --inference` needs on any device (a CPU, or the
@@ -16,6 +18,7 @@ user's own GPU): its memory bandwidth and the decode step's per-layer and per-to
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -259,7 +262,35 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) 
             "measured_steps": {str(b): round(r + predicted(b, 1e12, 0.0), 6) for b, (r, _, _) in zip(MICRO_BATCHES, rows)}}
 
 
-def calibrate(max_procs: int, model: str, out: str) -> dict:
+def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> dict:
+    """Bytes/s of a sequential write (until the data is on the disk), of a read with the file out
+    of the page cache (the disk itself) and of one with it in (what offloaded files that fit in
+    free memory are read at), through pwrite/pread as the offload tiers use them."""
+    data = torch.randn(chunk // 4)
+    buffer = (ctypes.c_char * chunk).from_address(data.data_ptr())
+    os.makedirs(directory, exist_ok=True)
+    fd, path = tempfile.mkstemp(dir=directory, prefix="strata-calibrate-")
+    rates = {}
+    try:
+        started = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            os.pwritev(fd, [buffer], offset)
+        os.fdatasync(fd)
+        rates["write_bytes_per_s"] = nbytes / (time.perf_counter() - started)
+        for kind in ("read_bytes_per_s", "cached_read_bytes_per_s"):
+            if kind == "read_bytes_per_s":
+                os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # synced above, so it can leave
+            started = time.perf_counter()
+            for offset in range(0, nbytes, chunk):
+                os.preadv(fd, [buffer], offset)
+            rates[kind] = nbytes / (time.perf_counter() - started)
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return {"directory": os.path.abspath(directory), **rates}
+
+
+def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None) -> dict:
     profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": _total_memory(),
                "matmul_flops": {}, "memory_bandwidth_per_process": {}, "step_seconds_per_process": {},
                "collectives": {op: {} for op in OPS}}
@@ -289,6 +320,11 @@ def calibrate(max_procs: int, model: str, out: str) -> dict:
     torch.set_num_threads(1)
     profile["memory_bandwidth"] = profile["memory_bandwidth_per_process"]["1"]
     profile.update(kernel_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"]))
+    profile["disk"] = disk_rates(disk_dir or os.path.join(tempfile.gettempdir(), "strata-offload"))
+    d = profile["disk"]
+    print(f"disk under {d['directory']}: write {d['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
+          f"{d['read_bytes_per_s'] / 1e9:.2f} GB/s ({d['cached_read_bytes_per_s'] / 1e9:.2f} GB/s from the page cache)",
+          flush=True)
     k = profile["kernels"]
     print(f"memory bandwidth {profile['memory_bandwidth'] / 1e9:.1f} GB/s; {model}'s GEMMs reach up to "
           f"{k['gemm_fraction']:.0%} of the matmul rate, +{k['gemm_overhead_s'] * 1e6:.0f} us each; attention "

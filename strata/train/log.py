@@ -8,6 +8,7 @@ import math
 from tqdm import tqdm
 
 from strata.distributed import comm
+from strata.memory import tiers
 from strata.train import metrics as m
 from strata.train.optim import lr_at
 from strata.train.run_dir import RunOutputs
@@ -64,7 +65,12 @@ class RunLog:
                   "mfu": tokens_per_s * self.flops_per_token / (self.peak * run.world_size), "step_time_s": elapsed,
                   "model_state_bytes": sum(states.values()), "model_state_breakdown": _by_location(run, states),
                   "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
-                  "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device)}
+                  "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device),
+                  "optimizer_step_s": run.update_s}
+        if any(setting != "none" for setting in (run.cfg.offload, run.cfg.offload_params, run.cfg.offload_activations)):
+            record["offload"] = {"read_bytes": dict(tiers.io.read), "written_bytes": dict(tiers.io.written),
+                                 "io_wait_s": tiers.io.wait_s}
+        record["peak_rss_bytes"] = tiers.peak_resident_bytes()
         sharding = getattr(run.parallel, "sharding", None)
         if hasattr(sharding, "peak_buffer_bytes"):  # ZeRO-3: gathered units and staged gradients
             record["buffer_bytes"] = sharding.peak_buffer_bytes
@@ -82,6 +88,8 @@ class RunLog:
 
 def _by_location(run, states: dict[str, int]) -> dict[str, int]:
     """Model-state bytes by kind, and, with offload, where the optimizer's states are instead."""
+    if run.cfg.offload_params != "none":  # the shards and gradients; the moments where --offload puts them
+        states = {**states, f"params_and_grads_on_{run.cfg.offload_params}": run.parallel.sharding.offloaded_bytes}
     if run.cfg.offload == "disk":
         return {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
     if run.cfg.offload == "cpu":  # what stays on the device, what the host holds

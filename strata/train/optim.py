@@ -9,22 +9,31 @@ import tempfile
 import torch
 
 from strata.config import TrainConfig
-from strata.memory.offload import DiskOffloadAdamW, HostOffloadAdamW
+from strata.memory.offload import DiskMoments, HostOffloadAdamW, MemoryMoments, StreamingAdamW
 
 
-def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig, rank: int = 0):
+def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig, rank: int = 0,
+                    stream=None):
     """AdamW over the tensors this rank updates (whole parameters, or its ZeRO shards of them).
     Weight decay applies to what comes from matrices and embeddings, not to norms or biases, as in
     GPT-3 and LLaMA training. --offload cpu runs it in host memory, --offload disk keeps its moments
-    in a file (the same arithmetic either way)."""
+    in a file (the same arithmetic either way). stream: with --offload-params, ZeRO-3's pass over
+    its offloaded shards, a unit at a time (strata/parallel/zero3.py `stream_units`)."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.offload == "cpu":
-        return HostOffloadAdamW(groups, cfg.lr, (cfg.beta1, cfg.beta2))
+    betas = (cfg.beta1, cfg.beta2)
     if cfg.offload == "disk":
-        directory = cfg.offload_dir or os.path.join(tempfile.gettempdir(), "strata-offload")
-        return DiskOffloadAdamW(groups, cfg.lr, (cfg.beta1, cfg.beta2), directory, rank)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+        return StreamingAdamW(groups, cfg.lr, betas, DiskMoments(offload_dir(cfg), rank), stream=stream)
+    if stream is not None:
+        return StreamingAdamW(groups, cfg.lr, betas, MemoryMoments(host=cfg.offload == "cpu"), stream=stream)
+    if cfg.offload == "cpu":
+        return HostOffloadAdamW(groups, cfg.lr, betas)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
+
+
+def offload_dir(cfg: TrainConfig) -> str:
+    """Where offloaded files go: --offload-dir, or the temp directory."""
+    return cfg.offload_dir or os.path.join(tempfile.gettempdir(), "strata-offload")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

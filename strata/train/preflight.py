@@ -7,6 +7,7 @@ through STRATA_PREFLIGHT; a rank started some other way (torchrun by hand) runs 
 from __future__ import annotations
 
 import os
+import shutil
 
 from strata.checkpoint import store
 from strata.config import TrainConfig, check_run_settings, sequence_length, validate
@@ -14,6 +15,7 @@ from strata.data.loader import check_token_ids, check_windows, read_meta
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
+from strata.train.optim import offload_dir
 from strata.train.run_dir import check_outputs
 
 DONE = "STRATA_PREFLIGHT"  # set in the ranks' environment once the launcher has run the checks
@@ -61,6 +63,27 @@ def data_vocab_size(cfg: TrainConfig, model_vocab: int) -> int:
     return read_meta(cfg.data)["vocab_size"]
 
 
+def check_offload_space(cfg: TrainConfig, model: ModelConfig) -> None:
+    """Disk offload's files fit where they go: 8 bytes per parameter for the shards and their
+    gradients (--offload-params disk), 8 for Adam's moments (--offload disk; each data-parallel
+    replica its own under ZeRO-0), this machine's share of them (its processes out of the world)."""
+    replicas = max(1, cfg.nproc // (cfg.tp * cfg.pp)) if cfg.zero == 0 and cfg.offload_params == "none" else 1
+    per_param = 8 * (cfg.offload_params == "disk") + 8 * replicas * (cfg.offload == "disk")
+    if not per_param:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc))
+    needed = model.num_params() * per_param * min(1.0, local / int(os.environ.get("WORLD_SIZE", cfg.nproc)))
+    directory = offload_dir(cfg)
+    existing = directory
+    while not os.path.isdir(existing):  # the directory is made when training starts
+        existing = os.path.dirname(os.path.abspath(existing))
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise ConfigError(f"--offload-dir {directory}: the disk offload needs about {needed / 1e9:.1f} GB there "
+                          f"({per_param} bytes per parameter of {model.num_params() / 1e9:.2f}B) and "
+                          f"{free / 1e9:.1f} GB are free; choose a larger disk")
+
+
 def preflight(cfg: TrainConfig) -> list[str]:
     """Check the run's files; returns notes to print once (how the resume point was found).
     Raises ConfigError / CorruptError with one line."""
@@ -78,6 +101,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
         check_windows(meta, sequence_length(cfg, base))
         check_token_ids(cfg.data, meta)
     model = base.with_overrides(vocab_size=data_vocab_size(cfg, base.vocab_size))
+    check_offload_space(cfg, model)
     if cfg.init_from and model.vocab_size != base.vocab_size:
         raise ConfigError(f"--init-from {cfg.init_from}: the model's vocabulary is {base.vocab_size}, "
                           f"the data's {model.vocab_size}; they must be equal")

@@ -14,12 +14,14 @@ import torch
 import torch.distributed as dist
 
 from strata.checkpoint import shards, store
-from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length
+from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length, zero_stage
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
 from strata.errors import ConfigError
+from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
+from strata.memory.offload import StreamingAdamW
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer
 from strata.parallel.apply import compile_seconds, parallelize
@@ -35,7 +37,7 @@ from strata.rules.schedules import SCHEDULES
 from strata.train import metrics as m
 from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
-from strata.train.optim import build_optimizer, lr_at
+from strata.train.optim import build_optimizer, lr_at, offload_dir
 from strata.train.preflight import DONE, check_same_model, checked_model, preflight, resume_source, saves_after
 
 
@@ -69,6 +71,7 @@ class Run:
     checkpointer: store.Checkpointer | None = None
     hf_origin: dict | None = None  # a converted model's Hugging Face config, names and dtype: saved along
     versions: list[WeightVersions] | None = None  # asynchronous schedules: per (emulated) stage
+    update_s: float = 0.0  # the last optimizer step's seconds (with offload: its pass over the tiers)
     drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
 
 
@@ -86,6 +89,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     rank, world_size, owns_process_group = init_distributed(device, cfg.timeout)
     base = checked_model(cfg, world_size)
     cfg.global_batch = global_batch_size(cfg, world_size)
+    cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     groups = _groups(dims, device)
     dp_rank, tp_rank, pp_rank = (dims.coordinates(rank)[d] for d in ("dp", "tp", "pp"))
@@ -100,8 +104,10 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
-                                  (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None)
-    optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank)
+                                  (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
+                                  offload_dir(cfg), rank)
+    optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
+                                parallel.sharding.stream_units if cfg.offload_params != "none" else None)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
               optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
@@ -174,7 +180,7 @@ def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
     moments and this rank's random streams. Returns the manifest."""
     path, manifest, reader = store.open_checkpoint(source)
     check_same_model(store.model_config(manifest, path), run.model_cfg, path)
-    with reader:
+    with reader, run.parallel.in_memory():
         restored = shards.load_pieces(reader, run.pieces, run.optimizer if resume else None)
         if resume and not restored:
             raise ConfigError(f"--resume {source}: the checkpoint holds no optimizer state "
@@ -214,7 +220,8 @@ def save_checkpoint(run: Run, step: int) -> str:
     for versions in run.versions or ():  # the stages (emulated in one process) hold disjoint parameters
         for age, weights in versions.older().items():
             older.setdefault(age, {}).update(weights)
-    tensors, meta = shards.snapshot(run.pieces, run.optimizer, older)
+    with run.parallel.in_memory():
+        tensors, meta = shards.snapshot(run.pieces, run.optimizer, older)
     state = {"config": run.cfg.to_dict(), "model_config": run.model_cfg.to_dict(), "layout": layout(run),
              "data_position": {"step": step, "sequences": step * run.cfg.global_batch}}
     if run.scaler is not None:
@@ -309,9 +316,12 @@ def update(run: Run) -> dict[str, int]:
     """The optimizer step on the accumulated (reduced, clipped) gradients; a new weight version
     under an asynchronous schedule. Returns the model-state bytes at their peak: after the update,
     before the gradients are freed."""
+    started = time.perf_counter()
     run.parallel.prepare_step()
     run.optimizer.step()
     run.parallel.after_step()
+    m.synchronize(run.device)  # its kernels, not the next step's, own the time
+    run.update_s = time.perf_counter() - started
     for versions in run.versions or ():
         versions.updated()
     states = run.parallel.state_bytes(run.optimizer)
@@ -419,6 +429,7 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
         pending = None  # an asynchronous pipeline's step whose loss is still being summed, and its record
         for step in range(run.start_step, cfg.steps):
             comm.counter.reset()
+            tiers.io.reset()
             started = time.perf_counter()
             if run.versions and run.pipeline is not None:
                 metrics, states = async_pipeline_step(run, step)
@@ -477,7 +488,7 @@ def finish(run: Run, log: RunLog, keep_state: bool) -> dict:
     if run.checkpointer is not None:
         run.checkpointer.wait()
     log.close()
-    if cfg.offload == "disk":
+    if isinstance(run.optimizer, StreamingAdamW):
         run.optimizer.close()
     if cfg.trace and run.pipeline is not None:
         timelines = gather_timeline(run.pipeline)
@@ -487,6 +498,7 @@ def finish(run: Run, log: RunLog, keep_state: bool) -> dict:
     summary = {**log.summary, "model": run.model}
     if keep_state:
         summary["state"] = full_model_state(run)
+    run.parallel.close()
     if run.owns_process_group:
         dist.destroy_process_group()
     return summary

@@ -1,0 +1,183 @@
+"""ZeRO-Infinity: `--offload-params cpu|disk` (ZeRO-3's shards and gradients in a tier, read a unit at
+a time), with `--offload cpu|disk` (Adam's moments) and `--offload-activations cpu` (checkpointed
+block inputs). Every combination trains bit for bit as in memory, on one process and on dp2 with
+ZeRO-3; the bytes moved per step equal the count of what each unit must read and write; checkpoints
+cross between offloaded and in-memory runs. The 1.5B run on this machine is bench/zero_infinity.py."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from strata.config import TrainConfig
+from strata.rules.offload import activation_traffic, moment_traffic, parameter_traffic
+from strata.train.trainer import train
+
+from distributed import run_on_ranks
+
+BASE = dict(model="tiny", seq_len=32, steps=3, micro_batch=1, global_batch=4, progress=False, peak_flops=1e10,
+            eval_batches=1, seed=9, checkpointing="full")
+COMBINATIONS = list(itertools.product(("cpu", "disk"), ("none", "cpu", "disk"), ("none", "cpu")))
+
+
+def _offloaded(params, optimizer, activations, directory):
+    uses_files = "disk" in (params, optimizer) or activations != "none"  # activations: a file on a CPU device
+    return dict(offload_params=params, offload=optimizer, offload_activations=activations,
+                offload_dir=directory if uses_files else None)
+
+
+def _compare_all(settings, directory, combinations=COMBINATIONS):
+    """(combination, same losses, same weights) for each, against the run without offload."""
+    reference = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    out = []
+    for combination in combinations:
+        run = train(TrainConfig(**{**BASE, **settings}, **_offloaded(*combination, directory)), keep_state=True)
+        out.append((combination, run["losses"] == reference["losses"],
+                    all(torch.equal(reference["state"][k], v) for k, v in run["state"].items())))
+        assert not os.path.isdir(directory) or not os.listdir(directory), "the tiers' files are removed at the end"
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_offload_combination_trains_bit_for_bit_as_in_memory_on_one_process(dtype, tmp_path):
+    for combination, same_losses, same_weights in _compare_all({"dtype": dtype}, str(tmp_path)):
+        assert same_losses and same_weights, combination
+
+
+def test_offload_on_the_small_model_is_bit_for_bit(tmp_path):
+    small = {"model": "small", "steps": 2, "global_batch": 2, "dtype": "bf16"}
+    results = _compare_all({**small}, str(tmp_path), [("disk", "disk", "cpu"), ("cpu", "cpu", "none")])
+    for combination, same_losses, same_weights in results:
+        assert same_losses and same_weights, combination
+
+
+def _dp2(directory):
+    rank_dir = f"{directory}/rank{torch.distributed.get_rank()}"
+    wire = {"zero": 3, "dtype": "bf16", "reduce_dtype": "bf16", "gather_dtype": "bf16"}  # bf16 gradients staged
+    return _compare_all({"zero": 3, "grad_clip": 0.05}, rank_dir) + \
+        _compare_all(wire, rank_dir, [("disk", "disk", "cpu"), ("cpu", "none", "none")])
+
+
+def test_every_offload_combination_under_zero3_on_two_ranks_is_bit_for_bit(tmp_path):
+    for rank in run_on_ranks(_dp2, 2, str(tmp_path), timeout=600):
+        for combination, same_losses, same_weights in rank:
+            assert same_losses and same_weights, combination
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-gpt2"])
+def test_bytes_moved_per_step_are_what_each_unit_must_read_and_write(model, tmp_path):
+    """Per step, with m micro-batches, Ψ this rank's shard elements (fp32) and moments on disk:
+    parameters read once for each forward and once for each backward (its recomputation included;
+    a tied embedding, kept gathered for the head, once), gradients written each micro-batch and read
+    back for every one after the first, and the optimizer reading shard + gradient and writing the
+    shard; Adam's moments read and written once; each block's input written once and read once per
+    micro-batch."""
+    m = BASE["global_batch"] // BASE["micro_batch"]
+    run = train(TrainConfig(**{**BASE, "model": model}, **_offloaded("disk", "disk", "cpu", str(tmp_path))))
+    shard = sum(p.numel() for p in run["model"].parameters())  # one process: the whole model, unpadded
+    cfg = run["model"].cfg
+    kept = cfg.unit_params()[0] if cfg.tie_embeddings else 0
+    activations = m * cfg.n_layers * BASE["micro_batch"] * BASE["seq_len"] * cfg.d_model * 4
+    record = run["records"][-1]["offload"]
+    assert record["read_bytes"] == {"disk": 4 * shard * (2 * m + (m - 1) + 2) - 4 * kept * m + 8 * shard + activations}
+    assert record["written_bytes"] == {"disk": 4 * shard * (m + 1) + 8 * shard + activations}
+    # the rule the planner prices is this count
+    backward, step = parameter_traffic(shard, m, kept)
+    rule = backward + step + moment_traffic(shard) + activation_traffic(activations / m, m)
+    assert (rule.read, rule.written) == (record["read_bytes"]["disk"], record["written_bytes"]["disk"])
+    assert run["records"][-1]["model_state_breakdown"]["params_and_grads_on_disk"] == 8 * shard
+    assert run["records"][-1]["model_state_breakdown"]["params"] == 0  # nothing held between steps
+    assert record["io_wait_s"] >= 0 and run["records"][-1]["peak_rss_bytes"] > 0
+
+
+def test_checkpoints_cross_between_offloaded_and_in_memory_runs(tmp_path):
+    common = {**BASE, "steps": 6}
+    offload = _offloaded("disk", "disk", "cpu", str(tmp_path / "off"))
+    straight = train(TrainConfig(**common))["losses"]
+    train(TrainConfig(**common, **offload, save=str(tmp_path / "a"), save_every=3))
+    in_memory = train(TrainConfig(**common, resume=str(tmp_path / "a" / "step_000003")))["losses"]
+    train(TrainConfig(**common, save=str(tmp_path / "b"), save_every=3))
+    offloaded = train(TrainConfig(**common, **offload, resume=str(tmp_path / "b" / "step_000003")))["losses"]
+    assert in_memory == straight[3:] and offloaded == straight[3:]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--offload-params", "disk", "--zero", "1", "--nproc", "2"], "--offload-params disk: streams ZeRO-3's"),
+    (["--offload-params", "tape"], "--offload-params tape: valid: none, cpu, disk"),
+    (["--offload-activations", "cpu"], "--offload-activations cpu: moves what activation checkpointing keeps"),
+    (["--offload-params", "cpu", "--dtype", "fp16"], "--offload-params cpu: not with dtype fp16"),
+    (["--offload-params", "cpu", "--pp", "2", "--nproc", "2", "--zero", "3"], "--offload-params cpu: not with pp 2"),
+    (["--offload-dir", "/tmp/x"], "--offload-dir /tmp/x: only with offload disk"),
+    # 175B x 16 bytes: 2.8 TB of files, more than any test machine's disk (checked before any work)
+    (["--model", "gpt3-175b", "--offload-params", "disk", "--offload", "disk", "--offload-dir", "/tmp/strata-x"],
+     "--offload-dir /tmp/strata-x: the disk offload needs about 2793.7 GB"),
+])
+def test_bad_offload_flags_get_one_line(flags, says):
+    done = subprocess.run([sys.executable, "-m", "strata", "train", "--steps", "1", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_offload_params_alone_on_one_process_is_zero3_and_said_in_the_metrics(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    run = train(TrainConfig(**BASE, offload_params="cpu", metrics=str(metrics)))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train_records = [r for r in records if r.get("kind") == "train"]
+    assert len(train_records) == BASE["steps"] and run["losses"]
+    assert all(r["offload"]["read_bytes"]["cpu"] > 0 and "peak_rss_bytes" in r for r in train_records)
+
+
+# --- the planner ------------------------------------------------------------------------------------
+def _cluster(device: str, devices: int = 1):
+    from strata.plan.cost import Cluster
+    from strata.plan.hardware import get_device
+    return Cluster(get_device(device), 1, devices, 25e9, 25e9)
+
+
+def test_the_planner_holds_in_each_tier_what_the_run_counted(tmp_path):
+    from strata.model.presets import get_preset
+    from strata.plan.cost import Workload, estimate
+    from strata.rules.layout import Layout
+    run = train(TrainConfig(**BASE, **_offloaded("disk", "disk", "none", str(tmp_path))))
+    counted = run["records"][-1]["model_state_breakdown"]
+    work = Workload(get_preset("tiny"), BASE["global_batch"], BASE["seq_len"], "fp32")
+    predicted = estimate(work, _cluster("A100-80G"), Layout(zero=3, micro_batch=1, checkpointing="full",
+                                                            offload="disk", offload_params="disk"))
+    assert predicted.tier_bytes == {"disk": counted["params_and_grads_on_disk"] + counted["optimizer_on_disk"]}
+    assert predicted.memory_breakdown["weights"] == predicted.memory_breakdown["gradients"] == 0
+    assert predicted.memory_breakdown["optimizer_states"] == 0 and predicted.exposed_io_s > 0
+
+
+def test_the_planner_offloads_parameters_only_when_nothing_else_fits():
+    from strata.model.presets import get_preset
+    from strata.plan.cost import Workload
+    from strata.plan.search import explain, search
+    cluster = _cluster("RTX-4090")
+    fits = Workload(get_preset("gpt2-124m"), 8, 1024, "bf16")
+    ranked, _ = search(fits, cluster)
+    assert ranked and all(e.layout.offload_params == "none" for e in ranked)
+    too_big = Workload(get_preset("llama-7b"), 8, 2048, "bf16")  # 7B: 56 GB of weights and gradients, 24 GB here
+    ranked, rejected = search(too_big, cluster)
+    assert ranked and all(e.layout.offload_params != "none" for e in ranked)
+    assert all("no layout without it fits" in " ".join(e.notes) for e in ranked)
+    lines = explain(ranked[0], ranked, rejected, cluster)
+    assert any("parameters offloaded (ZeRO-Infinity), because nothing else fits" in line for line in lines)
+    assert ranked[0].fits and ranked[0].memory_bytes_per_device <= cluster.device.memory_bytes
+
+
+def test_plan_layout_takes_the_offload_keys():
+    done = subprocess.run([sys.executable, "-m", "strata", "plan", "--model", "llama-7b", "--device", "RTX-4090",
+                           "--gpus-per-node", "1", "--global-batch", "8", "--seq-len", "2048", "--json", "--layout",
+                           "dp=1,zero=3,mb=1,ckpt=full,offload=cpu,offload_params=cpu,offload_activations=cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    best = json.loads(done.stdout)["layouts"][0]
+    from strata.model.presets import get_preset
+    states = 16 * get_preset("llama-7b").num_params()  # fp32 shards, gradients and two moments
+    assert best["offload_params"] == "cpu" and best["fits"] and best["tier_bytes"]["host"] > states
+    assert best["memory_breakdown"]["weights"] == 0 and best["exposed_io_seconds"] > 0
