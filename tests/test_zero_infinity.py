@@ -112,6 +112,7 @@ def test_checkpoints_cross_between_offloaded_and_in_memory_runs(tmp_path):
     (["--offload-params", "cpu", "--dtype", "fp16"], "--offload-params cpu: not with dtype fp16"),
     (["--offload-params", "cpu", "--pp", "2", "--nproc", "2", "--zero", "3"], "--offload-params cpu: not with pp 2"),
     (["--offload-dir", "/tmp/x"], "--offload-dir /tmp/x: only with offload disk"),
+    (["--parallel", "auto", "--offload-params", "disk"], "--parallel auto chooses the layout; drop --offload-params"),
     # 175B x 16 bytes: 2.8 TB of files, more than any test machine's disk (checked before any work)
     (["--model", "gpt3-175b", "--offload-params", "disk", "--offload", "disk", "--offload-dir", "/tmp/strata-x"],
      "--offload-dir /tmp/strata-x: the disk offload needs about 2793.7 GB"),
@@ -170,14 +171,40 @@ def test_the_planner_offloads_parameters_only_when_nothing_else_fits():
     assert ranked[0].fits and ranked[0].memory_bytes_per_device <= cluster.device.memory_bytes
 
 
+def test_a_tier_that_cannot_hold_its_share_does_not_fit():
+    from strata.model.presets import get_preset
+    from strata.plan.cost import Workload, estimate
+    from strata.rules.layout import Layout
+    work = Workload(get_preset("llama-7b"), 8, 2048, "bf16")
+    everything_on_host = estimate(work, _cluster("RTX-4090"), Layout(zero=3, micro_batch=1, checkpointing="full",
+                                                                      offload="cpu", offload_params="cpu"))
+    assert not everything_on_host.fits and everything_on_host.memory_bytes_per_device < 24e9
+    assert any("host tier would hold" in note for note in everything_on_host.notes)
+
+
 def test_plan_layout_takes_the_offload_keys():
     done = subprocess.run([sys.executable, "-m", "strata", "plan", "--model", "llama-7b", "--device", "RTX-4090",
                            "--gpus-per-node", "1", "--global-batch", "8", "--seq-len", "2048", "--json", "--layout",
-                           "dp=1,zero=3,mb=1,ckpt=full,offload=cpu,offload_params=cpu,offload_activations=cpu"],
+                           "dp=1,zero=3,mb=1,ckpt=full,offload=disk,offload_params=cpu,offload_activations=cpu"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     best = json.loads(done.stdout)["layouts"][0]
     from strata.model.presets import get_preset
-    states = 16 * get_preset("llama-7b").num_params()  # fp32 shards, gradients and two moments
-    assert best["offload_params"] == "cpu" and best["fits"] and best["tier_bytes"]["host"] > states
+    half = 8 * get_preset("llama-7b").num_params()  # fp32 shards and gradients; two fp32 moments
+    assert best["offload_params"] == "cpu" and best["fits"]
+    assert best["tier_bytes"]["host"] > half and best["tier_bytes"]["disk"] == half
     assert best["memory_breakdown"]["weights"] == 0 and best["exposed_io_seconds"] > 0
+
+
+def test_a_disk_tier_leaves_no_file_behind_however_the_process_ends(tmp_path):
+    """The file is unlinked once open: a killed run cannot leave gigabytes under --offload-dir."""
+    from strata.memory.tiers import Tier, wait
+    tier = Tier("disk", "params", str(tmp_path), 0)
+    kept = torch.arange(1000, dtype=torch.float32)
+    tier.reserve("x", kept)
+    tier.evict("x", kept, dirty=True)
+    wait(tier.writes[-1])  # written, then freed, on the worker thread
+    assert kept.untyped_storage().nbytes() == 0
+    wait(tier.fetch("x", kept))
+    assert torch.equal(kept, torch.arange(1000, dtype=torch.float32)) and os.listdir(tmp_path) == []
+    tier.close()

@@ -57,8 +57,10 @@ def run_plan(args) -> int:
         ranked, rejected = search(work, cluster, offload=not args.no_offload, allow_async=args.allow_async)
         if not ranked:
             smallest = rejected[0] if rejected else None
+            tiers = "".join(f" ({n.removeprefix('does not fit: ')})" for n in smallest.notes
+                            if n.startswith("does not fit")) if smallest else ""
             need = f"; the smallest layout needs {smallest.memory_bytes_per_device / 1e9:.1f} GB per device " \
-                   f"({smallest.layout.describe()})" if smallest else ""
+                   f"({smallest.layout.describe()}){tiers}" if smallest else ""
             raise ConfigError(f"no layout of {cluster.world} x {cluster.device.name} runs {args.model}{need}")
         shown = distinct(ranked)[:args.top]
     costs = [run_cost(e, tokens, args.price_per_device_hour) for e in shown] if tokens else None

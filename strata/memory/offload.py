@@ -213,6 +213,7 @@ class DiskMoments:
         # the pid keeps two jobs on one machine (or one directory) apart
         self.path = os.path.join(directory, f"adam_moments_rank{rank}_pid{os.getpid()}.bin")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.unlink(self.path)  # the open file lives on; its space returns however the process ends
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-offload")
         self.offsets, self.numels, self.file_bytes = [], [], 0
         self.writes = []  # queued on the reader thread, not known to be done
@@ -271,4 +272,3 @@ class DiskMoments:
     def close(self) -> None:
         self.reader.shutdown()
         os.close(self.fd)
-        os.remove(self.path)

@@ -2,7 +2,8 @@
 
   cpu   host memory (pinned on a GPU machine, so copies to the device run beside compute)
   disk  one file per rank and purpose under --offload-dir, read and written with pread/pwrite (not
-        a memory map: mapped pages would count in the resident set, which is what this is for)
+        a memory map: mapped pages would count in the resident set, which is what this is for),
+        unlinked as soon as it is open, so however the process ends its space comes back
 
 A tensor is offloaded by keeping the tensor object and resizing its storage to zero bytes: views
 of it (the optimizer's pieces, `.grad`) stay valid, and a fetch resizes the storage back and reads
@@ -76,6 +77,7 @@ class Tier:
             # the pid keeps two jobs on one machine (or one directory) apart
             self.path = os.path.join(directory, f"{purpose}_rank{rank}_pid{os.getpid()}.bin")
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.unlink(self.path)  # the open file lives on; its space returns however the process ends
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"strata-{purpose}")
         self.writes: list[Future] = []  # writes not known to be done
 
@@ -162,7 +164,6 @@ class Tier:
         self.worker.shutdown()
         if self.fd is not None:
             os.close(self.fd)
-            os.remove(self.path)
             self.fd = None
 
 

@@ -364,13 +364,24 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     recomputed = {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
     world = lay.dp * t * p
-    return Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes, memory, comm_seconds, comm_bytes,
-                    compute_s=m * slowest.compute + gradient_passes, bubble=bubble_time / step, step_time_s=step,
-                    tokens_per_s=tokens_per_step / step, tflops_per_device=hardware_flops / step / world / 1e12,
-                    mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak,
-                    kernel_ceiling=terms.kernel_ceiling,
-                    exposed_comm_s={"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]},
-                    optimizer_s=optimizer, tier_bytes=tiers, io_s=io, exposed_io_s=exposed_io)
+    overflow = _tier_overflow(cluster.device, tiers)
+    e = Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes and not overflow, memory, comm_seconds,
+                 comm_bytes, compute_s=m * slowest.compute + gradient_passes, bubble=bubble_time / step,
+                 step_time_s=step, tokens_per_s=tokens_per_step / step,
+                 tflops_per_device=hardware_flops / step / world / 1e12,
+                 mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak,
+                 kernel_ceiling=terms.kernel_ceiling,
+                 exposed_comm_s={"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]},
+                 optimizer_s=optimizer, tier_bytes=tiers, io_s=io, exposed_io_s=exposed_io)
+    e.notes += overflow
+    return e
+
+
+def _tier_overflow(device: Device, tiers: dict[str, float]) -> list[str]:
+    """Why the offload tiers cannot hold what a layout puts there, if they cannot."""
+    room = {"host": device.host_memory_bytes, "disk": device.disk_bytes}
+    return [f"does not fit: its {tier} tier would hold {held / 1e9:.1f} GB per device, and has {room[tier] / 1e9:.1f} GB"
+            for tier, held in tiers.items() if held > room[tier]]
 
 
 def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:

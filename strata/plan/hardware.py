@@ -58,6 +58,9 @@ def _kernels(best_gemm_fraction: float, attention_fraction: float) -> Kernels:
 # 3.5 GB/s written sequentially (PCIe 4.0 U.2 data-centre drives' datasheets), 4 drives for 8 GPUs
 # in a DGX A100, 8 in a DGX H100/H200 (NVIDIA's DGX datasheets). cpu-local: `strata calibrate`
 # measures this machine's disk (and its host tier is its own memory).
+# What the tiers hold, per device (a node's share): a DGX-1 V100 has 512 GB of host memory and
+# 7.68 TB of NVMe, a DGX A100 1 TB (2 TB in its 640 GB model) and 15.36 TB, a DGX H100/H200 2 TB
+# and 30.72 TB, for 8 GPUs; an RTX 4090 workstation, taken as 64 GB and 2 TB for one card.
 PCIE3, PCIE4, PCIE5 = 12.8 * GB, 25.6 * GB, 51.2 * GB
 NVME_READ, NVME_WRITE = 6.5 * GB, 3.5 * GB
 
@@ -74,12 +77,15 @@ class Device:
     disk_read: float | None = NVME_READ / 2  # bytes/s this device's share of the node's drives reads
     disk_write: float | None = NVME_WRITE / 2  # (None: not measured; disk offload is not priced)
     disk_cached_read: float | None = None  # what a read the page cache serves reaches (cpu-local: measured)
+    host_memory_bytes: float = 128 * GB  # the host memory offloaded states may fill, this device's share
+    disk_bytes: float = 1920 * GB  # the disk offloaded files may fill, this device's share
 
 
 # NVIDIA datasheets (V100 SXM2, A100 SXM4, A800 SXM4, H100 SXM5, H200 SXM, GeForce RTX 4090).
 # fp32 is the plain (non-TF32) rate; RTX 4090's 16-bit rate is with fp32 accumulation.
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("V100-32G", 32 * GB, {"fp16": 125e12, "fp32": 15.7e12}, 900 * GB, 150 * GB, _kernels(0.8, 0.5), PCIE3),
+    Device("V100-32G", 32 * GB, {"fp16": 125e12, "fp32": 15.7e12}, 900 * GB, 150 * GB, _kernels(0.8, 0.5), PCIE3,
+           host_memory_bytes=64 * GB, disk_bytes=960 * GB),
     Device("A100-40G", 40 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 1555 * GB, 300 * GB,
            _kernels(0.859, 0.5)),
     Device("A100-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 300 * GB,
@@ -87,11 +93,11 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     Device("A800-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 200 * GB,
            _kernels(0.859, 0.5)),
     Device("H100-80G", 80 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 3350 * GB, 450 * GB,
-           _kernels(0.801, 0.35), PCIE5, NVME_READ, NVME_WRITE),
+           _kernels(0.801, 0.35), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB),
     Device("H200", 141 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 4800 * GB, 450 * GB,
-           _kernels(0.83, 0.35), PCIE5, NVME_READ, NVME_WRITE),
+           _kernels(0.83, 0.35), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB),
     Device("RTX-4090", 24 * GB, {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}, 1008 * GB, None,
-           _kernels(0.8, 0.5)),
+           _kernels(0.8, 0.5), PCIE4, NVME_READ, NVME_WRITE, host_memory_bytes=64 * GB, disk_bytes=2000 * GB),
 )}
 
 # Links between devices, bytes/s per direction: PCIe 4.0 x16 inside a node; Ethernet and

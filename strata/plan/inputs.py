@@ -4,6 +4,7 @@ or a Hugging Face config.json), a cluster (device, nodes, links) and the trainin
 from __future__ import annotations
 
 import os
+import shutil
 
 from strata.errors import ConfigError
 from strata.files import cache_dir, read_json_object
@@ -90,10 +91,21 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
     device = Device(CPU_LOCAL, int(profile["memory_bytes"] / processes), {"fp32": profile["matmul_flops"]["1"] * share},
                     profile["memory_bandwidth"] * share, None, Kernels(**profile["kernels"]),
                     host_bandwidth=profile["memory_bandwidth"] * share, disk_read=disk.get("read_bytes_per_s"),
-                    disk_write=disk.get("write_bytes_per_s"), disk_cached_read=disk.get("cached_read_bytes_per_s"))
+                    disk_write=disk.get("write_bytes_per_s"), disk_cached_read=disk.get("cached_read_bytes_per_s"),
+                    # the host is the device: host memory adds nothing; the disk's free space, shared
+                    host_memory_bytes=0.0, disk_bytes=_free_disk(disk) / processes)
     collectives = {op: {n: m["points"] for n, m in by_size.items()} for op, by_size in profile["collectives"].items()}
     return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0, efficiency, collectives,
                    overlap=False, shared_cores=profile["cores"])
+
+
+def _free_disk(disk: dict) -> float:
+    """Free bytes where `strata calibrate` measured the disk: now, if the directory is still
+    there (space comes and goes), else as measured."""
+    directory = disk.get("directory")
+    if directory and os.path.isdir(directory):
+        return float(shutil.disk_usage(directory).free)
+    return float(disk.get("free_bytes", 0.0))
 
 
 def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str,

@@ -38,7 +38,7 @@ class OffloadCost:
 
 
 def offloads(lay: Layout) -> bool:
-    return any(value != "none" for value in (lay.offload_params, lay.offload_activations)) or lay.offload == "disk"
+    return any(value != "none" for value in (lay.offload, lay.offload_params, lay.offload_activations))
 
 
 def offload_cost(device: Device, lay: Layout, params_local: float, largest_unit: float, activation_bytes: float,

@@ -176,7 +176,7 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
             continue
         rival = next((e for e in rejected if wanted(e.layout)), None)
         if rival is not None:
-            why = next((n for n in rival.notes if n.startswith("refused")), None) or \
+            why = next((n for n in rival.notes if n.startswith(("refused", "does not fit"))), None) or \
                 f"does not fit: needs {rival.memory_bytes_per_device / 1e9:.1f} GB per device at least " \
                 f"({rival.layout.describe()})"
             lines.append(f"{label}: {why}")

@@ -22,6 +22,7 @@ import ctypes
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -265,7 +266,8 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) 
 def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> dict:
     """Bytes/s of a sequential write (until the data is on the disk), of a read with the file out
     of the page cache (the disk itself) and of one with it in (what offloaded files that fit in
-    free memory are read at), through pwrite/pread as the offload tiers use them."""
+    free memory are read at), through pwrite/pread as the offload tiers use them; and the free
+    space there (what disk offload may fill)."""
     data = torch.randn(chunk // 4)
     buffer = (ctypes.c_char * chunk).from_address(data.data_ptr())
     os.makedirs(directory, exist_ok=True)
@@ -287,7 +289,7 @@ def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> 
     finally:
         os.close(fd)
         os.remove(path)
-    return {"directory": os.path.abspath(directory), **rates}
+    return {"directory": os.path.abspath(directory), "free_bytes": shutil.disk_usage(directory).free, **rates}
 
 
 def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None) -> dict:

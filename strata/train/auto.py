@@ -18,7 +18,8 @@ from strata.plan.search import explain, search
 from strata.rules.dtypes import DTYPES
 from strata.train.preflight import resume_source
 
-LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split")
+LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split",
+                "offload_params", "offload_activations")
 
 
 def local_cluster(processes: int) -> Cluster:
