@@ -78,7 +78,7 @@ class TrainConfig:
                                 "in a file (disk)")
     offload_params: str = _key("none", "none | cpu | disk: ZeRO-Infinity: ZeRO-3's parameter shards and their gradients "
                                        "in host memory or in files under --offload-dir, read in a unit at a time "
-                                       "(with --zero 3; on one process it alone means ZeRO-3)")
+                                       "(ZeRO-3: implied by the default --zero 0, on one process too)")
     offload_activations: str = _key("none", "none | cpu: with --checkpointing, the block inputs kept for backward go to "
                                             "host memory (on a GPU) or to a file under --offload-dir (on a CPU device)")
     offload_dir: str | None = _key(None, "with --offload disk, --offload-params disk or --offload-activations: where "
@@ -307,8 +307,9 @@ def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
 
 
 def zero_stage(cfg: TrainConfig) -> int:
-    """The ZeRO stage a run uses: --offload-params streams ZeRO-3's shards, so on one process it
-    alone means stage 3 (ZeRO-Infinity on one device); else --zero."""
+    """The ZeRO stage a run uses: --offload-params streams ZeRO-3's shards, so with the default
+    --zero 0 it means stage 3, on any number of processes (on one, ZeRO-Infinity on one device);
+    else --zero."""
     return 3 if cfg.offload_params != "none" and cfg.zero == 0 else cfg.zero
 
 

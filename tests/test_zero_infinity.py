@@ -62,6 +62,21 @@ def _dp2(directory):
         _compare_all(wire, rank_dir, [("disk", "disk", "cpu"), ("cpu", "none", "none")])
 
 
+def _tp2(directory):
+    rank_dir = f"{directory}/rank{torch.distributed.get_rank()}"
+    return _compare_all({"tp": 2, "sequence_parallel": True, "grad_clip": 0.05}, rank_dir,
+                        [("disk", "disk", "cpu"), ("cpu", "none", "none")])
+
+
+def test_offload_under_tensor_parallelism_with_sp_is_bit_for_bit(tmp_path):
+    """ZeRO-3 on one data-parallel rank of tp 2 with sequence parallelism: the norms' and biases'
+    gradients, which each tp rank holds part of, are summed over tp as each unit's final gradient
+    goes to the tier; against tp 2 kept in memory (ZeRO-0)."""
+    for rank in run_on_ranks(_tp2, 2, str(tmp_path), timeout=600):
+        for combination, same_losses, same_weights in rank:
+            assert same_losses and same_weights, combination
+
+
 def test_every_offload_combination_under_zero3_on_two_ranks_is_bit_for_bit(tmp_path):
     for rank in run_on_ranks(_dp2, 2, str(tmp_path), timeout=600):
         for combination, same_losses, same_weights in rank:

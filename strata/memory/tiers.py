@@ -60,9 +60,9 @@ def _raw(tensor: torch.Tensor):
 
 
 class Tier:
-    """Space for named tensors in one tier, with a reader thread. `device`: where fetched tensors
-    live (the compute device; with the cpu tier on a CPU machine the copies are real, so the path a
-    GPU takes runs here too)."""
+    """Space for named tensors in one tier, with one worker thread. A fetched tensor is read back
+    into its own storage, on its own device (with the cpu tier on a CPU machine the copies are
+    real, so the path a GPU takes runs here too)."""
 
     def __init__(self, kind: str, purpose: str, directory: str | None, rank: int):
         if kind not in TIERS:
@@ -177,8 +177,6 @@ def wait(future: Future | None) -> None:
         io.wait_s += time.perf_counter() - started
     else:
         future.result()  # raise what the reader raised
-
-
 
 
 class _Saved:

@@ -75,7 +75,7 @@ class DataParallel:
         one under ZeRO-2/3)."""
         with self.sharding.backward(is_last_micro_batch or self.sharding.reduce_every_micro_batch, is_last_micro_batch):
             yield
-        if is_last_micro_batch:
+        if is_last_micro_batch and not self.sharding.offloaded_bytes:  # offloaded: summed as they left
             self._sum_partial_grads_over_tp()
 
     def reduce_gradients(self) -> None:

@@ -44,6 +44,7 @@ from strata.memory import tiers
 from strata.memory.tiers import Tier
 from strata.parallel.buckets import Bucket, plan_buckets, shard_pieces
 from strata.parallel.gradients import MAX_IN_FLIGHT, gather_shards, norm_pairs, sharded_optimizer_pieces, tensor_bytes
+from strata.parallel.tensor import shard_specs
 
 
 class Unit:
@@ -99,6 +100,11 @@ class ShardParameters:
                     unit.slots.append((owner, leaf, names[id(p)]))
             self._materialise(unit, init_fn, device, dtype)
         self.params = [getattr(o, a) for u in self.units for o, a, _ in u.slots]
+        # offloaded with tensor parallelism: the pieces of parameters each tp rank saw only part of,
+        # summed over tp as the unit's final gradient leaves (DataParallel does it for in-memory ones)
+        specs, named = shard_specs(model), {id(p): n for n, p in model.named_parameters()}
+        self.partial = {i for i, pc in enumerate(self.pieces) if specs[named[id(pc.param)]].partial_grad} \
+            if tier is not None and settings.tp_group is not None else set()
         for unit in self.units:
             self._register_hooks(unit)
         model.register_forward_hook(self._after_model_forward)
@@ -298,8 +304,15 @@ class ShardParameters:
         """Write a unit's accumulated gradient shard to the tier; on the step's last micro-batch take
         its pieces' norms first (clipping needs them, and the gradient is leaving memory)."""
         if self.final:
-            unit.grad_norms = norm_pairs([grad[self.pieces[i].shard_index:self.pieces[i].shard_index +
-                                               self.pieces[i].end - self.pieces[i].start] for i in unit.pieces])
+            views = {i: grad[self.pieces[i].shard_index:self.pieces[i].shard_index + self.pieces[i].end -
+                             self.pieces[i].start] for i in unit.pieces}
+            partial = [views[i] for i in unit.pieces if i in self.partial]
+            if partial:  # every tp rank completes its units in the same order: one sum per unit
+                flat = torch.cat([v.reshape(-1) for v in partial])
+                comm.all_reduce(flat, self.settings.tp_group, "tp")
+                for view, summed in zip(partial, flat.split([v.numel() for v in partial])):
+                    view.copy_(summed.view_as(view))
+            unit.grad_norms = norm_pairs([views[i] for i in unit.pieces])
         self.tier.write(f"grad{unit.index}", grad)
         unit.grad_zero = False
 

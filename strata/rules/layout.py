@@ -182,8 +182,8 @@ def check_offload(layout: Layout) -> None:
             raise ConfigError(f"valid: {', '.join(valid)}", field, getattr(layout, field))
     if layout.offload_params != "none":
         if layout.zero != 3:
-            raise ConfigError(f"streams ZeRO-3's parameter shards: needs zero 3 (zero is {layout.zero}; on one "
-                              f"process offload_params alone means zero 3)", "offload_params", layout.offload_params)
+            raise ConfigError(f"streams ZeRO-3's parameter shards: needs zero 3 (zero is {layout.zero}; leave it "
+                              f"at 0 and offload_params implies 3)", "offload_params", layout.offload_params)
         if layout.pp > 1:
             raise ConfigError(f"not with pp {layout.pp}: it streams ZeRO-3's shards, and ZeRO-3 runs without "
                               f"pipeline stages", "offload_params", layout.offload_params)
