@@ -79,7 +79,8 @@ class TrainConfig:
     offload_params: str = _key("none", "none | cpu | disk: ZeRO-Infinity: ZeRO-3's parameter shards and their gradients "
                                        "in host memory or in files under --offload-dir, read in a unit at a time "
                                        "(ZeRO-3: implied by the default --zero 0, on one process too)")
-    offload_activations: str = _key("none", "none | cpu: with --checkpointing, the block inputs kept for backward go to "
+    offload_activations: str = _key("none", "none | cpu: with --checkpointing full or every:K (not with --pp), the block "
+                                            "inputs kept for backward go to "
                                             "host memory (on a GPU) or to a file under --offload-dir (on a CPU device)")
     offload_dir: str | None = _key(None, "with --offload disk, --offload-params disk or --offload-activations: where "
                                          "the files go (default: the temp directory)")

@@ -93,7 +93,8 @@ class StreamingAdamW:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.moments, self.stream = moments, stream
         moments.allocate(self.params)
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]
+        # on each parameter's device: the fused kernel reads its step there
+        self.steps = [torch.zeros((), dtype=torch.float32, device=p.device) for p in self.params]
 
     @property
     def state(self) -> dict:
@@ -113,7 +114,7 @@ class StreamingAdamW:
                 work += self.moments.chunks(i, self.params[i].numel())
         pending = self.moments.read(*work[0]) if work else None
         for n, (i, start, length) in enumerate(work):
-            avg, avg_sq = self.moments.result(pending)
+            avg, avg_sq = (m.to(self.params[i].device) for m in self.moments.result(pending))  # disk: via the host
             if n + 1 < len(work):  # read-ahead: the next chunk loads while this one computes
                 pending = self.moments.read(*work[n + 1])
             group = self.group_of[i]
@@ -142,7 +143,7 @@ class StreamingAdamW:
             entry = saved["state"].get(i, saved["state"].get(str(i)))
             if entry is None:
                 continue
-            self.steps[i] = entry["step"].to(torch.float32).reshape(()).clone()
+            self.steps[i] = entry["step"].to(p.device, torch.float32).reshape(()).clone()
             self.moments.load(i, entry["exp_avg"].reshape(-1).float().contiguous(),
                               entry["exp_avg_sq"].reshape(-1).float().contiguous())
 

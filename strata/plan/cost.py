@@ -356,6 +356,8 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                            cfg.unit_params()[0] / t if cfg.tie_embeddings else 0.0, max(page_cache, 0.0))
         exposed_io = off.first_read_s + max(0.0, off.during_compute_s - m * slowest.total)
         io, tiers = off.total_s, off.tier_bytes
+        if cluster.device.host_memory_bytes is None:  # the host is the device (cpu-local): nothing saved there
+            memory["buffers"] += tiers.pop("host", 0.0)
         # the step's pass over the tiers: as long as the longer of its arithmetic and its transfers
         exposed_io += max(0.0, off.optimizer_s - optimizer)
         step += exposed_io
@@ -379,7 +381,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
 
 def _tier_overflow(device: Device, tiers: dict[str, float]) -> list[str]:
     """Why the offload tiers cannot hold what a layout puts there, if they cannot."""
-    room = {"host": device.host_memory_bytes, "disk": device.disk_bytes}
+    room = {"host": device.host_memory_bytes or 0.0, "disk": device.disk_bytes}
     return [f"does not fit: its {tier} tier would hold {held / 1e9:.1f} GB per device, and has {room[tier] / 1e9:.1f} GB"
             for tier, held in tiers.items() if held > room[tier]]
 

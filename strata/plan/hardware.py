@@ -77,7 +77,8 @@ class Device:
     disk_read: float | None = NVME_READ / 2  # bytes/s this device's share of the node's drives reads
     disk_write: float | None = NVME_WRITE / 2  # (None: not measured; disk offload is not priced)
     disk_cached_read: float | None = None  # what a read the page cache serves reaches (cpu-local: measured)
-    host_memory_bytes: float = 128 * GB  # the host memory offloaded states may fill, this device's share
+    # the host memory offloaded states may fill, this device's share (None: the host is the device, cpu-local)
+    host_memory_bytes: float | None = 128 * GB
     disk_bytes: float = 1920 * GB  # the disk offloaded files may fill, this device's share
 
 

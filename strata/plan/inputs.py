@@ -93,7 +93,7 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
                     host_bandwidth=profile["memory_bandwidth"] * share, disk_read=disk.get("read_bytes_per_s"),
                     disk_write=disk.get("write_bytes_per_s"), disk_cached_read=disk.get("cached_read_bytes_per_s"),
                     # the host is the device: host memory adds nothing; the disk's free space, shared
-                    host_memory_bytes=0.0, disk_bytes=_free_disk(disk) / processes)
+                    host_memory_bytes=None, disk_bytes=_free_disk(disk) / processes)
     collectives = {op: {n: m["points"] for n, m in by_size.items()} for op, by_size in profile["collectives"].items()}
     return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0, efficiency, collectives,
                    overlap=False, shared_cores=profile["cores"])

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from strata.errors import ConfigError
 from strata.plan.hardware import Device
 from strata.rules.layout import Layout
-from strata.rules.offload import Traffic, activation_traffic, moment_traffic, parameter_traffic
+from strata.rules.offload import (
+    MASTER_BYTES,
+    MOMENT_BYTES,
+    Traffic,
+    activation_traffic,
+    moment_traffic,
+    parameter_traffic,
+)
 
 TIER_NAMES = {"cpu": "host", "disk": "disk"}
 
@@ -58,11 +65,11 @@ def offload_cost(device: Device, lay: Layout, params_local: float, largest_unit:
 
     if lay.offload_params != "none":
         backward, update = parameter_traffic(sharded, micro_batches, kept_unit / (lay.dp if lay.zero >= 1 else 1))
-        add(lay.offload_params, backward, update, 8 * sharded)  # fp32 shards and their gradients
+        add(lay.offload_params, backward, update, 2 * MASTER_BYTES * sharded)  # fp32 shards and their gradients
     if lay.offload == "disk":
-        add("disk", Traffic(), moment_traffic(sharded), 8 * sharded)
+        add("disk", Traffic(), moment_traffic(sharded), MOMENT_BYTES * sharded)
     elif lay.offload == "cpu":  # priced with the optimizer step (cost.py): only what the host holds here
-        held["host"] = held.get("host", 0.0) + 8 * sharded
+        held["host"] = held.get("host", 0.0) + MOMENT_BYTES * sharded
     if lay.offload_activations != "none":  # to host memory; a CPU device's host is itself: a file
         where = "disk" if device.name == "cpu-local" else "cpu"
         add(where, activation_traffic(activation_bytes, micro_batches), Traffic(), activation_bytes)
@@ -74,7 +81,7 @@ def offload_cost(device: Device, lay: Layout, params_local: float, largest_unit:
     first = 0.0
     if lay.offload_params != "none":
         read_rate = rates[TIER_NAMES[lay.offload_params]][0]
-        first = 4 * largest_unit / (lay.dp if lay.zero >= 1 else 1) / read_rate
+        first = MASTER_BYTES * largest_unit / (lay.dp if lay.zero >= 1 else 1) / read_rate
     return OffloadCost(held, seconds(during), first, seconds(step))
 
 

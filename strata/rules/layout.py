@@ -187,9 +187,14 @@ def check_offload(layout: Layout) -> None:
         if layout.pp > 1:
             raise ConfigError(f"not with pp {layout.pp}: it streams ZeRO-3's shards, and ZeRO-3 runs without "
                               f"pipeline stages", "offload_params", layout.offload_params)
-    if layout.offload_activations != "none" and layout.checkpointing == "none":
-        raise ConfigError("moves what activation checkpointing keeps; add checkpointing full (or selective, every:K)",
-                          "offload_activations", layout.offload_activations)
+    if layout.offload_activations != "none":
+        if layout.checkpointing in ("none", "selective"):
+            raise ConfigError(f"moves the block inputs that activation checkpointing keeps; needs checkpointing full "
+                              f"or every:K (checkpointing is {layout.checkpointing})", "offload_activations",
+                              layout.offload_activations)
+        if layout.pp > 1:  # a pipeline holds several micro-batches' inputs, and 2bw/pipedream never drain
+            raise ConfigError(f"not with pp {layout.pp}: the tier is sized for one micro-batch at a time",
+                              "offload_activations", layout.offload_activations)
 
 
 def check_asynchronous(model: ModelConfig, layout: Layout, global_batch: int) -> None:

@@ -15,6 +15,7 @@ from strata.data.loader import check_token_ids, check_windows, read_meta
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
+from strata.rules.offload import MASTER_BYTES, MOMENT_BYTES
 from strata.train.optim import offload_dir
 from strata.train.run_dir import check_outputs
 
@@ -68,7 +69,7 @@ def check_offload_space(cfg: TrainConfig, model: ModelConfig) -> None:
     gradients (--offload-params disk), 8 for Adam's moments (--offload disk; each data-parallel
     replica its own under ZeRO-0), this machine's share of them (its processes out of the world)."""
     replicas = max(1, cfg.nproc // (cfg.tp * cfg.pp)) if cfg.zero == 0 and cfg.offload_params == "none" else 1
-    per_param = 8 * (cfg.offload_params == "disk") + 8 * replicas * (cfg.offload == "disk")
+    per_param = 2 * MASTER_BYTES * (cfg.offload_params == "disk") + MOMENT_BYTES * replicas * (cfg.offload == "disk")
     if not per_param:
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc))
