@@ -134,8 +134,7 @@ class _Buckets:
 
     def grad_norm_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """(the norm of this rank's gradient of a parameter, or of its piece; the parameter)."""
-        pairs = self.grad_pairs()
-        return list(zip(norm_pairs([g for g, _ in pairs]), (p for _, p in pairs)))
+        return pair_norms(self.grad_pairs())
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_([g for g, _ in self.grad_pairs()], max_norm, total_norm)
@@ -463,3 +462,8 @@ def norm_pairs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each gradient's L2 norm (one kernel per dtype); every stage takes them the same way, so an
     offloaded run that takes them a unit at a time gets the same bits."""
     return list(torch._foreach_norm(grads)) if grads else []
+
+
+def pair_norms(pairs: list[tuple[torch.Tensor, nn.Parameter]]) -> list[tuple[torch.Tensor, nn.Parameter]]:
+    """(gradient, parameter) pairs -> (the gradient's norm, parameter)."""
+    return list(zip(norm_pairs([g for g, _ in pairs]), (p for _, p in pairs)))

@@ -43,7 +43,14 @@ from strata.distributed import comm
 from strata.memory import tiers
 from strata.memory.tiers import Tier
 from strata.parallel.buckets import Bucket, plan_buckets, shard_pieces
-from strata.parallel.gradients import MAX_IN_FLIGHT, gather_shards, norm_pairs, sharded_optimizer_pieces, tensor_bytes
+from strata.parallel.gradients import (
+    MAX_IN_FLIGHT,
+    gather_shards,
+    norm_pairs,
+    pair_norms,
+    sharded_optimizer_pieces,
+    tensor_bytes,
+)
 from strata.parallel.tensor import shard_specs
 
 
@@ -156,9 +163,7 @@ class ShardParameters:
         """Start the all-gather of a unit's parameters (no wait; an offloaded shard is read first)."""
         if unit.gathered or unit.pending_gather is not None:
             return
-        self._fetch_shard(unit)
-        tiers.wait(unit.shard_read)
-        unit.shard_read = None
+        self._load_shard(unit)
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
         unit.gather_source = unit.shard.to(unit.full.dtype)  # the shard itself without a gather dtype
         if self.group is None:  # one process: the shard is the whole unit
@@ -175,6 +180,12 @@ class ShardParameters:
         if self.tier is not None and not unit.shard_here:
             unit.shard_read = self.tier.fetch(f"shard{unit.index}", unit.shard)
             unit.shard_here = True
+
+    def _load_shard(self, unit: Unit) -> None:
+        """The shard in memory now (a no-op when it is not offloaded)."""
+        self._fetch_shard(unit)
+        tiers.wait(unit.shard_read)
+        unit.shard_read = None
 
     def _drop_shard(self, unit: Unit, dirty: bool = False) -> None:
         """Free an offloaded shard's memory (the tier's copy is current unless `dirty`)."""
@@ -347,7 +358,7 @@ class ShardParameters:
         """(the norm of this rank's piece of a gradient, its parameter); offloaded, the norms taken
         as the final gradients were written."""
         if self.tier is None:
-            return list(zip(norm_pairs([g for g, _ in self.grad_pairs()]), (p for _, p in self.grad_pairs())))
+            return pair_norms(self.grad_pairs())
         norms = {i: n for unit in self.units for i, n in zip(unit.pieces, unit.grad_norms)}
         return [(norms[i], pc.param) for i, pc in enumerate(self.pieces)]
 
@@ -386,9 +397,7 @@ class ShardParameters:
             yield
             return
         for unit in self.units:
-            self._fetch_shard(unit)
-            tiers.wait(unit.shard_read)
-            unit.shard_read = None
+            self._load_shard(unit)
         self.pinned = True
         try:
             yield
@@ -436,9 +445,7 @@ class ShardParameters:
         of their own, whatever the gather dtype) and persistent buffers."""
         state = {}
         for unit in self.units:
-            self._fetch_shard(unit)
-            tiers.wait(unit.shard_read)
-            unit.shard_read = None
+            self._load_shard(unit)
             masters = gather_shards(unit.shard, unit.full.numel(), self.group) if self.group is not None else \
                 unit.shard.clone()
             self._drop_shard(unit)
