@@ -30,6 +30,7 @@ class TrainConfig:
     # what to train on what
     model: str = _key("tiny", "model preset (tiny, small, gpt2-124m, llama-7b, ...)")
     n_layers: int | None = _key(None, "override the preset's number of transformer blocks")
+    n_heads: int | None = _key(None, "override the preset's attention heads (as many KV heads; each d_model / heads wide)")
     data: str = _key("synthetic", "directory written by `strata data prepare`, or 'synthetic'")
     vocab_size: int | None = _key(None, "synthetic data: vocabulary size (default: the preset's)")
     seq_len: int | None = _key(None, "tokens per sequence (default: the model's max_seq_len)")
@@ -58,6 +59,9 @@ class TrainConfig:
     nproc: int = _key(1, "start N local processes (through torch.distributed.run)")
     dp: int | None = _key(None, "data-parallel degree (default: world / (tp x pp))")
     tp: int = _key(1, "tensor-parallel degree")
+    tp_mode: str = _key("1d", "how --tp cuts the matrices: 1d (Megatron) | 2d (q x q grid, SUMMA) | 2.5d (q x q x "
+                              "--tp-depth, Tesseract) | 3d (q x q x q); 2d/2.5d/3d split activations too")
+    tp_depth: int = _key(1, "with --tp-mode 2.5d: the grid's depth d (--tp = q x q x d)")
     sequence_parallel: bool = _key(False, "with --tp: split norms and residuals along the sequence too")
     pp: int = _key(1, "pipeline-parallel degree (stages)")
     schedule: str = _key("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1) | "
@@ -241,6 +245,10 @@ def check_run_settings(cfg: TrainConfig) -> None:
     """Every setting on its own (ranges, names), and the ones that only make sense together."""
     _need(cfg.model in PRESETS, "model", cfg.model, f"unknown preset; valid: {', '.join(PRESETS)}")
     _need(cfg.n_layers is None or cfg.n_layers >= 1, "n_layers", cfg.n_layers, "must be >= 1")
+    if cfg.n_heads is not None and cfg.model in PRESETS:
+        width = PRESETS[cfg.model].d_model
+        _need(cfg.n_heads >= 1 and width % cfg.n_heads == 0, "n_heads", cfg.n_heads,
+              f"must divide the model's d_model {width}")
     check_checkpoint_flags(cfg)
     _need(cfg.parallel in ("manual", "auto"), "parallel", cfg.parallel, "valid: manual, auto")
     # (--allow-async stays in the ranks' argv after --parallel auto's choice, as --parallel manual: no effect there)
@@ -291,8 +299,9 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
     _need(cfg.init_from is None or cfg.resume in (None, "auto"), "init_from", cfg.init_from,
           "not with --resume DIR: choose one (--resume continues a run, --init-from starts a new one from a "
           "checkpoint's weights; with --resume auto, the run continues from its own checkpoint when it has one)")
-    _need(cfg.init_from is None or cfg.n_layers is None, "n_layers", cfg.n_layers,
-          "not with --init-from (the checkpoint fixes the model's shape)")
+    for name in ("n_layers", "n_heads"):
+        _need(cfg.init_from is None or getattr(cfg, name) is None, name, getattr(cfg, name),
+              "not with --init-from (the checkpoint fixes the model's shape)")
     for name in ("keep", "max_restarts"):
         _need(getattr(cfg, name) >= 0, name, getattr(cfg, name), "must be >= 0")
     _need(not cfg.keep or bool(cfg.save), "keep", cfg.keep, "only with --save DIR")
@@ -304,7 +313,8 @@ def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
     return Layout(data_parallel_size(cfg, world_size), cfg.tp, cfg.pp, cfg.virtual_stages, zero_stage(cfg),
                   cfg.micro_batch, cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule,
                   cfg.pp_split if cfg.emulate_stages == 1 else None,  # else the emulated stages' cut
-                  cfg.reduce_dtype, cfg.gather_dtype, cfg.offload_params, cfg.offload_activations)
+                  cfg.reduce_dtype, cfg.gather_dtype, cfg.offload_params, cfg.offload_activations, cfg.tp_mode,
+                  cfg.tp_depth)
 
 
 def zero_stage(cfg: TrainConfig) -> int:

@@ -37,11 +37,21 @@ def hf_configs():
 CASES = list(hf_configs())
 
 
+def grid_configs():
+    """Families whose main case has one KV head, with two (2-D tensor parallelism needs a multiple
+    of q = 2): Qwen3's per-head norms and Gemma's (1 + w) norm and scaled embedding on a grid."""
+    t = transformers
+    return {"qwen3-kv2": t.Qwen3Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64),
+            "gemma-kv2": t.GemmaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64)}
+
+
 def hf_model(case: str):
     """A random-weight transformers model; every parameter moved off its initial value (norm
     weights included, so a name swapped between two norms would show)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_configs()[case]).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config({**hf_configs(), **grid_configs()}[case]).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

@@ -1,6 +1,6 @@
 """What one transformer block keeps for backward, measured the way every activation-memory test
 measures it: saved-tensor hooks counting only while block 0 runs, in one forward of tiny
-(b = 2, s = 64, fp32) set up by the trainer with the given settings."""
+(b = 2 unless given, s = 64, fp32) set up by the trainer with the given settings."""
 
 from strata.config import TrainConfig
 from strata.memory.activations import count_saved_activations
@@ -8,7 +8,8 @@ from strata.train import trainer
 
 
 def saved_bytes_of_first_block(**settings) -> int:
-    run = trainer.setup(TrainConfig(model="tiny", seq_len=64, micro_batch=2, global_batch=2, progress=False,
+    settings = {"micro_batch": 2, **settings}
+    run = trainer.setup(TrainConfig(model="tiny", seq_len=64, global_batch=settings["micro_batch"], progress=False,
                                     peak_flops=1e10, **settings))
     inputs, targets = run.train_data.batch(0)
     with count_saved_activations(run.model) as saved:

@@ -51,3 +51,9 @@ def test_compiled_blocks_train_as_eager_under_layouts(layout):
         _assert_close(eager, compiled)
 
 
+
+
+def test_compiled_blocks_train_as_eager_under_2d_tensor_parallelism():
+    """The grid's collectives (inside every linear layer and norm) stay out of the compiled graphs."""
+    for eager, compiled in run_on_ranks(_eager_and_compiled, 4, dict(tp=4, tp_mode="2d"), timeout=400):
+        _assert_close(eager, compiled)

@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 from family_runs import NEW_TOKENS, PROMPT_IDS, fp64_losses, greedy_tokens, on_each_rank
-from hf_cases import CASES, hf_model
+from hf_cases import CASES, grid_configs, hf_model
 
 from strata.cli import main as strata_main
 
@@ -50,3 +50,19 @@ def test_a_family_under_parallelism_reproduces_one_process(case, layout, root):
     if layout != "dp2xtp2-zero1":
         printed = [rank_tokens for _, rank_tokens in ranks if rank_tokens]
         assert printed == [tokens], (printed, tokens)
+
+
+GRID_CASES = [case for case in CASES if case in ("llama3.1", "qwen2", "mistral", "gpt2", "bloom")] + list(grid_configs())
+
+
+@pytest.mark.parametrize("case", GRID_CASES)
+def test_a_family_under_2d_tensor_parallelism_reproduces_one_process(case, root):
+    """2-D tensor parallelism on 4 ranks, from the description's 1-D placements alone: tied heads
+    (GPT-2, BLOOM, Llama 3.1's case), ALiBi's per-head slopes, BLOOM's embedding norm, Mistral's
+    window, Qwen2's q/k/v biases, Qwen3's per-head norms, Gemma's (1 + w) norm. (A model with fewer
+    KV heads than q is refused under 2-D: each rank computes its own KV heads.)"""
+    losses, _ = single_process(case, root)
+    ranks = run_on_ranks(on_each_rank, 4, converted_checkpoint(case, root), dict(tp=4, tp_mode="2d"), timeout=300)
+    for rank_losses, _ in ranks:
+        torch.testing.assert_close(torch.tensor(rank_losses, dtype=torch.float64),
+                                   torch.tensor(losses, dtype=torch.float64), rtol=1e-10, atol=0)

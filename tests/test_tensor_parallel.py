@@ -8,6 +8,7 @@ import torch
 
 from strata.config import TrainConfig
 from strata.model.presets import get_preset
+from strata.rules.tensor_modes import ElementBytes, grid_of, micro_batch_bytes, sequence_parallel_step_bytes
 from strata.train.trainer import train
 
 from distributed import run_on_ranks
@@ -62,31 +63,18 @@ def test_tensor_parallel_reproduces_the_single_process_run(model, world, layout,
         torch.testing.assert_close(ranks[0]["state"][name], value, rtol=rtol * 100, atol=atol)
 
 
-def tp_bytes_per_micro_batch(cfg, b, s, t, sequence_parallel, element=4):
-    """Bytes each rank sends in the tp group for one micro-batch (forward and backward), from the
-    Megatron analysis: per block 2 all-reduces of b·s·h forward and 2 backward, each 2(t-1)/t of
-    its size; with sequence parallelism, all-gathers and reduce-scatters of the same volume, plus
-    the all-gather in backward that re-creates each column group's input from the shard kept."""
-    bsh, ring = b * s * cfg.d_model * element, (t - 1) / t
-    per_block = 4 * 2 * ring * bsh  # identical with and without sequence parallelism
-    embedding = 2 * ring * bsh + (ring * bsh if sequence_parallel else 0)  # all-reduce (+ split's gather)
-    head_input = 2 * ring * bsh  # copy's all-reduce backward, or gather forward + scatter backward
-    if sequence_parallel:  # Korthikanti's re-gather of each column group's input in backward
-        per_block += 2 * ring * bsh
-        head_input += ring * bsh
-    cross_entropy = 2 * ring * 3 * b * s * element  # max, then (target logit, sum of exp)
-    return cfg.n_layers * per_block, embedding + head_input + cross_entropy
-
-
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp_traffic_matches_the_megatron_count(sequence_parallel):
+    """Megatron's count (strata/rules/tensor_modes.py's 1-D case)."""
     ranks = parallel_run(2, tuple(sorted({"tp": 2, "sequence_parallel": sequence_parallel, "model": "tiny",
                                           "dtype": "fp32"}.items())))
-    cfg, t, micro_batches = get_preset("tiny"), 2, 2
-    blocks, rest = tp_bytes_per_micro_batch(cfg, BASE["micro_batch"], BASE["seq_len"], t, sequence_parallel)
-    norm_grads = (2 * cfg.n_layers + 1) * cfg.d_model * 4 * 2 * (t - 1) / t if sequence_parallel else 0
+    cfg, t, micro_batches = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"]), 2, 2
+    tokens = BASE["micro_batch"] * BASE["seq_len"]
+    per_micro_batch = micro_batch_bytes(cfg, grid_of("1d", t), tokens, ElementBytes.uniform(4),
+                                        sequence_parallel=sequence_parallel).total
+    norm_grads = sequence_parallel_step_bytes(cfg, t, 4) if sequence_parallel else 0
     grad_norm = 2 * (t - 1) / t * 8  # one fp64 sum of squares
-    expected = micro_batches * (blocks + rest) + norm_grads + grad_norm
+    expected = micro_batches * per_micro_batch + norm_grads + grad_norm
     for rank in ranks:
         by_op = rank["record"]["comm_bytes_by_op"]
         measured = sum(v for k, v in by_op.items() if k.endswith("/tp"))

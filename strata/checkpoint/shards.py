@@ -4,7 +4,8 @@ reads back just the pieces that overlap what it needs.
 
 Where a piece sits is a `Region` of the logical tensor, in the two steps strata's layouts cut it:
   1. tensor parallelism keeps a box: the slice [start, start + length) along one dimension (the box
-     may run past the end when the vocabulary is padded to a multiple of tp);
+     may run past the end when the vocabulary is padded to a multiple of tp), and under 2-D, 2.5-D
+     and 3-D tensor parallelism a slice along a second dimension too (`more`);
   2. ZeRO keeps a flat range [lo, hi) of that box's elements in row-major order (the whole box
      without ZeRO).
 Pipeline parallelism only decides which tensors a rank holds at all. A rank writes a piece only
@@ -43,6 +44,7 @@ class Region:
     length: int
     lo: int  # the piece: elements [lo, hi) of the box, flattened row-major
     hi: int
+    more: tuple = ()  # further cuts of the box, (dim, start, length) each (multi-dimensional tp)
 
     @classmethod
     def whole(cls, shape) -> "Region":
@@ -50,13 +52,15 @@ class Region:
 
     @property
     def box(self) -> tuple[int, ...]:
-        if self.dim is None:
-            return self.shape
-        return tuple(self.length if d == self.dim else n for d, n in enumerate(self.shape))
+        return tuple(b - a for a, b in self.bounds())
 
     def bounds(self) -> list[tuple[int, int]]:
         """The box in logical coordinates, per dimension."""
-        return [(self.start, self.start + self.length) if d == self.dim else (0, n) for d, n in enumerate(self.shape)]
+        bounds = [(0, n) for n in self.shape]
+        for dim, start, length in ((self.dim, self.start, self.length), *self.more):
+            if dim is not None:
+                bounds[dim] = (start, start + length)
+        return bounds
 
 
 @dataclass
@@ -79,6 +83,10 @@ def local_pieces(model, parallel, tp_rank: int, tp_size: int) -> list[LocalPiece
 def box_region(parallel, param, tp_rank: int, tp_size: int) -> Region:
     """The whole of what this rank's tensor-parallel cut holds of `param`."""
     spec = parallel.spec_of(param)
+    if spec.cuts:
+        bounds, cut = spec.box_bounds(), sorted({dim for dim, _, _ in spec.cuts})
+        cuts = [(dim, bounds[dim][0], bounds[dim][1] - bounds[dim][0]) for dim in cut]
+        return Region(spec.full_shape, *cuts[0], 0, math.prod(b - a for a, b in bounds), tuple(cuts[1:]))
     if spec.dim is None:
         return Region.whole(spec.full_shape)
     length = (spec.padded or spec.full_shape[spec.dim]) // tp_size
@@ -141,7 +149,8 @@ class ShardReader:
             meta = json.loads(f.read())
         data_file = name[:-len(".json")] + ".safetensors"
         for tensor_name, region in meta["regions"].items():
-            region = Region(**{**region, "shape": tuple(region["shape"])})
+            region = Region(**{**region, "shape": tuple(region["shape"]),
+                                "more": tuple(tuple(cut) for cut in region.get("more", ()))})
             self.index.setdefault(tensor_name, []).append((data_file, region))
         if meta["regions"]:  # a rank that only held replicas wrote nothing, and no step
             self.steps.add(meta["optimizer_step"])

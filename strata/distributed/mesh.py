@@ -15,6 +15,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from strata.rules.tensor_modes import GROUP_AXES, TensorGrid, group_members
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A process group as the layers use it: the group (None when it has one rank), the name its
+    collectives are counted under, its size and this rank's place in it."""
+    group: object
+    name: str
+    size: int
+    rank: int
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -38,6 +50,27 @@ class ParallelDims:
         if self.world_size == 1:
             return None
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def grid_axes(dims: ParallelDims, grid: TensorGrid, rank: int, whole_group, timeout_s: float) -> dict[str, Axis]:
+    """The sub-groups of multi-dimensional tensor parallelism (rules/tensor_modes.py's
+    GROUP_AXES), this rank's of each kind by name ("tp.row", ...), plus "tp", the whole group.
+    Every rank takes part in creating every group, as torch.distributed requires; each gets the
+    run's collective timeout (torch gives a new group 30 minutes, not the default group's)."""
+    axes = {"tp": Axis(whole_group, "tp", dims.tp, rank % dims.tp)}
+    for kind, varying in GROUP_AXES[grid.mode].items():
+        members = group_members(grid, varying)
+        if len(members[0]) == 1:
+            axes[kind] = None
+            continue
+        everywhere = [[base + t for t in group] for base in range(0, dims.world_size, dims.tp) for group in members]
+        mine, _ = dist.new_subgroups_by_enumeration(everywhere, timeout=timedelta(seconds=timeout_s))
+        group_rank = dist.get_rank(mine)
+        expected = next(group.index(rank) for group in everywhere if rank in group)
+        if group_rank != expected:  # the cut of every tensor relies on this order
+            raise AssertionError(f"tp.{kind}: rank {rank} is {group_rank} in its group, expected {expected}")
+        axes[kind] = Axis(mine, f"tp.{kind}", len(members[0]), group_rank)
+    return axes
 
 
 def pick_device(choice: str = "auto") -> torch.device:

@@ -121,6 +121,12 @@ class Transformer(nn.Module):
             view.final_norm = view.head = None
         return view
 
+    def set_tied_head(self, head: nn.Module) -> None:
+        """A tied model's head as a module of its own that reads the embedding's matrix itself (2-D,
+        2.5-D and 3-D tensor parallelism cut the head's use of it differently from the lookup's)."""
+        assert self.cfg.tie_embeddings, "only a tied model's head reads the embedding"
+        self.head = head
+
     def keep_heads(self, heads: range) -> None:
         """Compute only these query heads (tensor parallelism): ALiBi's slopes are per head."""
         self.heads = heads

@@ -25,6 +25,7 @@ from strata.parallel.data import DataParallel, DataParallelSettings
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
 from strata.parallel.pipeline.stage import keep_stage, tied_copy
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs
+from strata.parallel.tensor_nd import GridGroups, apply_grid_parallel
 from strata.parallel.zero3 import ShardParameters
 from strata.rules.dtypes import torch_dtype
 from strata.rules.pipeline_cut import PipelineLayout
@@ -35,11 +36,15 @@ BUCKET_STAGES = {0: Replicate, 1: ShardOptimizerStates, 2: ShardGradients}  # Ze
 
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
                 dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None,
-                offload_dir: str | None = None, rank: int = 0) -> tuple[Transformer, DataParallel]:
+                offload_dir: str | None = None, rank: int = 0, grid: GridGroups | None = None
+                ) -> tuple[Transformer, DataParallel]:
     """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None.
-    offload_dir, rank: where and under which rank's name offloaded parameters and activations go."""
+    offload_dir, rank: where and under which rank's name offloaded parameters and activations go.
+    grid: this rank's place and sub-groups under 2-D, 2.5-D or 3-D tensor parallelism."""
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
-    if tp_group is not None:
+    if grid is not None:
+        apply_grid_parallel(model, grid)
+    elif tp_group is not None:
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
     if stage is not None:
         keep_stage(model, stage[0], stage[1])

@@ -123,8 +123,11 @@ class DataParallel:
         squares = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # (tp-split, replicated)
         if pairs:
             norms = torch.stack([n for n, _ in pairs]).double()
-            replicated = torch.tensor([self.spec_of(p).dim is None for _, p in pairs], device=norms.device)
-            squares[0] = norms[~replicated].square().sum()
+            specs = [self.spec_of(p) for _, p in pairs]
+            replicated = torch.tensor([not spec.split for spec in specs], device=norms.device)
+            # a block several tp ranks hold (multi-dimensional tp) is counted by its owner only
+            owned = torch.tensor([spec.owner for spec in specs], device=norms.device)
+            squares[0] = norms[~replicated & owned].square().sum()
             squares[1] = norms[replicated].square().sum()
         if self.stage > 0 and settings.dp_group is not None:  # each dp rank holds a disjoint part
             comm.all_reduce(squares, settings.dp_group, "dp")
@@ -185,7 +188,8 @@ class DataParallel:
         written once: replicas (the dp ranks under ZeRO-0, the tp ranks of a replicated parameter,
         a tied embedding's second copy) by one rank only."""
         spec = self.spec_of(param)
-        return ((self.stage > 0 or self.settings.dp_rank == 0) and (spec.dim is not None or tp_rank == 0)
+        written = spec.owner if spec.cuts else (spec.dim is not None or tp_rank == 0)
+        return ((self.stage > 0 or self.settings.dp_rank == 0) and written
                 and id(param) not in self.settings.counted_elsewhere)
 
 

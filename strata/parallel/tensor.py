@@ -41,17 +41,50 @@ class ShardSpec:
     """How a parameter relates to the logical (single-device) one."""
     full_shape: tuple[int, ...]
     dim: int | None = None  # split along this dim over the TP ranks; None: replicated
-    padded: int | None = None  # the full size along `dim` after padding (vocabulary)
+    padded: int | None = None  # the full size along `dim` (dim 0 with cuts) after padding (vocabulary)
     partial_grad: bool = False  # replicated, but each rank's gradient is a part: sum over TP
+    # Multi-dimensional tensor parallelism (tensor_nd.py): this rank's block, as (dim, parts, index)
+    # cuts of the (padded) logical tensor, and whether this rank is the block's owner (the one of
+    # its copies that is written and counted in the gradient norm).
+    cuts: tuple[tuple[int, int, int], ...] = ()
+    owner: bool = True
+
+    @property
+    def split(self) -> bool:
+        """Whether ranks hold different parts of the tensor (else each holds all of it)."""
+        return self.dim is not None or bool(self.cuts)
+
+    def _padded(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.padded and self.padded > full.shape[dim]:
+            pad_shape = list(full.shape)
+            pad_shape[dim] = self.padded - full.shape[dim]
+            full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+        return full
 
     def local(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        if self.cuts:
+            return self._padded(full, 0)[self.box_slices()].clone()
         if self.dim is None:
             return full
-        if self.padded and self.padded > full.shape[self.dim]:
-            pad_shape = list(full.shape)
-            pad_shape[self.dim] = self.padded - full.shape[self.dim]
-            full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.dim)
-        return full.chunk(world, dim=self.dim)[rank].clone()
+        return self._padded(full, self.dim).chunk(world, dim=self.dim)[rank].clone()
+
+    def box_slices(self) -> tuple[slice, ...]:
+        """The block `cuts` keeps, as slices of the padded logical tensor."""
+        return tuple(slice(start, end) for start, end in self.box_bounds())
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """The logical shape with a cut tensor's vocabulary padding (dim 0)."""
+        return (self.padded, *self.full_shape[1:]) if self.cuts and self.padded else self.full_shape
+
+    def box_bounds(self) -> list[tuple[int, int]]:
+        """Per dimension, [start, end) of the block `cuts` keeps (end may pass the unpadded size)."""
+        shape = list(self.padded_shape)
+        bounds = [(0, n) for n in shape]
+        for dim, parts, index in self.cuts:
+            length = shape[dim] // parts
+            bounds[dim] = (index * length, (index + 1) * length)
+        return bounds
 
 
 def _tp(group) -> tuple[int, int]:
@@ -134,12 +167,12 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, start, vocab, group):
+    def forward(ctx, logits, targets, start, vocab, group, name=tpc.GROUP):
         """logits: (N, V'/t) this rank's columns; targets: (N,) global ids. Returns (N,) losses."""
         columns = torch.arange(start, start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(columns >= vocab, float("-inf"))  # padding never counts
         maximum = logits.max(dim=-1).values
-        comm.all_reduce(maximum, group, tpc.GROUP, op=dist.ReduceOp.MAX)
+        comm.all_reduce(maximum, group, name, op=dist.ReduceOp.MAX)
         shifted = logits - maximum[:, None]
         mine = (targets >= start) & (targets < start + logits.shape[-1])
         local_target = (targets - start).masked_fill(~mine, 0)
@@ -147,7 +180,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         both = torch.stack([target_logit, sum_exp])  # one all-reduce for the two sums
-        comm.all_reduce(both, group, tpc.GROUP)
+        comm.all_reduce(both, group, name)
         target_logit, sum_exp = both[0], both[1]
         softmax = exp / sum_exp[:, None]
         ctx.save_for_backward(softmax, local_target, mine)
@@ -159,7 +192,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_target] -= mine.to(grad.dtype)
-        return grad * grad_loss[:, None], None, None, None, None
+        return grad * grad_loss[:, None], None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -320,6 +353,13 @@ def gather_tensor_parallel(state: dict[str, torch.Tensor], specs: dict[str, Shar
     full = {}
     for name, tensor in state.items():
         spec = specs.get(name)
+        if spec is not None and spec.cuts:  # a grid block: each owner places its block, the group sums
+            whole = tensor.new_zeros(spec.padded_shape)
+            if spec.owner:
+                whole[spec.box_slices()] = tensor
+            comm.all_reduce(whole, group, tpc.GROUP)
+            full[name] = whole[tuple(slice(0, n) for n in spec.full_shape)].clone()
+            continue
         if spec is None or spec.dim is None:
             full[name] = tensor
             continue

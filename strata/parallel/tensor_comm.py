@@ -56,8 +56,10 @@ def _split_seq(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(world, dim=1)[rank].contiguous()
 
 
-def _conjugate(name: str, forward, backward):
-    """An autograd function that runs `forward(x, group)` and, on the gradient, `backward`."""
+def conjugate(name: str, forward, backward):
+    """An autograd function that runs `forward(x, group)` and, on the gradient, `backward(grad,
+    group)`; `group` is whatever the two understand (a process group here, a grid axis in
+    tensor_nd.py). Left out of torch.compile's graphs."""
     def fwd(ctx, x, group):
         ctx.group = group
         return forward(x, group)
@@ -73,10 +75,10 @@ def _identity(x, group):
     return x
 
 
-copy_to_tp = _conjugate("CopyToTP", _identity, _all_reduce)
-reduce_from_tp = _conjugate("ReduceFromTP", _all_reduce, _identity)
-scatter_seq = _conjugate("ScatterSeq", _reduce_scatter_seq, _gather_seq)
-split_seq = _conjugate("SplitSeq", _split_seq, _gather_seq)
+copy_to_tp = conjugate("CopyToTP", _identity, _all_reduce)
+reduce_from_tp = conjugate("ReduceFromTP", _all_reduce, _identity)
+scatter_seq = conjugate("ScatterSeq", _reduce_scatter_seq, _gather_seq)
+split_seq = conjugate("SplitSeq", _split_seq, _gather_seq)
 
 
 class _GatherSeq(torch.autograd.Function):

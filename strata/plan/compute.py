@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Kernels
+from strata.rules.tensor_modes import TensorGrid, block_linears
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,20 @@ class StepWork:
     sequence_parallel: bool
     fused_attention: bool
     element_bytes: int  # of an activation: 2 for bf16/fp16 runs, 4 for fp32
+    # 2-D, 2.5-D or 3-D tensor parallelism (tp is then the grid's size, and every activation split
+    # tp ways, as sequence_parallel says); None: Megatron's 1-D
+    grid: TensorGrid | None = None
+
+
+def grid_gemm(grid: TensorGrid, tokens: float, k: float, m: float) -> tuple[float, float, float]:
+    """(m, n, k) of one rank's GEMM for a linear layer (tokens, k) -> (tokens, m) on the grid: 2-D
+    and 2.5-D multiply their sequences' gathered input rows by a weight column block
+    (tokens/|B|, m/q, k); 3-D the input gathered over q groups of sequences by its block of
+    input features (tokens/q, m/q, k/q)."""
+    q = grid.q
+    if grid.mode == "3d":
+        return (tokens / q, m / q, k / q)
+    return (tokens / grid.batch_parts, m / q, k)
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,8 @@ def block_gemms(w: StepWork) -> list[tuple[float, float, float]]:
     """The (m, n, k) of each GEMM of a block's forward on one tensor-parallel rank (q, k, v and
     the output projection; the MLP's two or three)."""
     cfg, t, m = w.model, w.tp, w.tokens
+    if w.grid is not None:
+        return [grid_gemm(w.grid, m, k, n) for k, n, _, _ in block_linears(cfg)]
     kv = cfg.kv_heads * cfg.head_dim
     attention = [(m, cfg.q_dim / t, cfg.d_model), (m, kv / t, cfg.d_model), (m, kv / t, cfg.d_model),
                  (m, cfg.d_model, cfg.q_dim / t)]
@@ -54,6 +71,10 @@ def block_gemms(w: StepWork) -> list[tuple[float, float, float]]:
 
 
 def head_gemm(w: StepWork) -> tuple[float, float, float]:
+    if w.grid is not None:
+        if w.model.tie_embeddings:  # every sequence by the embedding's block (vocabulary/|B|, features/q)
+            return (w.tokens, w.model.vocab_size / w.grid.batch_parts, w.model.d_model / w.grid.q)
+        return grid_gemm(w.grid, w.tokens, w.model.d_model, w.model.vocab_size)
     return (w.tokens, w.model.vocab_size / w.tp, w.model.d_model)
 
 

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
+from strata.plan.grid import grid_terms, params_held
 from strata.plan.hardware import Device
 from strata.plan.memory import activation_bytes_per_layer, held_state_bytes
 from strata.plan.offload import offload_cost, offloads
@@ -222,32 +223,49 @@ class _Terms:
     kernel_ceiling: float
     activation_per_layer: float  # bytes one block keeps for backward, per micro-batch
     tp_message: float  # bytes of one tensor-parallel collective
-    tp_collective_s: float
-    tp_collectives_per_block: int
     pp_message: float  # bytes sent between stages per micro-batch
     pp_send_s: float
+    tp_collective_s: float  # 2-D, 2.5-D, 3-D: all of a block's collectives
+    tp_collectives_per_block: int
+    grid_block_bytes: float = 0.0  # 2-D, 2.5-D, 3-D: what a rank sends per block and micro-batch,
+    grid_edge_bytes: float = 0.0  # for the embedding, head and loss of a micro-batch,
+    grid_edge_s: float = 0.0  # and the seconds of the latter
 
 
 def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> _Terms:
     cfg, b, s, t = work.model, lay.micro_batch, work.seq_len, lay.tp
     act_bytes = BYTES["bf16" if work.precision in ("bf16", "fp16") else "fp32"]
     peak = cluster.device.peak_flops.get(work.precision, max(cluster.device.peak_flops.values()))
+    grid = lay.grid if lay.tp_mode != "1d" else None
+    split = lay.sequence_parallel or grid is not None  # every activation between layers split t ways
     tp_message = b * s * cfg.d_model * act_bytes
-    pp_message = b * s * cfg.d_model * act_bytes / (t if lay.sequence_parallel else 1)
-    step_work = StepWork(cfg, b * s, b, s, t, lay.sequence_parallel, work.fused_attention, act_bytes)
+    pp_message = b * s * cfg.d_model * act_bytes / (t if split else 1)
+    step_work = StepWork(cfg, b * s, b, s, t, split, work.fused_attention, act_bytes, grid)
     units, ceiling = _unit_seconds(step_work, cluster, peak)
     # processes sharing cores (cpu-local): every kernel runs at the share of the cores it gets
     units = tuple(UnitSeconds(u.forward / rate_scale, u.backward / rate_scale, u.attention_forward / rate_scale)
                   for u in units)
-    return _Terms(
-        act_bytes, "mixed" if act_bytes == 2 else "fp32", work.global_batch // (lay.dp * b), b * s, peak,
-        units, ceiling,
-        activation_bytes_per_layer(s, b, cfg.d_model, cfg.n_heads, t, lay.sequence_parallel, lay.checkpointing,
-                                   fused_attention=work.fused_attention) * act_bytes / 2,
-        tp_message,
-        collective_seconds(cluster, "all_gather" if lay.sequence_parallel else "all_reduce", tp_message, t, 1),
-        2 * (2 if lay.sequence_parallel else 1) * (2 + (1 if lay.checkpointing == "full" else 0)),
-        pp_message, collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.dp) if lay.pp > 1 else 0.0)
+    terms = dict(act_bytes=act_bytes, precision="mixed" if act_bytes == 2 else "fp32",
+                 micro_batches=work.global_batch // (lay.dp * b), tokens=b * s, peak=peak, units=units,
+                 kernel_ceiling=ceiling,
+                 activation_per_layer=activation_bytes_per_layer(s, b, cfg.d_model, cfg.n_heads, t, split,
+                                                                 lay.checkpointing,
+                                                                 fused_attention=work.fused_attention) * act_bytes / 2,
+                 tp_message=tp_message, pp_message=pp_message,
+                 pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.dp) if lay.pp > 1 else 0.0)
+    if grid is not None:
+        # each call as an all-gather of its share of the ring volume, on the link its group crosses
+        def seconds(size: int, stride: int, nbytes: float) -> float:
+            return collective_seconds(cluster, "all_gather", nbytes, size, stride)
+        # mixed precision: vectors' gradients and the embedding in the parameters' dtype (bf16 with gather=bf16)
+        param_bytes = BYTES[lay.gather_dtype] if act_bytes == 2 else act_bytes
+        return _Terms(**terms, **grid_terms(cfg, grid, b * s, act_bytes, param_bytes, lay.checkpointing == "full",
+                                            seconds))
+    return _Terms(**terms,
+                  tp_collective_s=collective_seconds(cluster, "all_gather" if lay.sequence_parallel else "all_reduce",
+                                                     tp_message, t, 1),
+                  tp_collectives_per_block=2 * (2 if lay.sequence_parallel else 1) *
+                  (2 + (1 if lay.checkpointing == "full" else 0)))
 
 
 def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[UnitSeconds, ...], float]:
@@ -267,9 +285,11 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[Uni
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
-    states = held_state_bytes(load.params / t, lay.zero, lay.dp, terms.precision, work.optimizer, lay.gather_dtype)
+    states = held_state_bytes(params_held(cfg, lay, load.params, load.first), lay.zero, lay.dp, terms.precision,
+                              work.optimizer, lay.gather_dtype)
     activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
-    activations += (terms.tokens * cfg.d_model * terms.act_bytes if load.first else 0) + \
+    split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
+    activations += (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
     memory = {"weights": states.weights, "gradients": states.grads,
               "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
@@ -314,7 +334,9 @@ def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) ->
     recompute = {"none": 0.0, "selective": block.attention_forward * load.layers, "full": fwd}[lay.checkpointing]
     tp_collectives = load.layers * terms.tp_collectives_per_block
     tp_seconds = tp_collectives * terms.tp_collective_s
-    if t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
+    if t > 1 and lay.tp_mode != "1d":  # the embedding, head and loss on the grid (the first and last stage's)
+        tp_seconds += (load.first + load.last) / 2 * terms.grid_edge_s
+    elif t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
         tp_collectives += load.first + load.last
         tp_seconds += (load.first + load.last) * terms.tp_collective_s + \
             3 * load.last * collective_seconds(cluster, "all_reduce", terms.tokens * 4, t, 1)
@@ -335,23 +357,26 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     slowest = max(ranks, key=lambda rank: rank.total)
     m, t, p, v = terms.micro_batches, lay.tp, lay.pp, lay.virtual_stages
     ring = (1 if lay.sequence_parallel else 2) * (t - 1) / t
-    comm_bytes = {"tp": slowest.tp_collectives * ring * terms.tp_message * m, "pp": 2 * v * m * terms.pp_message * (p > 1)}
+    edges = (slowest.load.first + slowest.load.last) / 2  # a grid's embedding, head and loss
+    tp_bytes = slowest.tp_collectives * ring * terms.tp_message if lay.tp_mode == "1d" else \
+        slowest.load.layers * terms.grid_block_bytes + edges * terms.grid_edge_bytes
+    comm_bytes = {"tp": tp_bytes * m, "pp": 2 * v * m * terms.pp_message * (p > 1)}
     comm_seconds = {"tp": slowest.tp_seconds * m, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
-    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, slowest.load.params / t, m,
-                                                                      slowest.forward, slowest.backward,
-                                                                      slowest.load.layers)
+    held = params_held(cfg, lay, slowest.load.params, slowest.load.first)  # parameters a rank holds
+    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, held, m, slowest.forward,
+                                                                      slowest.backward, slowest.load.layers)
     # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's
     # micro-batch; with unequal ones, the others' (the slowest stage's own is all in m x its time)
     others = [r.total for r in ranks if r is not slowest] or [slowest.total]
     bubble_time = _bubble_time(lay, m, sum(others) / len(others))
-    optimizer = _optimizer_seconds(cluster, lay, slowest.load.params / t)
-    gradient_passes = _gradient_pass_seconds(cluster, lay, slowest.load.params / t, m, work.fused_accumulation) / rate_scale
+    optimizer = _optimizer_seconds(cluster, lay, held)
+    gradient_passes = _gradient_pass_seconds(cluster, lay, held, m, work.fused_accumulation) / rate_scale
     step = m * slowest.total + gradient_passes + bubble_time + dp_exposed + optimizer
     io = exposed_io = 0.0
     tiers = {}
     if offloads(lay):
         page_cache = cluster.device.memory_bytes - sum(memory.values()) if cluster.device.name == "cpu-local" else 0
-        off = offload_cost(cluster.device, lay, slowest.load.params / t, max(cfg.unit_params()) / t,
+        off = offload_cost(cluster.device, lay, held, max(cfg.unit_params()) / t,
                            terms.activation_per_layer * slowest.load.layers, m,
                            cfg.unit_params()[0] / t if cfg.tie_embeddings else 0.0, max(page_cache, 0.0))
         exposed_io = off.first_read_s + max(0.0, off.during_compute_s - m * slowest.total)

@@ -12,7 +12,8 @@ LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("v
                "zero": ("zero", int), "mb": ("micro_batch", int), "ckpt": ("checkpointing", str),
                "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool),
                "reduce": ("reduce_dtype", str), "gather": ("gather_dtype", str),
-               "offload_params": ("offload_params", str), "offload_activations": ("offload_activations", str)}
+               "offload_params": ("offload_params", str), "offload_activations": ("offload_activations", str),
+               "tp_mode": ("tp_mode", str), "tp_depth": ("tp_depth", int)}
 KEY_OF_FIELD = {field: key for key, (field, _) in LAYOUT_KEYS.items()}
 
 

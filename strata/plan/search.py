@@ -11,6 +11,7 @@ from strata.plan.cost import Cluster, Estimate, Workload, estimate
 from strata.rules.checkpointing import PLANNED_MODES
 from strata.rules.layout import ZERO_STAGES, Layout, check_layout
 from strata.rules.schedules import SCHEDULES
+from strata.rules.tensor_modes import grid_of
 
 MICRO_BATCHES = (1, 2, 4, 8)
 # A layout whose communication takes this many times its compute is refused, whatever it fits in.
@@ -52,9 +53,31 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                     for b in MICRO_BATCHES:
                         for checkpointing in PLANNED_MODES:
                             for place in ("none", "cpu") if offload else ("none",):
-                                for sp in (False, True) if t > 1 else (False,):
+                                for sp, mode, depth in _tensor_modes(t):
                                     yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
-                                                 reduce_dtype=transfers[0], gather_dtype=transfers[1])
+                                                 reduce_dtype=transfers[0], gather_dtype=transfers[1],
+                                                 tp_mode=mode, tp_depth=depth)
+
+
+def _tensor_modes(t: int) -> list[tuple[bool, str, int]]:
+    """(sequence parallelism, tp_mode, tp_depth) worth trying on t ranks: 1-D with and without
+    sequence parallelism, and every grid t makes (2-D on q², 3-D on q³, 2.5-D on q² x d)."""
+    if t == 1:
+        return [(False, "1d", 1)]
+    found = [(False, "1d", 1), (True, "1d", 1)]
+    for mode in ("2d", "3d"):
+        try:
+            grid_of(mode, t)
+        except ConfigError:
+            continue
+        found.append((False, mode, 1))
+    for depth in divisors(t)[1:-1]:
+        try:
+            grid_of("2.5d", t, depth)
+        except ConfigError:
+            continue
+        found.append((False, "2.5d", depth))
+    return found
 
 
 def _infinity_candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str]) -> Iterator[Layout]:
@@ -122,12 +145,12 @@ def _estimates(work: Workload, cluster: Cluster, candidates) -> tuple[list[Estim
 
 
 def distinct(estimates: list[Estimate]) -> list[Estimate]:
-    """The best of each shape (degrees, ZeRO stage, schedule): variants that differ only in a knob
+    """The best of each shape (degrees, ZeRO stage, schedule, tensor-parallel mode): variants that differ only in a knob
     that does not matter there (sequence parallelism, a checkpointing mode) would crowd a table."""
     seen, kept = set(), []
     for e in estimates:
         lay = e.layout
-        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule)
+        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth)
         if key not in seen:
             seen.add(key)
             kept.append(e)
@@ -155,6 +178,8 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         "with ZeRO-3": lambda lay: lay.zero == 3,
         f"with tensor parallelism over {link} (tp>1)": lambda lay: lay.tp > 1,
         "with tensor parallelism across nodes": lambda lay: lay.tp > cluster.devices_per_node,
+        "with Megatron's 1-D tensor parallelism (tp_mode=1d, tp>1)": lambda lay: lay.tp > 1 and lay.tp_mode == "1d",
+        "with 2-D, 2.5-D or 3-D tensor parallelism": lambda lay: lay.tp_mode != "1d",
     }
     if best.layout.offload_params != "none":
         lines.append(_offload_line(best, rejected))
@@ -166,6 +191,11 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
                      f"{spec.versions(best.layout.pp, 0)} copies of its weights "
                      f"({best.memory_breakdown.get('weight_versions', 0) / 1e9:.1f} GB on the fullest stage)")
         alternatives["with a synchronous schedule"] = lambda lay: not SCHEDULES[lay.schedule].asynchronous
+    # how the chosen tp degree's matrices are cut, against the other kind; else how the best grid fares
+    grid = next((e for e in ranked if e.layout.tp_mode != "1d"), None)
+    mode_line = _tensor_mode_line(best, ranked) or (_tensor_mode_line(grid, ranked) if grid else None)
+    if mode_line:
+        lines.append(mode_line)
     for label, wanted in alternatives.items():
         if wanted(best.layout):
             continue
@@ -181,6 +211,41 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
                 f"({rival.layout.describe()})"
             lines.append(f"{label}: {why}")
     return lines
+
+
+def _tensor_mode_line(chosen: Estimate, ranked: list[Estimate]) -> str | None:
+    """How `chosen`'s way of cutting tensor parallelism's matrices compares with the best layout of
+    the other kind (1-D against 2-D/2.5-D/3-D) at the same degrees: what each rank sends over its
+    tensor-parallel groups, in how long, and what it keeps as activations."""
+    lay = chosen.layout
+    if lay.tp == 1:
+        return None
+    rival = next((e for e in ranked if (e.layout.dp, e.layout.tp, e.layout.pp) == (lay.dp, lay.tp, lay.pp)
+                  and (e.layout.tp_mode == "1d") != (lay.tp_mode == "1d")), None)
+    if rival is None:
+        return None
+
+    def mode(e: Estimate) -> str:
+        depth = f" (depth {e.layout.tp_depth})" if e.layout.tp_depth > 1 else ""
+        return e.layout.tp_mode + depth + (" with sequence parallelism" if e.layout.sequence_parallel else "")
+
+    def spends(e: Estimate) -> str:
+        return (f"{e.comm_bytes.get('tp', 0) / 1e9:.2f} GB per rank per step over its tensor-parallel groups "
+                f"({_duration(e.comm_seconds.get('tp', 0))}), {e.memory_breakdown['activations'] / 1e9:.2f} GB "
+                f"of activations")
+
+    change = rival.step_time_s / chosen.step_time_s - 1
+    grid = chosen if lay.tp_mode != "1d" else rival
+    why = ("Why: a grid moves blocks of the weights and activations that shrink as the group grows, and gathers every "
+           "weight block again for each micro-batch; 1-D moves every token's activations whatever the group's size. "
+           "So the grid wins with large groups, slow links and many tokens per micro-batch, 1-D with small groups "
+           "over fast links")
+    if grid.comm_bytes.get("tp", 0) >= (rival if grid is chosen else chosen).comm_bytes.get("tp", 0):
+        why += "; here the grid moves more"
+    else:
+        why += "; here the grid moves less"
+    return (f"tensor parallelism at dp={lay.dp}, tp={lay.tp}, pp={lay.pp} as {mode(chosen)}: {spends(chosen)}; "
+            f"as {mode(rival)}: {spends(rival)}, {abs(change):.0%} {'slower' if change >= 0 else 'faster'}. {why}")
 
 
 def _offload_line(best: Estimate, rejected: list[Estimate]) -> str:

@@ -14,6 +14,7 @@ from strata.model.config import ModelConfig
 from strata.rules.checkpointing import parse as parse_checkpointing
 from strata.rules.pipeline_cut import PipelineLayout, make_layout
 from strata.rules.schedules import SCHEDULES
+from strata.rules.tensor_modes import TensorGrid, check_grid, grid_of
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_TARGETS = ("none", "disk", "cpu")  # where the optimizer's states live and its step runs
@@ -42,6 +43,12 @@ class Layout:
     gather_dtype: str = "fp32"  # a TRANSFER_DTYPES name: ZeRO-1/2/3's parameter all-gathers
     offload_params: str = "none"  # a PARAM_OFFLOAD_TARGETS name (with zero 3)
     offload_activations: str = "none"  # an ACTIVATION_OFFLOAD_TARGETS name (with checkpointing)
+    tp_mode: str = "1d"  # a TP_MODES name: how tp cuts the matrices (rules/tensor_modes.py)
+    tp_depth: int = 1  # 2.5d's depth
+
+    @property
+    def grid(self) -> TensorGrid:
+        return grid_of(self.tp_mode, self.tp, self.tp_depth)
 
     @property
     def world_size(self) -> int:
@@ -49,6 +56,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.tp_mode != "1d":
+            parts.insert(2, f"tp_mode={self.tp_mode}" + (f",tp_depth={self.tp_depth}" if self.tp_depth > 1 else ""))
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
         parts += [f"zero={self.zero}", f"mb={self.micro_batch}"]
@@ -151,7 +160,12 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
         raise ConfigError("ZeRO shards states across data-parallel ranks, and dp is 1; use zero 0, or more "
                           "processes with dp > 1 (or offload_params cpu|disk: ZeRO-Infinity on one process)",
                           "zero", layout.zero)
-    check_tensor_parallel(model, layout.tp)
+    grid_of(layout.tp_mode, layout.tp, layout.tp_depth)  # sizes the mode takes (a depth only with 2.5d)
+    if layout.tp_mode == "1d":
+        check_tensor_parallel(model, layout.tp)
+    else:
+        check_grid(model, layout.grid, layout.micro_batch)
+        check_grid_layout(layout)
     if layout.sequence_parallel and layout.tp == 1:
         raise ConfigError("needs tp 2 or more", "sequence_parallel", True)
     if layout.sequence_parallel and seq_len % layout.tp:
@@ -170,6 +184,20 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)
     check_asynchronous(model, layout, global_batch)
     return check_pipeline(model, layout, seq_len)
+
+
+def check_grid_layout(layout: Layout) -> None:
+    """What multi-dimensional tensor parallelism composes with (the model's side: check_grid)."""
+    mode = f"with tp_mode {layout.tp_mode}"
+    if layout.sequence_parallel:
+        raise ConfigError(f"not {mode}: it splits the activations between layers already", "sequence_parallel", True)
+    if layout.zero == 3:
+        raise ConfigError(f"not {mode}: its layers gather their weight blocks themselves; valid: zero 0, 1, 2",
+                          "zero", 3)
+    if layout.offload_params != "none":
+        raise ConfigError(f"not {mode} (it needs ZeRO-3)", "offload_params", layout.offload_params)
+    if SCHEDULES[layout.schedule].asynchronous and layout.pp > 1:
+        raise ConfigError(f"not {mode}: the asynchronous schedules run with tp_mode 1d", "schedule", layout.schedule)
 
 
 def check_offload(layout: Layout) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 
 from strata.checkpoint import store
 from strata.config import TrainConfig, check_run_settings, sequence_length, validate
@@ -42,10 +43,12 @@ def steps_to_save(cfg: TrainConfig, start_step: int) -> list[int]:
 
 
 def model_shape(cfg: TrainConfig) -> ModelConfig:
-    """The model's shape: the preset, or --init-from's checkpoint; --n-layers applied."""
+    """The model's shape: the preset, or --init-from's checkpoint; --n-layers and --n-heads applied."""
     base = PRESETS[cfg.model]
     if cfg.init_from:
         base = store.model_config(store.read_state(cfg.init_from), store.resolve(cfg.init_from))
+    if cfg.n_heads:  # as many KV heads, d_model / heads wide
+        base = replace(base, n_heads=cfg.n_heads, n_kv_heads=None, d_head=None)
     return base.with_overrides(n_layers=cfg.n_layers or base.n_layers)
 
 

@@ -17,7 +17,7 @@ from strata.checkpoint import shards, store
 from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length, zero_stage
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
-from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+from strata.distributed.mesh import ParallelDims, grid_axes, init_distributed, pick_device
 from strata.errors import ConfigError
 from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
@@ -31,9 +31,11 @@ from strata.parallel.pipeline.stage import chunk_views, embedding_group, stage_p
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
 from strata.parallel.pipeline.versions import WeightVersions
 from strata.parallel.tensor import gather_tensor_parallel, shard_specs
+from strata.parallel.tensor_nd import GridGroups
 from strata.rules.dtypes import DTYPES, parameter_dtype, torch_dtype
 from strata.rules.pipeline_cut import make_layout
 from strata.rules.schedules import SCHEDULES
+from strata.rules.tensor_modes import grid_of
 from strata.train import metrics as m
 from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
@@ -92,6 +94,9 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     groups = _groups(dims, device)
+    grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
+    grid_groups = GridGroups(grid, rank % dims.tp, grid_axes(dims, grid, rank, groups["tp"], cfg.timeout)) \
+        if grid.mode != "1d" else None
     dp_rank, tp_rank, pp_rank = (dims.coordinates(rank)[d] for d in ("dp", "tp", "pp"))
     notes = preflight(cfg) if not checked and DONE not in os.environ else []  # else the launcher has run it
     if rank == 0 and notes:
@@ -105,7 +110,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
-                                  offload_dir(cfg), rank)
+                                  offload_dir(cfg), rank, grid_groups)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
                                 parallel.sharding.stream_units if cfg.offload_params != "none" else None)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
@@ -140,8 +145,11 @@ def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) 
     run.pp_group, run.stage_layout = pp_group, stage_layout
     if run.model_cfg.tie_embeddings:
         run.embedding_group = embedding_group(run.dims, run.rank, cfg.timeout)
-    # what passes between stages: the hidden states, 1/tp of the sequence under sequence parallelism
-    shape = (cfg.micro_batch, seq_len // (cfg.tp if cfg.sequence_parallel else 1), run.model_cfg.d_model)
+    # what passes between stages: the hidden states, 1/tp of the sequence under sequence parallelism,
+    # this rank's sequences and features under multi-dimensional tensor parallelism
+    grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
+    shape = (cfg.micro_batch // grid.batch_parts, seq_len // (cfg.tp if cfg.sequence_parallel else 1),
+             run.model_cfg.d_model // grid.hidden_parts)
     run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, cfg.schedule,
                                     pp_group, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
                                     run.model, run.versions[0] if run.versions else None)

@@ -1,0 +1,223 @@
+"""Multi-dimensional tensor parallelism (2-D, 2.5-D, 3-D) against the single-process run, its
+traffic against the papers' counts (strata/rules/tensor_modes.py), its activations against the
+partition, and its checkpoints under other layouts."""
+
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from strata.config import TrainConfig
+from strata.distributed import comm
+from strata.distributed.mesh import ParallelDims, grid_axes
+from strata.model.presets import get_preset
+from strata.rules.tensor_modes import ElementBytes, grid_of, micro_batch_bytes
+from strata.train.trainer import train
+
+from distributed import run_on_ranks
+from memory_probe import saved_bytes_of_first_block
+
+# vocabulary 251 and sequences of 31 tokens: neither a multiple of q nor of any group's size.
+BASE = dict(model="tiny", seq_len=31, steps=6, progress=False, peak_flops=1e10, eval_batches=1, lr=3e-3, seed=7,
+            vocab_size=251, global_batch=8, micro_batch=4, grad_clip=0.5)
+
+
+def _run(settings):
+    s = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    return {"losses": s["losses"], "state": s["state"], "record": s["records"][-1]}
+
+
+@functools.lru_cache(maxsize=None)
+def single_process(dtype):
+    return _run(dict(dtype=dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def parallel_run(world, settings_key):
+    return run_on_ranks(_run, world, dict(settings_key), timeout=600)
+
+
+def _key(**settings):
+    return tuple(sorted(settings.items()))
+
+
+LAYOUTS = [
+    (4, dict(tp=4, tp_mode="2d")),
+    (8, dict(tp=8, tp_mode="2.5d", tp_depth=2)),
+    (8, dict(tp=8, tp_mode="3d")),
+    (8, dict(dp=2, tp=4, tp_mode="2d", zero=1)),
+    (8, dict(pp=2, tp=4, tp_mode="2d")),
+    (8, dict(dp=2, tp=4, tp_mode="2d", zero=2, checkpointing="full")),
+]
+
+
+# every layout in fp64 (1e-10); 2-D, 3-D and dp2 x 2-D in fp32 too (1e-5; the planner test reads those runs)
+CASES = [(w, lay, "fp64", 1e-10) for w, lay in LAYOUTS] + [(w, lay, "fp32", 1e-5) for w, lay in LAYOUTS[:4]]
+
+
+@pytest.mark.parametrize("world,layout,dtype,rtol", CASES, ids=lambda v: str(v))
+def test_grid_tensor_parallel_reproduces_the_single_process_run(world, layout, dtype, rtol):
+    reference = single_process(dtype)
+    ranks = parallel_run(world, _key(dtype=dtype, **layout))
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=rtol, atol=0)
+    atol = 1e-10 if dtype == "fp64" else 1e-4  # Adam's update of near-zero gradients (see test_tensor_parallel)
+    for name, value in reference["state"].items():
+        torch.testing.assert_close(ranks[0]["state"][name], value, rtol=rtol * 100, atol=atol)
+
+
+@pytest.mark.parametrize("world,layout", [*LAYOUTS[:3], LAYOUTS[5]], ids=lambda v: str(v))
+def test_grid_traffic_matches_the_papers_count(world, layout):
+    """Bytes each rank sends over its tensor-parallel sub-groups in a step equal the per-layer sums
+    of strata/rules/tensor_modes.py (SUMMA, Tesseract, Bian et al.'s Algorithm 1), recomputation
+    included."""
+    ranks = parallel_run(world, _key(dtype="fp64", **layout))
+    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
+    grid = grid_of(layout["tp_mode"], layout["tp"], layout.get("tp_depth", 1))
+    micro_batches = BASE["global_batch"] // BASE["micro_batch"] // layout.get("dp", 1)
+    recomputed = model.n_layers if layout.get("checkpointing") == "full" else 0
+    expected = micro_batch_bytes(model, grid, BASE["micro_batch"] * BASE["seq_len"], ElementBytes.uniform(8), recomputed)
+    for rank in ranks:
+        by_op = rank["record"]["comm_bytes_by_op"]
+        for kind, formula in expected.bytes.items():  # every sub-group on its own
+            measured = sum(v for k, v in by_op.items() if k.endswith(f"/tp.{kind}"))
+            assert measured == pytest.approx(micro_batches * formula, rel=1e-12), (kind, by_op)
+        assert {k.split("/tp.")[1] for k in by_op if "/tp." in k} == set(expected.bytes)
+
+
+@pytest.mark.parametrize("world,layout", [LAYOUTS[1], LAYOUTS[2]], ids=lambda v: str(v))
+def test_under_bf16_the_blocks_travel_in_16_bits_and_the_losses_follow_the_single_process(world, layout):
+    """bf16 autocast: the linear layers gather and reduce-scatter their blocks in bf16, the norms'
+    statistics and the loss's sums stay fp32, vectors' gradients and the embedding travel in the
+    parameters' fp32, as ElementBytes says; the losses follow the single process's bf16 run up to
+    bf16's rounding of sums taken in another order."""
+    reference = single_process("bf16")
+    ranks = parallel_run(world, _key(dtype="bf16", **layout))
+    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
+    grid = grid_of(layout["tp_mode"], layout["tp"], layout.get("tp_depth", 1))
+    expected = micro_batch_bytes(model, grid, BASE["micro_batch"] * BASE["seq_len"], ElementBytes(2, 4, 4))
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=2e-3, atol=0)
+        by_op = rank["record"]["comm_bytes_by_op"]
+        for kind, formula in expected.bytes.items():
+            measured = sum(v for k, v in by_op.items() if k.endswith(f"/tp.{kind}"))
+            assert measured == pytest.approx(2 * formula, rel=1e-12), (kind, by_op)
+
+
+def _saved_bytes_of_first_block(**settings):
+    return saved_bytes_of_first_block(micro_batch=4, **settings)
+
+
+@pytest.mark.parametrize("world,layout", LAYOUTS[:3], ids=lambda v: str(v))
+def test_activations_between_layers_are_cut_tp_ways(world, layout):
+    """A block keeps 1/tp of what the single process keeps: each rank holds 1/|B| of the sequences
+    and 1/q of the features of every activation, and the heads are split q ways; only the norms'
+    1/rms (one number per token, of every feature) is cut by |B| alone."""
+    b, s = 4, 64
+    grid = grid_of(layout["tp_mode"], layout["tp"], layout.get("tp_depth", 1))
+    whole = _saved_bytes_of_first_block()
+    rms = 2 * b * s * 4  # two norms, fp32
+    predicted = (whole - rms) / grid.size + rms / grid.batch_parts
+    for measured in run_on_ranks(_saved_bytes_of_first_block, world, **layout):
+        assert measured == predicted, (measured, predicted, whole)
+
+
+def _train_jobs(jobs):
+    return [train(TrainConfig(**{**BASE, **job}))["losses"] for job in jobs]
+
+
+def _on_world(world, jobs):
+    return _train_jobs(jobs) if world == 1 else run_on_ranks(_train_jobs, world, jobs, timeout=600)[0]
+
+
+def test_checkpoints_cross_between_1d_2d_3d_and_one_process(tmp_path):
+    """Saved at step 3 under 2-D, resumed under 1-D tp 2, 3-D and one process; saved under 3-D and
+    1-D, resumed under 2-D: every resumed run continues with the uninterrupted losses (fp32)."""
+    layouts = {"2d": (4, dict(tp=4, tp_mode="2d")), "3d": (8, dict(tp=8, tp_mode="3d")), "tp2": (2, dict(tp=2)),
+               "single": (1, {})}
+    saved = {}
+    for name in ("2d", "3d", "tp2"):
+        world, settings = layouts[name]
+        saved[name] = _on_world(world, [{**settings, "save": str(tmp_path / name), "save_every": 3}])[0]
+    reference = single_process("fp32")["losses"]
+    for name, got in saved.items():
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=0, msg=name)
+    resumes = [("2d", "tp2"), ("2d", "3d"), ("2d", "single"), ("3d", "2d"), ("tp2", "2d")]
+    for source, target in resumes:
+        world, settings = layouts[target]
+        got = _on_world(world, [{**settings, "resume": str(tmp_path / source / "step_000003")}])[0]
+        torch.testing.assert_close(got, reference[3:], rtol=1e-5, atol=0, msg=f"{source} -> {target}")
+
+
+def test_a_tied_model_with_learned_positions_and_biases_reproduces_the_single_process_run():
+    """GPT-2's shape: the head is the embedding's matrix (cut as the embedding is), a learned position
+    table, LayerNorm with biases, biases in every linear layer; under pp 2 the last stage keeps the
+    embedding's blocks and sums their gradients with the first stage's."""
+    settings = dict(model="tiny-gpt2", dtype="fp64")
+    reference = _run(settings)
+    ranks = run_on_ranks(_run, 8, {**settings, "tp": 4, "tp_mode": "2d", "pp": 2}, timeout=600)
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-10, atol=0)
+    for world, layout in ((4, dict(tp=4, tp_mode="2d")), (8, dict(tp=8, tp_mode="3d"))):
+        ranks = run_on_ranks(_run, world, {**settings, **layout}, timeout=600)
+        torch.testing.assert_close(ranks[0]["losses"], reference["losses"], rtol=1e-10, atol=0)
+        grid = grid_of(layout["tp_mode"], layout["tp"])
+        model = get_preset("tiny-gpt2").with_overrides(vocab_size=BASE["vocab_size"])
+        expected = 2 * micro_batch_bytes(model, grid, BASE["micro_batch"] * BASE["seq_len"], ElementBytes.uniform(8)).total
+        for rank in ranks:
+            by_op = rank["record"]["comm_bytes_by_op"]
+            assert sum(v for k, v in by_op.items() if "/tp." in k) == pytest.approx(expected, rel=1e-12), by_op
+
+
+@pytest.mark.parametrize("world,layout", LAYOUTS[:4], ids=lambda v: str(v))
+def test_the_planner_predicts_the_counted_memory_of_each_mode(world, layout):
+    """`strata plan --layout tp=..,tp_mode=..` (parsed as the CLI parses it) against the runs above:
+    model states and activations each within 5% of what the ranks counted, and the bytes sent over
+    the tensor-parallel groups equal to the count (all but the gradient norm's one sum)."""
+    from strata.plan.cost import Cluster, Workload, estimate
+    from strata.plan.hardware import get_device
+    from strata.plan.report import parse_layout
+    counted = parallel_run(world, _key(dtype="fp32", **layout))[0]["record"]
+    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
+    work = Workload(model, BASE["global_batch"], BASE["seq_len"], "fp32")
+    text = ",".join(f"{k}={v}" for k, v in {"mb": BASE["micro_batch"], **layout}.items())
+    estimated = estimate(work, Cluster(get_device("A100-80G"), 1, world, 25e9, 25e9), parse_layout(text, work, world))
+    predicted = estimated.memory_breakdown
+    states = predicted["weights"] + predicted["gradients"] + predicted["optimizer_states"]
+    assert states == pytest.approx(counted["model_state_bytes"], rel=0.05)
+    assert predicted["activations"] == pytest.approx(counted["peak_activation_bytes"], rel=0.05)
+    tp = layout["tp"]
+    sent = sum(v for k, v in counted["comm_bytes_by_op"].items() if k.split("/")[1].startswith("tp"))
+    grad_norm = 2 * (tp - 1) / tp * 8  # one fp64 sum of squares over the whole tp group
+    assert estimated.comm_bytes["tp"] == pytest.approx(sent - grad_norm, rel=1e-12)
+
+
+def _skip_a_row_collective(timeout_s):
+    """2-D on 4 ranks: rank 1 never joins its row's second all-reduce."""
+    rank = dist.get_rank()
+    row = grid_axes(ParallelDims(dp=1, tp=4, pp=1), grid_of("2d", 4), rank, None, timeout_s)["row"]
+    x = torch.ones(4)
+    comm.all_reduce(x, row.group, row.name)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        time.sleep(timeout_s + 15)
+        store.set("rank 1 awake", "yes")  # (a peer that leaves also ends the wait, with another error)
+        return None
+    if rank > 1:  # the other row
+        return "other row"
+    try:
+        comm.all_reduce(x, row.group, row.name)
+    except RuntimeError as e:
+        return ("while rank 1 slept: " if not store.check(["rank 1 awake"]) else "after rank 1 woke: ") + str(e)
+    return "no error"
+
+
+def test_a_grid_sub_group_times_out_with_the_runs_timeout_and_names_the_missing_rank():
+    """torch gives a new group a 30-minute timeout; the grid's sub-groups get the run's."""
+    messages = run_on_ranks(_skip_a_row_collective, 4, 3, collective_timeout=3, timeout=60)
+    assert messages[0].startswith("while rank 1 slept: "), messages[0]
+    assert "collective all_reduce #2 on process group 'tp.row' (ranks [0, 1])" in messages[0], messages[0]
+    assert "ranks that did not arrive: 1" in messages[0], messages[0]
+    assert messages[2:] == ["other row", "other row"]
