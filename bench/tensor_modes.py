@@ -22,7 +22,8 @@ import sys
 import tempfile
 
 from strata.model.presets import get_preset
-from strata.rules.tensor_modes import ElementBytes, grid_of, micro_batch_bytes, sequence_parallel_step_bytes
+from strata.rules.tensor_modes import grid_of
+from strata.rules.tensor_traffic import ElementBytes, step_bytes
 
 LAYOUTS = [  # (ranks, label, flags)
     (4, "1d", ["--tp", "4"]),
@@ -59,9 +60,8 @@ def formula(label: str, flags: list[str], ranks: int, args) -> float:
     depth = int(flags[flags.index("--tp-depth") + 1]) if "--tp-depth" in flags else 1
     grid = grid_of(mode, ranks, depth)
     sp = "--sequence-parallel" in flags
-    total = micro_batch_bytes(model, grid, args.micro_batch * args.seq_len, ElementBytes.uniform(4),
-                              sequence_parallel=sp).total
-    total += sequence_parallel_step_bytes(model, ranks, 4) if sp else 0
+    total = step_bytes(model, grid, args.micro_batch * args.seq_len, ElementBytes.uniform(4),
+                       sequence_parallel=sp).total
     return total + 2 * (ranks - 1) / ranks * 8  # the gradient norm's fp64 sum of squares
 
 

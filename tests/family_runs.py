@@ -12,8 +12,9 @@ PROMPT_IDS, NEW_TOKENS = "5,17,42", 40
 
 
 def fp64_losses(checkpoint: str, **layout) -> list[float]:
-    return train(TrainConfig(init_from=checkpoint, dtype="fp64", steps=6, micro_batch=2, global_batch=4, seq_len=32,
-                             lr=3e-3, seed=3, progress=False, eval_batches=1, peak_flops=1e10, **layout))["losses"]
+    settings = dict(init_from=checkpoint, dtype="fp64", steps=6, micro_batch=2, global_batch=4, seq_len=32, lr=3e-3,
+                    seed=3, progress=False, eval_batches=1, peak_flops=1e10)
+    return train(TrainConfig(**{**settings, **layout}))["losses"]
 
 
 def greedy_tokens(checkpoint: str, tp: int = 1, pp: int = 1) -> str:

@@ -66,3 +66,14 @@ def test_a_family_under_2d_tensor_parallelism_reproduces_one_process(case, root)
     for rank_losses, _ in ranks:
         torch.testing.assert_close(torch.tensor(rank_losses, dtype=torch.float64),
                                    torch.tensor(losses, dtype=torch.float64), rtol=1e-10, atol=0)
+
+
+def test_alibi_under_3d_tensor_parallelism_takes_each_ranks_own_heads_slopes(root):
+    """3-D computes the heads along j, while the residual stream's features lie along i: ALiBi's
+    per-head slopes must follow the heads (on 2-D the two indices are the same)."""
+    losses, _ = single_process("bloom", root)
+    layout = dict(tp=8, tp_mode="3d", micro_batch=4)  # 3-D splits a micro-batch's sequences q² = 4 ways
+    ranks = run_on_ranks(on_each_rank, 8, converted_checkpoint("bloom", root), layout, timeout=300)
+    for rank_losses, _ in ranks:
+        torch.testing.assert_close(torch.tensor(rank_losses, dtype=torch.float64),
+                                   torch.tensor(losses, dtype=torch.float64), rtol=1e-10, atol=0)

@@ -13,7 +13,9 @@ from strata.plan.cost import Workload, estimate
 from strata.plan.inputs import build_cluster
 from strata.plan.report import parse_layout
 from strata.plan.search import explain, search
-from strata.rules.tensor_modes import ElementBytes, grid_of, micro_batch_bytes
+from strata.plan.tensor import spread
+from strata.rules.tensor_modes import grid_of
+from strata.rules.tensor_traffic import ElementBytes, step_bytes
 
 LLAMA3_8B = Workload(get_preset("llama3-8b"), 64, 8192, "bf16")
 
@@ -38,19 +40,35 @@ def test_a_grid_moves_more_than_1d_on_a_small_group_and_less_on_a_large_one_acro
     assert _tp("tp=16,tp_mode=2d,mb=4", 2).comm_bytes["tp"] > large_2d.comm_bytes["tp"]
 
 
+def test_a_grid_sub_group_is_priced_on_the_links_its_members_cross():
+    """A sub-group's members, as places in the tp group, stand for the evenly spaced group with as
+    many members in each node; 3-D on 8 ranks over two nodes of 4 puts its l and batch groups
+    across the network, and pays for it."""
+    assert spread([0, 2], 8) == (2, 1)  # one node
+    assert spread([0, 4], 4) == (2, 4)  # one member in each node
+    assert spread([0, 1, 4, 5], 4) == (4, 2)  # two in each node
+    assert spread([0, 2, 4, 6], 4) == (4, 2)
+    work = Workload(get_preset("llama-7b"), 16, 2048, "bf16")
+    seconds = []
+    for nodes, per_node in ((1, 8), (2, 4)):
+        cluster = build_cluster("A100-80G", nodes, per_node, "nvlink", "100gbe")
+        seconds.append(estimate(work, cluster, parse_layout("tp=8,tp_mode=3d,mb=4", work, 8)).comm_seconds["tp"])
+    assert seconds[1] > 10 * seconds[0]
+
+
 @pytest.mark.parametrize("text", ["tp=4,tp_mode=2d,mb=2", "dp=2,tp=8,tp_mode=2.5d,tp_depth=2,mb=4",
                                   "dp=2,tp=8,tp_mode=3d,mb=4,ckpt=full"])
 def test_the_planners_tp_bytes_are_the_modes_formula_per_micro_batch(text):
-    """With one stage the planner's tp bytes are micro-batches x the formula the runtime's counts
-    equal (recomputation included), in the activations' dtype."""
+    """With one stage the planner's tp bytes are the step's count that the runtime's equal
+    (recomputation and the step's partial-gradient sums included), in the run's dtypes."""
     e = _tp(text, 2)
     lay = e.layout
     grid = grid_of(lay.tp_mode, lay.tp, lay.tp_depth)
     m = LLAMA3_8B.global_batch // (lay.dp * lay.micro_batch)
     recomputed = LLAMA3_8B.model.n_layers if lay.checkpointing == "full" else 0
-    formula = micro_batch_bytes(LLAMA3_8B.model, grid, lay.micro_batch * LLAMA3_8B.seq_len, ElementBytes(2, 4, 4),
-                                recomputed)
-    assert e.comm_bytes["tp"] == pytest.approx(m * formula.total, rel=1e-12)
+    formula = step_bytes(LLAMA3_8B.model, grid, lay.micro_batch * LLAMA3_8B.seq_len, ElementBytes(2, 4, 4), m,
+                         recomputed)
+    assert e.comm_bytes["tp"] == pytest.approx(formula.total, rel=1e-12)
 
 
 def test_explain_compares_the_best_grid_with_1d_at_the_same_degrees():

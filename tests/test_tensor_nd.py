@@ -13,7 +13,8 @@ from strata.config import TrainConfig
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, grid_axes
 from strata.model.presets import get_preset
-from strata.rules.tensor_modes import ElementBytes, grid_of, micro_batch_bytes
+from strata.rules.tensor_modes import grid_of
+from strata.rules.tensor_traffic import ElementBytes, step_traffic
 from strata.train.trainer import train
 
 from distributed import run_on_ranks
@@ -68,42 +69,60 @@ def test_grid_tensor_parallel_reproduces_the_single_process_run(world, layout, d
         torch.testing.assert_close(ranks[0]["state"][name], value, rtol=rtol * 100, atol=atol)
 
 
+def _sub_groups(traffic) -> dict[str, float]:
+    """rules/tensor_traffic's count in comm.py's keys ("all_gather/tp.row", ...), the whole group's
+    "tp" (which carries the gradient norm's sum too) left out."""
+    return {f"{op}/tp.{group}": nbytes for (group, op), nbytes in traffic.bytes.items() if group != "tp"}
+
+
+def _assert_traffic(records, model_name, layout, e: ElementBytes):
+    """What each rank counted over each sub-group and operation in its last step equals
+    rules/tensor_traffic.step_traffic. Under ZeRO-1/2 a rank sums only its data-parallel shard of
+    the partial gradients: summed over the data-parallel ranks at one grid place, the counts equal
+    dp x the micro-batches' traffic + the sums once."""
+    model = get_preset(model_name).with_overrides(vocab_size=BASE["vocab_size"])
+    grid = grid_of(layout["tp_mode"], layout["tp"], layout.get("tp_depth", 1))
+    dp = layout.get("dp", 1)
+    micro_batches = BASE["global_batch"] // BASE["micro_batch"] // dp
+    recomputed = model.n_layers if layout.get("checkpointing") == "full" else 0
+    per_micro_batch, sums = step_traffic(model, grid, BASE["micro_batch"] * BASE["seq_len"], e, micro_batches,
+                                         recomputed)
+    sharded = layout.get("zero", 0) in (1, 2)
+    groups = [records[t::grid.size] for t in range(grid.size)] if sharded else [[r] for r in records]
+    for group in groups:
+        counted: dict[str, float] = {}
+        for record in group:
+            for key, nbytes in record["comm_bytes_by_op"].items():
+                if "/tp." in key:
+                    counted[key] = counted.get(key, 0.0) + nbytes
+        expected = {key: len(group) * nbytes for key, nbytes in _sub_groups(per_micro_batch).items()}
+        for key, nbytes in _sub_groups(sums).items():
+            expected[key] = expected.get(key, 0.0) + nbytes * (1 if sharded else len(group))
+        assert set(counted) == set(expected), (counted, expected)
+        for key, nbytes in expected.items():
+            assert counted[key] == pytest.approx(nbytes, rel=1e-12), (key, counted, expected)
+
+
 @pytest.mark.parametrize("world,layout", [*LAYOUTS[:3], LAYOUTS[5]], ids=lambda v: str(v))
 def test_grid_traffic_matches_the_papers_count(world, layout):
-    """Bytes each rank sends over its tensor-parallel sub-groups in a step equal the per-layer sums
-    of strata/rules/tensor_modes.py (SUMMA, Tesseract, Bian et al.'s Algorithm 1), recomputation
-    included."""
+    """Bytes each rank sends over each tensor-parallel sub-group with each operation in a step
+    equal the per-layer sums of strata/rules/tensor_traffic.py (SUMMA, Tesseract, Bian et al.'s
+    Algorithm 1), recomputation and the step's partial-gradient sums included."""
     ranks = parallel_run(world, _key(dtype="fp64", **layout))
-    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
-    grid = grid_of(layout["tp_mode"], layout["tp"], layout.get("tp_depth", 1))
-    micro_batches = BASE["global_batch"] // BASE["micro_batch"] // layout.get("dp", 1)
-    recomputed = model.n_layers if layout.get("checkpointing") == "full" else 0
-    expected = micro_batch_bytes(model, grid, BASE["micro_batch"] * BASE["seq_len"], ElementBytes.uniform(8), recomputed)
-    for rank in ranks:
-        by_op = rank["record"]["comm_bytes_by_op"]
-        for kind, formula in expected.bytes.items():  # every sub-group on its own
-            measured = sum(v for k, v in by_op.items() if k.endswith(f"/tp.{kind}"))
-            assert measured == pytest.approx(micro_batches * formula, rel=1e-12), (kind, by_op)
-        assert {k.split("/tp.")[1] for k in by_op if "/tp." in k} == set(expected.bytes)
+    _assert_traffic([rank["record"] for rank in ranks], "tiny", layout, ElementBytes.uniform(8))
 
 
 @pytest.mark.parametrize("world,layout", [LAYOUTS[1], LAYOUTS[2]], ids=lambda v: str(v))
 def test_under_bf16_the_blocks_travel_in_16_bits_and_the_losses_follow_the_single_process(world, layout):
-    """bf16 autocast: the linear layers gather and reduce-scatter their blocks in bf16, the norms'
-    statistics and the loss's sums stay fp32, vectors' gradients and the embedding travel in the
-    parameters' fp32, as ElementBytes says; the losses follow the single process's bf16 run up to
-    bf16's rounding of sums taken in another order."""
+    """bf16 autocast: the linear layers gather their blocks and reduce-scatter the activations'
+    gradients in bf16, the norms' statistics and the loss's sums stay fp32, weight gradients,
+    vectors' sums and the embedding travel in the parameters' fp32, as ElementBytes says; the
+    losses follow the single process's bf16 run up to bf16's rounding of sums in another order."""
     reference = single_process("bf16")
     ranks = parallel_run(world, _key(dtype="bf16", **layout))
-    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
-    grid = grid_of(layout["tp_mode"], layout["tp"], layout.get("tp_depth", 1))
-    expected = micro_batch_bytes(model, grid, BASE["micro_batch"] * BASE["seq_len"], ElementBytes(2, 4, 4))
     for rank in ranks:
         torch.testing.assert_close(rank["losses"], reference["losses"], rtol=2e-3, atol=0)
-        by_op = rank["record"]["comm_bytes_by_op"]
-        for kind, formula in expected.bytes.items():
-            measured = sum(v for k, v in by_op.items() if k.endswith(f"/tp.{kind}"))
-            assert measured == pytest.approx(2 * formula, rel=1e-12), (kind, by_op)
+    _assert_traffic([rank["record"] for rank in ranks], "tiny", layout, ElementBytes(2, 4, 4))
 
 
 def _saved_bytes_of_first_block(**settings):
@@ -163,12 +182,7 @@ def test_a_tied_model_with_learned_positions_and_biases_reproduces_the_single_pr
     for world, layout in ((4, dict(tp=4, tp_mode="2d")), (8, dict(tp=8, tp_mode="3d"))):
         ranks = run_on_ranks(_run, world, {**settings, **layout}, timeout=600)
         torch.testing.assert_close(ranks[0]["losses"], reference["losses"], rtol=1e-10, atol=0)
-        grid = grid_of(layout["tp_mode"], layout["tp"])
-        model = get_preset("tiny-gpt2").with_overrides(vocab_size=BASE["vocab_size"])
-        expected = 2 * micro_batch_bytes(model, grid, BASE["micro_batch"] * BASE["seq_len"], ElementBytes.uniform(8)).total
-        for rank in ranks:
-            by_op = rank["record"]["comm_bytes_by_op"]
-            assert sum(v for k, v in by_op.items() if "/tp." in k) == pytest.approx(expected, rel=1e-12), by_op
+        _assert_traffic([rank["record"] for rank in ranks], "tiny-gpt2", layout, ElementBytes.uniform(8))
 
 
 @pytest.mark.parametrize("world,layout", LAYOUTS[:4], ids=lambda v: str(v))
@@ -221,3 +235,12 @@ def test_a_grid_sub_group_times_out_with_the_runs_timeout_and_names_the_missing_
     assert "collective all_reduce #2 on process group 'tp.row' (ranks [0, 1])" in messages[0], messages[0]
     assert "ranks that did not arrive: 1" in messages[0], messages[0]
     assert messages[2:] == ["other row", "other row"]
+
+
+def test_the_grid_layernorm_keeps_its_precision_far_from_a_zero_mean():
+    """Its statistics are sums over features split between ranks: the mean first, then the squares
+    about it (E[x²] - mean² in fp32 loses every digit when the mean is large)."""
+    from strata.parallel.tensor_nd import norm_from_statistics
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(0)) * 0.5 + 1000
+    got = norm_from_statistics(x, torch.ones(1024), torch.zeros(1024), "layernorm", 1e-5, 1024, lambda s: s)
+    torch.testing.assert_close(got, torch.nn.functional.layer_norm(x, (1024,), eps=1e-5), rtol=0, atol=1e-3)

@@ -8,7 +8,11 @@ import torch
 
 from strata.config import TrainConfig
 from strata.model.presets import get_preset
-from strata.rules.tensor_modes import ElementBytes, grid_of, micro_batch_bytes, sequence_parallel_step_bytes
+from strata.plan.cost import Cluster, Workload, estimate
+from strata.plan.hardware import get_device
+from strata.rules.layout import Layout
+from strata.rules.tensor_modes import grid_of
+from strata.rules.tensor_traffic import ElementBytes, step_bytes
 from strata.train.trainer import train
 
 from distributed import run_on_ranks
@@ -63,24 +67,57 @@ def test_tensor_parallel_reproduces_the_single_process_run(model, world, layout,
         torch.testing.assert_close(ranks[0]["state"][name], value, rtol=rtol * 100, atol=atol)
 
 
+def tp_bytes_per_micro_batch(cfg, b, s, t, sequence_parallel, recompute, element=4):
+    """Bytes each rank sends in the tp group for one micro-batch (forward and backward), from the
+    Megatron analysis: per block 2 all-reduces of b·s·h forward and 2 backward, each 2(t-1)/t of
+    its size; with sequence parallelism, all-gathers and reduce-scatters of the same volume, plus
+    the all-gather in backward that re-creates each column group's input from the shard kept.
+    Full recomputation runs each block's forward again only as far as the last tensor backward
+    needs (torch.utils.checkpoint stops there): all but the MLP's closing reduction, so one more
+    all-reduce (or, with sequence parallelism, reduce-scatter) per block."""
+    bsh, ring = b * s * cfg.d_model * element, (t - 1) / t
+    per_block = 4 * 2 * ring * bsh  # identical with and without sequence parallelism
+    embedding = 2 * ring * bsh + (ring * bsh if sequence_parallel else 0)  # all-reduce (+ split's gather)
+    head_input = 2 * ring * bsh  # copy's all-reduce backward, or gather forward + scatter backward
+    if sequence_parallel:  # Korthikanti's re-gather of each column group's input in backward
+        per_block += 2 * ring * bsh
+        head_input += ring * bsh
+    if recompute:
+        per_block += (1 if sequence_parallel else 2) * ring * bsh
+    cross_entropy = 2 * ring * 3 * b * s * element  # max, then (target logit, sum of exp)
+    return cfg.n_layers * per_block, embedding + head_input + cross_entropy
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp_traffic_matches_the_megatron_count(sequence_parallel):
-    """Megatron's count (strata/rules/tensor_modes.py's 1-D case)."""
-    ranks = parallel_run(2, tuple(sorted({"tp": 2, "sequence_parallel": sequence_parallel, "model": "tiny",
-                                          "dtype": "fp32"}.items())))
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_tp_traffic_matches_the_megatron_count_and_the_planners(sequence_parallel, checkpointing):
+    """The counted bytes equal Megatron's count, derived here; rules/tensor_traffic.py's and the
+    planner's equal it too."""
+    layout = {"tp": 2, "sequence_parallel": sequence_parallel, "model": "tiny", "dtype": "fp32",
+              "checkpointing": checkpointing}
+    ranks = parallel_run(2, tuple(sorted(layout.items())))
     cfg, t, micro_batches = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"]), 2, 2
-    tokens = BASE["micro_batch"] * BASE["seq_len"]
-    per_micro_batch = micro_batch_bytes(cfg, grid_of("1d", t), tokens, ElementBytes.uniform(4),
-                                        sequence_parallel=sequence_parallel).total
-    norm_grads = sequence_parallel_step_bytes(cfg, t, 4) if sequence_parallel else 0
+    recompute = checkpointing == "full"
+    blocks, rest = tp_bytes_per_micro_batch(cfg, BASE["micro_batch"], BASE["seq_len"], t, sequence_parallel,
+                                            recompute)
+    norm_grads = (2 * cfg.n_layers + 1) * cfg.d_model * 4 * 2 * (t - 1) / t if sequence_parallel else 0
     grad_norm = 2 * (t - 1) / t * 8  # one fp64 sum of squares
-    expected = micro_batches * per_micro_batch + norm_grads + grad_norm
+    expected = micro_batches * (blocks + rest) + norm_grads
     for rank in ranks:
         by_op = rank["record"]["comm_bytes_by_op"]
         measured = sum(v for k, v in by_op.items() if k.endswith("/tp"))
-        assert measured == pytest.approx(expected, rel=1e-12), by_op
+        assert measured == pytest.approx(expected + grad_norm, rel=1e-12), by_op
         ops = {k.split("/")[0] for k in by_op if k.endswith("/tp")}
         assert ops == ({"all_reduce", "all_gather", "reduce_scatter"} if sequence_parallel else {"all_reduce"})
+    tokens = BASE["micro_batch"] * BASE["seq_len"]
+    rule = step_bytes(cfg, grid_of("1d", t), tokens, ElementBytes.uniform(4), micro_batches,
+                      cfg.n_layers if recompute else 0, sequence_parallel)
+    assert rule.total == pytest.approx(expected, rel=1e-12)
+    work = Workload(cfg, BASE["global_batch"], BASE["seq_len"], "fp32")
+    lay = Layout(tp=2, micro_batch=BASE["micro_batch"], sequence_parallel=sequence_parallel,
+                 checkpointing=checkpointing)
+    planned = estimate(work, Cluster(get_device("A100-80G"), 1, 2, 25e9, 25e9), lay)
+    assert planned.comm_bytes["tp"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_generation_with_tp_equals_single_process(tmp_path):

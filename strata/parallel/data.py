@@ -86,14 +86,22 @@ class DataParallel:
         self._sum_partial_grads_over_tp()
 
     def _sum_partial_grads_over_tp(self) -> None:
-        """Replicated parameters that each tensor-parallel rank saw only part of (norms under
-        sequence parallelism, K/V projections shared by ranks): sum their gradients."""
-        if self.settings.tp_group is None:
-            return
-        grads = [g for g, p in self.sharding.grad_pairs() if self.spec_of(p).partial_grad]
-        if grads:
+        """Parameters that each tensor-parallel rank saw only part of (norms under sequence
+        parallelism, K/V projections shared by ranks; under a grid, vectors applied to each rank's
+        own sequences and 2.5-D's weight copies, over their own sub-group): sum their gradients,
+        one all-reduce per group, once a step (the sums are linear, so after accumulation)."""
+        by_group: dict[str, tuple[object, list[torch.Tensor]]] = {}
+        for g, p in self.sharding.grad_pairs():
+            spec = self.spec_of(p)
+            if not spec.partial_grad:
+                continue
+            axis = spec.sum_over
+            group, name = (axis.group, axis.name) if axis is not None else (self.settings.tp_group, "tp")
+            if group is not None:
+                by_group.setdefault(name, (group, []))[1].append(g)
+        for name, (group, grads) in by_group.items():
             flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, self.settings.tp_group, "tp")
+            comm.all_reduce(flat, group, name)
             for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(piece.view_as(g))
 

@@ -23,7 +23,6 @@ rank; each rank uses the rows of the KV head its query heads read, and the gradi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 from strata.distributed import comm
 from strata.model.families import get_family
 from strata.parallel import tensor_comm as tpc
+from strata.rules.tensor_modes import grid_of, padded_vocab
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class ShardSpec:
     dim: int | None = None  # split along this dim over the TP ranks; None: replicated
     padded: int | None = None  # the full size along `dim` (dim 0 with cuts) after padding (vocabulary)
     partial_grad: bool = False  # replicated, but each rank's gradient is a part: sum over TP
+    sum_over: object = None  # with partial_grad: the grid axis to sum over (tensor_nd.py); None: the TP group
     # Multi-dimensional tensor parallelism (tensor_nd.py): this rank's block, as (dim, parts, index)
     # cuts of the (padded) logical tensor, and whether this rank is the block's owner (the one of
     # its copies that is written and counted in the gradient norm).
@@ -195,6 +196,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss[:, None], None, None, None, None, None
 
 
+def vocab_parallel_losses(logits, targets, start: int, vocab: int, group, name: str = tpc.GROUP) -> torch.Tensor:
+    """Each token's cross-entropy from logits whose columns [start, start + width) of the padded
+    vocabulary this rank holds (the others over `group`), never gathering them."""
+    if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax sums want fp32
+        logits = logits.float()
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, vocab,
+                                            group, name)
+
+
 class VocabParallelCrossEntropy(nn.Module):
     """Mean cross-entropy over tokens from vocabulary-split logits, never gathering them."""
 
@@ -204,11 +214,7 @@ class VocabParallelCrossEntropy(nn.Module):
         self.vocab, self.start, self.group = vocab, rank * padded_vocab // world, group
 
     def forward(self, logits, targets):
-        if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax sums want fp32
-            logits = logits.float()
-        losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                  self.start, self.vocab, self.group)
-        return losses.mean()
+        return vocab_parallel_losses(logits, targets, self.start, self.vocab, self.group).mean()
 
 
 class SplitSequence(nn.Module):
@@ -269,7 +275,7 @@ class _Splitter:
     def __init__(self, cfg, group, sequence_parallel: bool):
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         self.rank, self.world = _tp(group)
-        self.padded_vocab = math.ceil(cfg.vocab_size / self.world) * self.world
+        self.padded_vocab = padded_vocab(cfg.vocab_size, grid_of("1d", self.world))
         self.saver = tpc.SequenceParallelSaver(group) if sequence_parallel else None
 
     def __call__(self, placement: str, module: nn.Module) -> nn.Module:

@@ -39,10 +39,12 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.distributed.mesh import Axis
+from strata.errors import ConfigError
 from strata.model.families import get_family
-from strata.parallel.tensor import ShardSpec, _VocabParallelCrossEntropy
+from strata.parallel.tensor import ShardSpec, vocab_parallel_losses
 from strata.parallel.tensor_comm import conjugate
 from strata.rules.tensor_modes import TensorGrid, coordinates, padded_vocab
+from strata.rules.tensor_traffic import grid_roles
 
 
 class GridGroups:
@@ -88,13 +90,10 @@ def _size(axis: Axis | None) -> int:
 
 
 # The conjugate pairs (forward, backward) over a grid axis:
-#   _sum_grad        identity / all-reduce: a tensor every rank of the axis holds whole but uses on
-#                    its own part (its sequences, its features)
 #   _sum_both_ways   all-reduce / all-reduce: a norm's statistics over features split along the axis
 #   _scatter_batch   reduce-scatter / all-gather along the batch
 #   _gather_batch    all-gather / reduce-scatter along the batch
 #   _mean_over       the mean of each rank's part over the axis / each part's 1/size share
-_sum_grad = conjugate("SumGrad", lambda x, axis: x, lambda grad, axis: _all_reduce(grad.clone(), axis))
 _sum_both_ways = conjugate("SumBothWays", lambda x, axis: _all_reduce(x.clone(), axis),
                            lambda grad, axis: _all_reduce(grad.clone(), axis))
 _scatter_batch = conjugate("ScatterBatch", lambda x, axis: _reduce_scatter(x, axis, 0),
@@ -107,8 +106,10 @@ _mean_over = conjugate("MeanOver", lambda x, axis: _all_reduce(x.clone(), axis) 
 _linear = torch.compiler.disable(lambda *a: _GridLinear.apply(*a))
 
 
-def sum_grad(x, axis):
-    return _sum_grad(x, axis) if axis is not None and axis.size > 1 else x
+def _partial(axis: Axis | None) -> dict:
+    """ShardSpec fields of a tensor that every rank of `axis` holds and applies to its own part
+    (its sequences, its depth layer's): its gradient is summed over the axis once a step."""
+    return {"partial_grad": True, "sum_over": axis} if axis is not None and axis.size > 1 else {}
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,9 @@ class _GridLinear(torch.autograd.Function):
         w_full = _gather(weight.to(dtype), plan.w, 1)
         grad_x = _reduce_scatter(grad @ w_full, plan.x, plan.x_dim).to(x.dtype)
         grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
-        return grad_x, _reduce_scatter(grad_w, plan.w, 1).to(weight.dtype), None
+        # the weight's gradient summed over the sequence groups in the weight's dtype, as data
+        # parallelism sums it (fp32 under bf16 autocast)
+        return grad_x, _reduce_scatter(grad_w.to(weight.dtype), plan.w, 1), None
 
 
 class GridLinear(nn.Module):
@@ -165,16 +168,15 @@ class GridLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         cut_out = (0, out_parts, out_index)
         self.tp_specs = {"weight": ShardSpec((full_out, full_in), padded=padded_out,
-                                             cuts=(cut_out, (1, in_parts, in_index)), owner=owner)}
+                                             cuts=(cut_out, (1, in_parts, in_index)), owner=owner,
+                                             **_partial(plan.copies))}
         if bias:  # the bias's owner: the first of the ranks that add it (plan.bias rank 0)
             self.tp_specs["bias"] = ShardSpec((full_out,), padded=padded_out, cuts=(cut_out,),
-                                              owner=plan.bias is None or plan.bias.rank == 0)
+                                              owner=plan.bias is None or plan.bias.rank == 0, **_partial(plan.bias))
 
     def forward(self, x):
-        y = _linear(x, sum_grad(self.weight, self.plan.copies), self.plan)
-        if self.bias is not None:
-            y = y + sum_grad(self.bias, self.plan.bias).to(y.dtype)
-        return y
+        y = _linear(x, self.weight, self.plan)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
 def norm_from_statistics(x: torch.Tensor, weight, bias, kind: str, eps: float, width: int, total) -> torch.Tensor:
@@ -182,11 +184,10 @@ def norm_from_statistics(x: torch.Tensor, weight, bias, kind: str, eps: float, w
     turns per-token partial sums into whole ones (identity when x holds every feature)."""
     compute = torch.promote_types(x.dtype, torch.float32)
     h = x.to(compute)
-    if kind == "layernorm":
-        sums = total(torch.stack([h.sum(-1), h.pow(2).sum(-1)]))
-        mean = sums[0] / width
-        var = sums[1] / width - mean * mean
-        out = (h - mean[..., None]) * torch.rsqrt(var[..., None] + eps)
+    if kind == "layernorm":  # two passes: the mean, then the squares about it (E[x²] - mean² cancels)
+        centred = h - (total(h.sum(-1, keepdim=True)) / width)
+        var = total(centred.pow(2).sum(-1, keepdim=True)) / width
+        out = centred * torch.rsqrt(var + eps)
         out = out * weight.to(compute) + bias.to(compute)
         return out.to(x.dtype)
     rstd = torch.rsqrt(total(h.pow(2).sum(-1, keepdim=True)) / width + eps)
@@ -197,37 +198,34 @@ def norm_from_statistics(x: torch.Tensor, weight, bias, kind: str, eps: float, w
 
 class GridNorm(nn.Module):
     """A norm over features split along `row`: statistics summed over it, the weight (and bias)
-    this rank's features' slice, its gradient summed over `batch` (which holds other sequences)."""
+    this rank's features' slice, partial on each rank of `batch` (which holds other sequences)."""
 
     def __init__(self, norm: nn.Module, kind: str, row: Axis, batch: Axis | None, index: int, parts: int):
         super().__init__()
         width = norm.weight.shape[0]
-        self.kind, self.eps, self.width, self.row, self.batch = kind, norm.eps, width, row, batch
+        self.kind, self.eps, self.width, self.row = kind, norm.eps, width, row
         self.weight = nn.Parameter(torch.empty(width // parts))
         self.bias = nn.Parameter(torch.empty(width // parts)) if getattr(norm, "bias", None) is not None else None
-        spec = ShardSpec((width,), cuts=((0, parts, index),), owner=batch is None or batch.rank == 0)
+        spec = ShardSpec((width,), cuts=((0, parts, index),), owner=batch is None or batch.rank == 0, **_partial(batch))
         self.tp_specs = {"weight": spec, **({"bias": spec} if self.bias is not None else {})}
 
     def forward(self, x):
-        weight = sum_grad(self.weight, self.batch)
-        bias = sum_grad(self.bias, self.batch) if self.bias is not None else None
-        return norm_from_statistics(x, weight, bias, self.kind, self.eps, self.width,
+        return norm_from_statistics(x, self.weight, self.bias, self.kind, self.eps, self.width,
                                     lambda s: _sum_both_ways(s, self.row))
 
 
 class GridHeadNorm(nn.Module):
     """A norm over each head's own features (Qwen3's q/k norms): every rank holds it whole and uses
-    it on its heads and sequences; its gradient is summed over the whole group."""
+    it on its heads and sequences, so its gradient is partial on every rank of the group."""
 
     def __init__(self, norm: nn.Module, kind: str, group: Axis):
         super().__init__()
-        self.kind, self.eps, self.group = kind, norm.eps, group
+        self.kind, self.eps = kind, norm.eps
         self.weight = nn.Parameter(torch.empty_like(norm.weight))
-        self.tp_specs = {"weight": ShardSpec(tuple(norm.weight.shape))}  # replicated, its gradient whole
+        self.tp_specs = {"weight": ShardSpec(tuple(norm.weight.shape), **_partial(group))}
 
     def forward(self, x):
-        return norm_from_statistics(x, sum_grad(self.weight, self.group), None, self.kind, self.eps,
-                                    x.shape[-1], lambda s: s)
+        return norm_from_statistics(x, self.weight, None, self.kind, self.eps, x.shape[-1], lambda s: s)
 
 
 class GridEmbedding(nn.Module):
@@ -268,36 +266,47 @@ class GridTiedHead(nn.Module):
 
 class GridFeatures(nn.Module):
     """A position table (max_seq, d_model) cut by features as the residual stream is; each rank
-    adds it to its own sequences, so its gradient is summed over the sequence group."""
+    adds it to its own sequences, so its gradient is partial on every rank of the sequence group."""
 
     def __init__(self, table: nn.Embedding, batch: Axis, index: int, q: int):
         super().__init__()
         rows, width = table.weight.shape
-        self.batch = batch
         self.weight = nn.Parameter(torch.empty(rows, width // q))
-        self.tp_specs = {"weight": ShardSpec((rows, width), cuts=((1, q, index),), owner=batch.rank == 0)}
+        self.tp_specs = {"weight": ShardSpec((rows, width), cuts=((1, q, index),), owner=batch.rank == 0,
+                                             **_partial(batch))}
 
     def forward(self, positions):
-        return F.embedding(positions, sum_grad(self.weight, self.batch))
+        return F.embedding(positions, self.weight)
 
 
 class GridCrossEntropy(nn.Module):
-    """Mean cross-entropy from logits split by vocabulary along `row` and by sequence along
+    """Mean cross-entropy from logits split by vocabulary along `vocab_axis` and by sequence along
     `batch`: each rank takes its sequences' targets."""
 
-    def __init__(self, vocab: int, padded: int, row: Axis, batch: Axis):
+    def __init__(self, vocab: int, padded: int, vocab_axis: Axis, batch: Axis):
         super().__init__()
-        self.vocab, self.row, self.batch = vocab, row, batch
-        self.start = row.rank * padded // row.size
+        self.vocab, self.vocab_axis, self.batch = vocab, vocab_axis, batch
+        self.start = vocab_axis.rank * padded // vocab_axis.size
 
     def forward(self, logits, targets):
-        if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax sums want fp32
-            logits = logits.float()
-        if self.batch is not None:
-            targets = targets.chunk(self.batch.size, dim=0)[self.batch.rank]
-        losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                  self.start, self.vocab, self.row.group, self.row.name)
+        targets = targets.chunk(self.batch.size, dim=0)[self.batch.rank]
+        losses = vocab_parallel_losses(logits, targets, self.start, self.vocab, self.vocab_axis.group,
+                                       self.vocab_axis.name)
         return _mean_over(losses.mean(), self.batch)
+
+
+class RefuseLogits(nn.Module):
+    """In place of gathering the logits: a grid-parallel model's are blocks of sequences and
+    vocabulary on every rank, and only its loss is computed in place. Generation and serving run
+    under 1-D tensor parallelism (checkpoints are layout-free)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, logits):
+        raise ConfigError("computes only the loss; generate under tp_mode 1d (checkpoints load under any layout)",
+                          "tp_mode", self.mode)
 
 
 # --- applying it to the model ------------------------------------------------------------------
@@ -313,47 +322,45 @@ def apply_grid_parallel(model: nn.Module, groups: GridGroups) -> None:
             placement = family.placement(name)
             if placement is not None:
                 model.set_submodule(name, cut(placement, module))
+        row, batch = cut.axis("row"), cut.axis("batch")
         if cfg.tie_embeddings:  # the embedding's cut: vocabulary over the sequence group, sequences over the row
-            row, batch = cut.residual
             model.set_tied_head(GridTiedHead(cut.embedding, row))
             model.criterion = GridCrossEntropy(cfg.vocab_size, cut.vocab, batch, row)
         else:
-            model.criterion = GridCrossEntropy(cfg.vocab_size, cut.vocab, *cut.output_axes)
+            model.criterion = GridCrossEntropy(cfg.vocab_size, cut.vocab, cut.axis("out_row"), cut.axis("out_batch"))
+        model.gather_logits = RefuseLogits(groups.grid.mode)
+    # q, k and v read the residual stream's features (along i): their outputs, the heads, lie along j
     heads = cfg.n_heads // groups.grid.q
-    index = cut.feature_index
-    model.keep_heads(range(index * heads, (index + 1) * heads))
+    model.keep_heads(range(groups.at["j"] * heads, (groups.at["j"] + 1) * heads))
 
 
 class _GridCutter:
-    """placement, single-device module -> its grid-parallel replacement."""
+    """placement, single-device module -> its grid-parallel replacement, each collective on the
+    sub-group rules/tensor_traffic.grid_roles names for its role."""
 
     def __init__(self, cfg, groups: GridGroups):
         self.cfg, self.groups, self.grid = cfg, groups, groups.grid
         self.vocab = padded_vocab(cfg.vocab_size, self.grid)
-        at, g = groups.at, groups
-        self.whole = g["tp"]
-        if self.grid.mode == "3d":
-            # a layer reading features split along i ("reads_i") and one reading them along j
-            self.reads_i = LinearPlan(g["j"], 0, g["l"], g["i"], None, g["batch_i"])
-            self.reads_j = LinearPlan(g["i"], 0, g["l"], g["j"], None, g["batch_j"])
-            self.feature_index = at["i"]  # the residual stream's features
-            self.residual = (g["i"], g["batch_j"])  # (row, batch) of the residual stream
-            self.output_axes = (g["j"], g["batch_i"])  # the head's output: vocabulary along j
-        else:
-            self.reads_i = self.reads_j = LinearPlan(g["row"], -1, g["col"], None, g["depth"], g["batch"])
-            self.feature_index = at["j"]
-            self.residual = self.output_axes = (g["row"], g["batch"])
+        self.roles = grid_roles(self.grid)
+        x_dim = 0 if self.grid.mode == "3d" else -1  # 3-D gathers its inputs along the batch, 2-D along features
+        self.plans = {reads: LinearPlan(self.axis(f"x_{reads}"), x_dim, self.axis("w"), self.axis(f"y_{reads}"),
+                                        self.axis("copies"), self.axis(f"bias_{reads}")) for reads in ("i", "j")}
+        at = groups.at
+        self.feature_index = at["i"] if self.grid.mode == "3d" else at["j"]  # of the residual stream
+
+    def axis(self, role: str) -> Axis | None:
+        name = self.roles[role]
+        return self.groups[name] if name is not None else None
 
     def __call__(self, placement: str, module: nn.Module) -> nn.Module:
         return getattr(self, placement)(module)
 
-    def _linear(self, module, plan: LinearPlan, padded_out: int | None = None) -> GridLinear:
-        q, at = self.grid.q, self.groups.at
+    def _linear(self, module, reads: str, padded_out: int | None = None) -> GridLinear:
+        q, at, plan = self.grid.q, self.groups.at, self.plans[reads]
         if self.grid.mode == "3d":
-            reads_i = plan is self.reads_i
             # input features: split along the axis this layer reads them on, then along l
-            in_index = (at["i"] if reads_i else at["j"]) * q + at["l"]
-            out_index, owner = (at["j"] if reads_i else at["i"]), True
+            in_index = (at["i"] if reads == "i" else at["j"]) * q + at["l"]
+            out_index, owner = (at["j"] if reads == "i" else at["i"]), True
         else:
             in_index, out_index = at["i"], at["j"]
             owner = plan.copies is None or plan.copies.rank == 0
@@ -362,30 +369,26 @@ class _GridCutter:
 
     def vocabulary(self, module):
         if isinstance(module, nn.Embedding):
-            row, batch = self.residual
-            self.embedding = GridEmbedding(module.num_embeddings, module.embedding_dim, self.vocab, batch,
-                                           self.feature_index, self.grid.q)  # a tied head reads it
+            self.embedding = GridEmbedding(module.num_embeddings, module.embedding_dim, self.vocab,
+                                           self.axis("batch"), self.feature_index, self.grid.q)  # a tied head reads it
             return self.embedding
-        return self._linear(module, self.reads_i, self.vocab)
+        return self._linear(module, "i", self.vocab)
 
     def column(self, module):  # reads the residual stream's features
-        return self._linear(module, self.reads_i)
+        return self._linear(module, "i")
 
     kv_column = column
 
     def row(self, module):  # returns to the residual stream
-        return self._linear(module, self.reads_j)
+        return self._linear(module, "j")
 
     def input_norm(self, module):
-        row, batch = self.residual
-        return GridNorm(module, self.cfg.norm, row, batch, self.feature_index, self.grid.q)
+        return GridNorm(module, self.cfg.norm, self.axis("row"), self.axis("batch"), self.feature_index, self.grid.q)
 
     def head_norm(self, module):
-        return GridHeadNorm(module, self.cfg.norm, self.whole)
+        return GridHeadNorm(module, self.cfg.norm, self.groups["tp"])
 
     def replicated(self, module):  # what the embedding hands the blocks: cut as the residual stream is
-        row, batch = self.residual
         if isinstance(module, nn.Embedding):
-            return GridFeatures(module, batch, self.feature_index, self.grid.q)
-        return GridNorm(module, self.cfg.norm, row, batch, self.feature_index, self.grid.q)
-
+            return GridFeatures(module, self.axis("batch"), self.feature_index, self.grid.q)
+        return self.input_norm(module)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Kernels
-from strata.rules.tensor_modes import TensorGrid, block_linears
+from strata.rules.tensor_modes import TensorGrid
+from strata.rules.tensor_traffic import block_linears
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
-from strata.plan.grid import grid_terms, params_held
 from strata.plan.hardware import Device
+from strata.plan.links import Cluster, collective_seconds
 from strata.plan.memory import activation_bytes_per_layer, held_state_bytes
 from strata.plan.offload import offload_cost, offloads
+from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
 from strata.rules.constants import BUCKET_MB
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
@@ -25,30 +26,6 @@ from strata.rules.pipeline_cut import make_layout, unit_costs
 from strata.rules.schedules import SCHEDULES, profile
 
 BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the training precisions priced
-
-
-@dataclass(frozen=True)
-class Cluster:
-    device: Device
-    nodes: int = 1
-    devices_per_node: int = 8
-    intra_bandwidth: float = 0.0  # bytes/s per direction per device inside a node
-    inter_bandwidth: float = 0.0  # bytes/s per direction per node between nodes
-    intra_latency: float = 5e-6  # seconds per ring step (alpha)
-    inter_latency: float = 10e-6
-    # None: compute time from the shapes of the work on the device's kernels (strata/plan/compute.py);
-    # a number (--efficiency): every FLOP at that fraction of the peak, as the first planner did
-    efficiency: float | None = None
-    # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate)
-    collectives: dict = field(default_factory=dict, compare=False, hash=False)
-    # Communication runs beside compute (GPUs: its own engines); on a CPU it takes the cores.
-    overlap: bool = True
-    # cpu-local: processes share this many cores; the device's peak is the rate with all busy
-    shared_cores: int = 0
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.devices_per_node
 
 
 def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
@@ -121,41 +98,6 @@ class Estimate:
                 "tier_bytes": self.tier_bytes, "io_seconds": self.io_s, "exposed_io_seconds": self.exposed_io_s}
 
 
-# --- links -----------------------------------------------------------------------------------------
-def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, bool]:
-    """(bandwidth per direction each member gets, latency per step, crosses nodes) for a group of
-    `size` devices `stride` ranks apart, when every group of its kind communicates at once."""
-    if size <= 1:
-        return float("inf"), 0.0, False
-    per_node = cluster.devices_per_node
-    if size * stride <= per_node:
-        return cluster.intra_bandwidth, cluster.intra_latency, False
-    members_per_node = max(1, per_node // stride) if stride < per_node else 1
-    groups_per_node = per_node // members_per_node  # rings that leave each node at once
-    across = cluster.inter_bandwidth / groups_per_node
-    inside = cluster.intra_bandwidth if members_per_node > 1 else float("inf")
-    return min(across, inside), cluster.inter_latency, True
-
-
-def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stride: int) -> float:
-    """Ring alpha-beta time of one collective of `nbytes` (the full tensor) over `size` ranks.
-    With a calibrated profile (cpu-local), its measured numbers for this op and group size."""
-    if size <= 1 or nbytes == 0:
-        return 0.0
-    by_size = cluster.collectives.get(op, {})
-    measured = by_size.get(f"{size}/{cluster.world}", by_size.get(str(size)))
-    if measured is not None:
-        return measured_seconds(measured, nbytes)
-    bandwidth, latency, _ = group_link(cluster, size, stride)
-    if op == "all_reduce":
-        return 2 * (size - 1) * latency + 2 * (size - 1) / size * nbytes / bandwidth
-    if op in ("all_gather", "reduce_scatter"):
-        return (size - 1) * latency + (size - 1) / size * nbytes / bandwidth
-    if op == "send":
-        return latency + nbytes / bandwidth
-    raise ValueError(f"unknown collective {op!r}")
-
-
 # --- the pipeline's stages ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StageLoad:
@@ -186,15 +128,6 @@ def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLo
     return tuple(loads)
 
 
-def measured_seconds(points: list[list[float]], nbytes: float) -> float:
-    """Time of a collective from calibrated (bytes, seconds) points: alpha-beta between the two
-    measured sizes around nbytes (latency and bandwidth of that range), the end segments extended."""
-    i = next((k for k in range(1, len(points) - 1) if nbytes <= points[k][0]), len(points) - 1)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    per_byte = max((y1 - y0) / (x1 - x0), 0.0)
-    return max(y0 + (nbytes - x0) * per_byte, 0.0)
-
-
 # --- the estimate ------------------------------------------------------------------------------
 def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     """The layout's memory and step time. On a machine whose processes share cores (cpu-local),
@@ -218,6 +151,7 @@ class _Terms:
     precision: str  # mixed | fp32: how the model states are counted
     micro_batches: int  # per pipeline per step
     tokens: int  # per micro-batch
+    d_model: int
     peak: float  # FLOP/s of the device in the run's precision
     units: tuple[UnitSeconds, UnitSeconds, UnitSeconds]  # embedding, block, head: one micro-batch on one rank
     kernel_ceiling: float
@@ -225,11 +159,8 @@ class _Terms:
     tp_message: float  # bytes of one tensor-parallel collective
     pp_message: float  # bytes sent between stages per micro-batch
     pp_send_s: float
-    tp_collective_s: float  # 2-D, 2.5-D, 3-D: all of a block's collectives
-    tp_collectives_per_block: int
-    grid_block_bytes: float = 0.0  # 2-D, 2.5-D, 3-D: what a rank sends per block and micro-batch,
-    grid_edge_bytes: float = 0.0  # for the embedding, head and loss of a micro-batch,
-    grid_edge_s: float = 0.0  # and the seconds of the latter
+    tp_collective_s: float  # 1-D: one collective of tp_message
+    grid: GridCost | None  # 2-D, 2.5-D, 3-D: bytes and seconds by part (plan/tensor.py)
 
 
 def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> _Terms:
@@ -246,7 +177,7 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
     units = tuple(UnitSeconds(u.forward / rate_scale, u.backward / rate_scale, u.attention_forward / rate_scale)
                   for u in units)
     terms = dict(act_bytes=act_bytes, precision="mixed" if act_bytes == 2 else "fp32",
-                 micro_batches=work.global_batch // (lay.dp * b), tokens=b * s, peak=peak, units=units,
+                 micro_batches=work.global_batch // (lay.dp * b), tokens=b * s, d_model=cfg.d_model, peak=peak, units=units,
                  kernel_ceiling=ceiling,
                  activation_per_layer=activation_bytes_per_layer(s, b, cfg.d_model, cfg.n_heads, t, split,
                                                                  lay.checkpointing,
@@ -254,18 +185,10 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
                  tp_message=tp_message, pp_message=pp_message,
                  pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.dp) if lay.pp > 1 else 0.0)
     if grid is not None:
-        # each call as an all-gather of its share of the ring volume, on the link its group crosses
-        def seconds(size: int, stride: int, nbytes: float) -> float:
-            return collective_seconds(cluster, "all_gather", nbytes, size, stride)
-        # mixed precision: vectors' gradients and the embedding in the parameters' dtype (bf16 with gather=bf16)
-        param_bytes = BYTES[lay.gather_dtype] if act_bytes == 2 else act_bytes
-        return _Terms(**terms, **grid_terms(cfg, grid, b * s, act_bytes, param_bytes, lay.checkpointing == "full",
-                                            seconds))
-    return _Terms(**terms,
-                  tp_collective_s=collective_seconds(cluster, "all_gather" if lay.sequence_parallel else "all_reduce",
-                                                     tp_message, t, 1),
-                  tp_collectives_per_block=2 * (2 if lay.sequence_parallel else 1) *
-                  (2 + (1 if lay.checkpointing == "full" else 0)))
+        e = element_bytes(lay, act_bytes, BYTES[lay.gather_dtype])
+        return _Terms(**terms, tp_collective_s=0.0, grid=grid_cost(cfg, grid, b * s, e, cluster))
+    op = "all_gather" if lay.sequence_parallel else "all_reduce"
+    return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1), grid=None)
 
 
 def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[UnitSeconds, ...], float]:
@@ -285,7 +208,7 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[Uni
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
-    states = held_state_bytes(params_held(cfg, lay, load.params, load.first), lay.zero, lay.dp, terms.precision,
+    states = held_state_bytes(params_held(cfg, lay, load.params, load.layers, load.first, load.last), lay.zero, lay.dp, terms.precision,
                               work.optimizer, lay.gather_dtype)
     activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
     split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
@@ -294,6 +217,8 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
     memory = {"weights": states.weights, "gradients": states.grads,
               "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
               "activations": activations, "buffers": _buffers(cfg, lay, t)}
+    if lay.tp_mode != "1d":
+        memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
         memory["weights"] = memory["gradients"] = 0.0  # is read in ahead of its gather (two at once)
         memory["buffers"] += 2 * 4 * max(cfg.unit_params()) / t / lay.dp
@@ -317,7 +242,9 @@ class _RankTime:
     backward: float
     compute: float
     tp_seconds: float
-    tp_collectives: int
+    tp_bytes: float  # a rank sends over the tensor-parallel groups
+    tp_step_seconds: float  # once a step: the sums of partial gradients over tensor-parallel groups
+    tp_step_bytes: float
     load: StageLoad
 
     @property
@@ -326,23 +253,18 @@ class _RankTime:
 
 
 def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) -> _RankTime:
-    t, p = lay.tp, lay.pp
+    p = lay.pp
     embedding, block, head = terms.units
     units = ((embedding, load.first), (block, load.layers), (head, load.last))
     fwd = sum(unit.forward * count for unit, count in units)
     bwd = sum(unit.backward * count for unit, count in units)
     recompute = {"none": 0.0, "selective": block.attention_forward * load.layers, "full": fwd}[lay.checkpointing]
-    tp_collectives = load.layers * terms.tp_collectives_per_block
-    tp_seconds = tp_collectives * terms.tp_collective_s
-    if t > 1 and lay.tp_mode != "1d":  # the embedding, head and loss on the grid (the first and last stage's)
-        tp_seconds += (load.first + load.last) / 2 * terms.grid_edge_s
-    elif t > 1:  # the vocabulary-parallel embedding and head, and the loss's three small all-reduces
-        tp_collectives += load.first + load.last
-        tp_seconds += (load.first + load.last) * terms.tp_collective_s + \
-            3 * load.last * collective_seconds(cluster, "all_reduce", terms.tokens * 4, t, 1)
+    tp_seconds, tp_bytes, step_seconds, step_bytes = stage_seconds(cluster, lay, terms.grid, terms.tp_collective_s,
+                                                                   terms.tp_message, terms.tokens, terms.d_model,
+                                                                   load.layers, load.first, load.last)
     pp_seconds = 2 * lay.virtual_stages * terms.pp_send_s * (p > 1)
     return _RankTime(fwd + (tp_seconds + pp_seconds) / 2, bwd + recompute + (tp_seconds + pp_seconds) / 2,
-                     fwd + bwd + recompute, tp_seconds, tp_collectives, load)
+                     fwd + bwd + recompute, tp_seconds, tp_bytes, step_seconds, step_bytes, load)
 
 
 def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
@@ -356,13 +278,12 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     ranks = [_rank_time(cluster, lay, terms, load) for load in loads]
     slowest = max(ranks, key=lambda rank: rank.total)
     m, t, p, v = terms.micro_batches, lay.tp, lay.pp, lay.virtual_stages
-    ring = (1 if lay.sequence_parallel else 2) * (t - 1) / t
-    edges = (slowest.load.first + slowest.load.last) / 2  # a grid's embedding, head and loss
-    tp_bytes = slowest.tp_collectives * ring * terms.tp_message if lay.tp_mode == "1d" else \
-        slowest.load.layers * terms.grid_block_bytes + edges * terms.grid_edge_bytes
-    comm_bytes = {"tp": tp_bytes * m, "pp": 2 * v * m * terms.pp_message * (p > 1)}
-    comm_seconds = {"tp": slowest.tp_seconds * m, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
-    held = params_held(cfg, lay, slowest.load.params, slowest.load.first)  # parameters a rank holds
+    # the step's sums of partial gradients: under ZeRO-1/2 each rank sums its data-parallel shard
+    shards = lay.dp if lay.zero in (1, 2) else 1
+    sums_bytes, sums_seconds = slowest.tp_step_bytes / shards, slowest.tp_step_seconds / shards
+    comm_bytes = {"tp": slowest.tp_bytes * m + sums_bytes, "pp": 2 * v * m * terms.pp_message * (p > 1)}
+    comm_seconds = {"tp": slowest.tp_seconds * m + sums_seconds, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
+    held = params_held(cfg, lay, slowest.load.params, slowest.load.layers, slowest.load.first, slowest.load.last)
     comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, held, m, slowest.forward,
                                                                       slowest.backward, slowest.load.layers)
     # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's
@@ -371,7 +292,8 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     bubble_time = _bubble_time(lay, m, sum(others) / len(others))
     optimizer = _optimizer_seconds(cluster, lay, held)
     gradient_passes = _gradient_pass_seconds(cluster, lay, held, m, work.fused_accumulation) / rate_scale
-    step = m * slowest.total + gradient_passes + bubble_time + dp_exposed + optimizer
+    # the partial gradients' sums run after the last backward, before the update
+    step = m * slowest.total + sums_seconds + gradient_passes + bubble_time + dp_exposed + optimizer
     io = exposed_io = 0.0
     tiers = {}
     if offloads(lay):

@@ -227,7 +227,8 @@ def _tensor_mode_line(chosen: Estimate, ranked: list[Estimate]) -> str | None:
 
     def mode(e: Estimate) -> str:
         depth = f" (depth {e.layout.tp_depth})" if e.layout.tp_depth > 1 else ""
-        return e.layout.tp_mode + depth + (" with sequence parallelism" if e.layout.sequence_parallel else "")
+        return e.layout.tp_mode + depth + (" with sequence parallelism" if e.layout.sequence_parallel else "") + \
+            f" ({e.layout.describe()})"
 
     def spends(e: Estimate) -> str:
         return (f"{e.comm_bytes.get('tp', 0) / 1e9:.2f} GB per rank per step over its tensor-parallel groups "

@@ -191,11 +191,11 @@ def check_grid_layout(layout: Layout) -> None:
     mode = f"with tp_mode {layout.tp_mode}"
     if layout.sequence_parallel:
         raise ConfigError(f"not {mode}: it splits the activations between layers already", "sequence_parallel", True)
+    if layout.offload_params != "none":  # before zero: parameter offload alone sets zero 3
+        raise ConfigError(f"not {mode} (it needs ZeRO-3)", "offload_params", layout.offload_params)
     if layout.zero == 3:
         raise ConfigError(f"not {mode}: its layers gather their weight blocks themselves; valid: zero 0, 1, 2",
                           "zero", 3)
-    if layout.offload_params != "none":
-        raise ConfigError(f"not {mode} (it needs ZeRO-3)", "offload_params", layout.offload_params)
     if SCHEDULES[layout.schedule].asynchronous and layout.pp > 1:
         raise ConfigError(f"not {mode}: the asynchronous schedules run with tp_mode 1d", "schedule", layout.schedule)
 

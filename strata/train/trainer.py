@@ -254,8 +254,8 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
 
 def layout(run: Run) -> dict:
     """The layout, as a checkpoint records it (any layout loads any checkpoint)."""
-    return {"dp": run.dims.dp, "tp": run.dims.tp, "pp": run.dims.pp, "zero": run.cfg.zero,
-            "virtual_stages": run.cfg.virtual_stages,
+    return {"dp": run.dims.dp, "tp": run.dims.tp, "tp_mode": run.cfg.tp_mode, "tp_depth": run.cfg.tp_depth,
+            "pp": run.dims.pp, "zero": run.cfg.zero, "virtual_stages": run.cfg.virtual_stages,
             "blocks_per_chunk": list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None}
 
 

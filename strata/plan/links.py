@@ -1,0 +1,78 @@
+"""The link model: a cluster's devices and links, and the time of one collective over a group of
+its devices (ring alpha-beta on the slowest link the group crosses, or the calibrated numbers
+of this machine). Every term and its source is in docs/cost-model.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.plan.hardware import Device
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    nodes: int = 1
+    devices_per_node: int = 8
+    intra_bandwidth: float = 0.0  # bytes/s per direction per device inside a node
+    inter_bandwidth: float = 0.0  # bytes/s per direction per node between nodes
+    intra_latency: float = 5e-6  # seconds per ring step (alpha)
+    inter_latency: float = 10e-6
+    # None: compute time from the shapes of the work on the device's kernels (strata/plan/compute.py);
+    # a number (--efficiency): every FLOP at that fraction of the peak, as the first planner did
+    efficiency: float | None = None
+    # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate)
+    collectives: dict = field(default_factory=dict, compare=False, hash=False)
+    # Communication runs beside compute (GPUs: its own engines); on a CPU it takes the cores.
+    overlap: bool = True
+    # cpu-local: processes share this many cores; the device's peak is the rate with all busy
+    shared_cores: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, bool]:
+    """(bandwidth per direction each member gets, latency per step, crosses nodes) for a group of
+    `size` devices `stride` ranks apart, when every group of its kind communicates at once."""
+    if size <= 1:
+        return float("inf"), 0.0, False
+    per_node = cluster.devices_per_node
+    if size * stride <= per_node:
+        return cluster.intra_bandwidth, cluster.intra_latency, False
+    members_per_node = max(1, per_node // stride) if stride < per_node else 1
+    groups_per_node = per_node // members_per_node  # rings that leave each node at once
+    across = cluster.inter_bandwidth / groups_per_node
+    inside = cluster.intra_bandwidth if members_per_node > 1 else float("inf")
+    return min(across, inside), cluster.inter_latency, True
+
+
+def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stride: int) -> float:
+    """Ring alpha-beta time of one collective of `nbytes` (the full tensor) over `size` ranks.
+    With a calibrated profile (cpu-local), its measured numbers for this op and group size."""
+    if size <= 1 or nbytes == 0:
+        return 0.0
+    by_size = cluster.collectives.get(op, {})
+    measured = by_size.get(f"{size}/{cluster.world}", by_size.get(str(size)))
+    if measured is not None:
+        return measured_seconds(measured, nbytes)
+    bandwidth, latency, _ = group_link(cluster, size, stride)
+    if op == "all_reduce":
+        return 2 * (size - 1) * latency + 2 * (size - 1) / size * nbytes / bandwidth
+    if op in ("all_gather", "reduce_scatter"):
+        return (size - 1) * latency + (size - 1) / size * nbytes / bandwidth
+    if op == "send":
+        return latency + nbytes / bandwidth
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def measured_seconds(points: list[list[float]], nbytes: float) -> float:
+    """Time of a collective from calibrated (bytes, seconds) points: alpha-beta between the two
+    measured sizes around nbytes (latency and bandwidth of that range), the end segments extended."""
+    i = next((k for k in range(1, len(points) - 1) if nbytes <= points[k][0]), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    per_byte = max((y1 - y0) / (x1 - x0), 0.0)
+    return max(y0 + (nbytes - x0) * per_byte, 0.0)
+
+
