@@ -45,6 +45,19 @@ class ModelConfig:
     rope_low_freq_factor: float | None = None
     rope_high_freq_factor: float | None = None
     rope_original_max_seq_len: int | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE): n_experts > 0 replaces every block's MLP by a
+    # router over n_experts SwiGLU experts of width expert_d_ff (d_ff when None), each token sent
+    # to its experts_per_token best; norm_topk renormalises the k chosen probabilities to sum to 1
+    # (Mixtral; Qwen2-MoE does not); shared_d_ff > 0 adds an expert every token goes through
+    # (Qwen2-MoE, DeepSeek), scaled by sigmoid(a learned gate) when shared_gate; router_aux_coef
+    # weights the load-balancing loss (Switch, Fedus et al. 2021).
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_d_ff: int | None = None
+    norm_topk: bool = True
+    shared_d_ff: int = 0
+    shared_gate: bool = False
+    router_aux_coef: float = 0.01
 
     def __post_init__(self):
         if not self.family:
@@ -62,6 +75,15 @@ class ModelConfig:
     def q_dim(self) -> int:
         """The width of the queries (and of the attention output): heads x head_dim."""
         return self.n_heads * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        """An expert's hidden width (d_ff unless the model gives experts their own, as Qwen2-MoE)."""
+        return self.expert_d_ff or self.d_ff
 
     @property
     def gated_mlp(self) -> bool:
@@ -100,6 +122,26 @@ class ModelConfig:
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         self._validate_rope_scaling()
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        if not isinstance(self.n_experts, int) or isinstance(self.n_experts, bool) or self.n_experts < 0:
+            raise ValueError(f"n_experts={self.n_experts!r} must be 0 (a dense MLP) or a whole number of experts")
+        if not self.moe:
+            return
+        _check_count("experts_per_token", self.experts_per_token)
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}")
+        if self.expert_d_ff is not None:
+            _check_count("expert_d_ff", self.expert_d_ff)
+        if self.mlp != "swiglu":
+            raise ValueError(f"mlp={self.mlp!r}: experts are SwiGLU MLPs (mlp='swiglu')")
+        if not isinstance(self.shared_d_ff, int) or self.shared_d_ff < 0:
+            raise ValueError(f"shared_d_ff={self.shared_d_ff!r} must be 0 (no shared expert) or a width")
+        if self.shared_gate and not self.shared_d_ff:
+            raise ValueError("shared_gate needs a shared expert (shared_d_ff > 0)")
+        if not isinstance(self.router_aux_coef, (int, float)) or not 0 <= self.router_aux_coef < float("inf"):
+            raise ValueError(f"router_aux_coef={self.router_aux_coef!r} must be a number >= 0")
 
     def _validate_rope_scaling(self) -> None:
         scaling = {name: getattr(self, name) for name in LLAMA3_ROPE_FIELDS}
@@ -124,16 +166,37 @@ class ModelConfig:
         return width * (2 if self.norm == "layernorm" else 1)
 
     def block_matmul_params(self) -> int:
-        """The weights one token multiplies in a block: q, k, v, o and the MLP's matrices."""
+        """The weights one token multiplies in a block: q, k, v, o and the MLP's matrices (with
+        experts: the router, the experts_per_token experts a token is sent to, the shared expert
+        and its gate: the active parameters, not all of them)."""
         d, kv_dim = self.d_model, self.kv_heads * self.head_dim
         attn = 2 * d * self.q_dim + 2 * d * kv_dim
+        if self.moe:
+            return attn + self.router_params() + self.experts_per_token * 3 * d * self.expert_width + \
+                self.shared_params()
         return attn + (3 if self.gated_mlp else 2) * d * self.d_ff
+
+    def router_params(self) -> int:
+        return self.d_model * self.n_experts if self.moe else 0
+
+    def shared_params(self) -> int:
+        """The shared expert's matrices and its gate."""
+        return 3 * self.d_model * self.shared_d_ff + (self.d_model if self.shared_gate else 0)
+
+    def expert_params(self) -> int:
+        """All routed experts' parameters in one block (what expert parallelism splits)."""
+        return self.n_experts * 3 * self.d_model * self.expert_width
 
     def num_params(self) -> int:
         """Exact parameter count, computed from the shapes (the same as summing model.parameters(),
         and as transformers' num_parameters() of the same model)."""
         inputs, block, outputs = self.unit_params()
         return inputs + self.n_layers * block + outputs
+
+    def active_params(self) -> int:
+        """The parameters one token uses: all of them, less the experts it is not sent to."""
+        idle = self.n_layers * (self.n_experts - self.experts_per_token) * 3 * self.d_model * self.expert_width
+        return self.num_params() - (idle if self.moe else 0)
 
     def unit_params(self) -> tuple[int, int, int]:
         """Parameters of the model's units (Transformer.units: what the pipeline cuts between and
@@ -144,8 +207,11 @@ class ModelConfig:
         norm = self.norm_params(d)
         attn_bias = b * (q_dim + 2 * kv_dim + d) + (0 if b else int(self.qkv_bias) * (q_dim + 2 * kv_dim))
         qk_norms = 2 * self.norm_params(self.head_dim) if self.qk_norm else 0
-        mlp_bias = b * ((2 if self.gated_mlp else 1) * f + d)
-        block = 2 * norm + self.block_matmul_params() + attn_bias + qk_norms + mlp_bias
+        if self.moe:  # every expert, not only the active ones; no biases (Mixtral, Qwen2-MoE)
+            mlp = self.router_params() + self.expert_params() + self.shared_params()
+        else:
+            mlp = (3 if self.gated_mlp else 2) * d * f + b * ((2 if self.gated_mlp else 1) * f + d)
+        block = 2 * norm + 2 * d * q_dim + 2 * d * kv_dim + mlp + attn_bias + qk_norms
         inputs = self.vocab_size * d + (self.max_seq_len * d if self.position == "learned" else 0) + \
             (norm if self.embedding_norm else 0)
         outputs = norm + (0 if self.tie_embeddings else self.vocab_size * d + b * self.vocab_size)
@@ -174,6 +240,8 @@ class ModelConfig:
 def infer_family(cfg: ModelConfig) -> str:
     """The family a config's options describe: what a manifest written before `family` existed
     holds (those knew llama, gpt2 and bloom shapes; gptj is the planning-only GPT-J preset)."""
+    if cfg.n_experts:
+        return "qwen2_moe" if cfg.qkv_bias else "mixtral"
     if cfg.position == "alibi" or cfg.embedding_norm:
         return "bloom"
     if cfg.position == "learned":

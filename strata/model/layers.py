@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.model.config import ModelConfig
+from strata.model.moe import MoE, RouterLosses
 
 
 def make_norm(cfg: ModelConfig, width: int | None = None) -> nn.Module:
@@ -205,12 +206,12 @@ class CrossEntropy(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, router_losses: RouterLosses | None = None):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = {"swiglu": SwiGLU, "geglu": GeGLU, "gelu": GeluMLP}[cfg.mlp](cfg)
+        self.mlp = MoE(cfg, router_losses) if cfg.moe else {"swiglu": SwiGLU, "geglu": GeGLU, "gelu": GeluMLP}[cfg.mlp](cfg)
 
     def forward(self, x, rope=None, bias=None, cache=None):
         x = x + self.attn(self.attn_norm(x), rope, bias, cache)

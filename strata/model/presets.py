@@ -15,6 +15,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Tests: LLaMA-style with grouped-query attention, well under 1M parameters.
     "tiny": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
                         max_seq_len=64, **_LLAMA),
+    # Tests of mixtures of experts: tiny's shape with 4 SwiGLU experts, each token sent to 2.
+    "tiny-moe": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
+                            max_seq_len=64, n_experts=4, experts_per_token=2, **{**_LLAMA, "family": "mixtral"}),
     "tiny-gpt2": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256,
                              max_seq_len=64, **_GPT),
     # The demo: about 17M parameters with an 8192-token vocabulary.
@@ -82,6 +85,20 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma-7b": ModelConfig(vocab_size=256000, n_layers=28, d_model=3072, n_heads=16, d_head=256, d_ff=24576,
                             max_seq_len=8192, norm="gemma_rmsnorm", mlp="geglu", tie_embeddings=True,
                             scale_embeddings=True, norm_eps=1e-6, family="gemma"),
+    # Mixtral-8x7B-v0.1's config.json (Jiang et al. 2024): Mistral 7B's attention (without its window),
+    # 8 experts of 14,336 per block, 2 per token, RoPE theta 1,000,000, router_aux_loss_coef 0.02;
+    # 46,702,792,704 parameters, 12,879,925,248 active per token.
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                                max_seq_len=32768, rope_theta=1000000.0, n_experts=8, experts_per_token=2,
+                                router_aux_coef=0.02, **{**_LLAMA, "family": "mixtral"}),
+    # Qwen1.5-MoE-A2.7B's config.json (model_type qwen2_moe, Qwen team 2024): 60 experts of 1,408,
+    # 4 per token without renormalising, a shared expert of 5,632 behind a sigmoid gate, q/k/v
+    # biases; 14,315,784,192 parameters, 2,689,173,504 active per token.
+    "qwen2-moe-a2.7b": ModelConfig(vocab_size=151936, n_layers=24, d_model=2048, n_heads=16, d_ff=5632,
+                                   max_seq_len=8192, norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True,
+                                   n_experts=60, experts_per_token=4, expert_d_ff=1408, norm_topk=False,
+                                   shared_d_ff=5632, shared_gate=True, router_aux_coef=0.001,
+                                   **{**_LLAMA, "family": "qwen2_moe"}),
 }
 
 

@@ -22,9 +22,11 @@ from torch import nn
 
 from strata.model.config import ModelConfig
 from strata.model.layers import Block, CrossEntropy, alibi_slopes, attention_bias, make_norm, rope_tables
+from strata.model.moe import RouterLosses
 
 INIT_STD = 0.02  # GPT-2's initialisation; residual output projections are scaled by 1/sqrt(2L)
-_RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.w_out.weight")
+_RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.w_out.weight", "mlp.experts.w_down",
+                     "mlp.shared.w_down.weight")
 
 
 class Transformer(nn.Module):
@@ -38,7 +40,9 @@ class Transformer(nn.Module):
         # What hands the embeddings to the blocks: identity here; sequence parallelism splits the
         # sequence in its place.
         self.to_blocks = nn.Identity()
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        # what the MoE layers route and the scale of their auxiliary loss's gradient (None: dense)
+        self.router_losses = RouterLosses(cfg.n_layers, cfg.router_aux_coef) if cfg.moe else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.router_losses) for i in range(cfg.n_layers)})
         self.final_norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
         # Layers without weights that a parallel version replaces: the loss, and what turns the

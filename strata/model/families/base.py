@@ -22,7 +22,10 @@ PLACEMENTS = {
                   "conversion follows it (under sequence parallelism it sees 1/t of the tokens: gradient summed)",
     "head_norm": "whole on every rank, over each head's features (q/k norms): each rank normalises its own "
                  "heads, gradient summed",
-    "replicated": "whole on every rank, with a whole gradient (position table, the embedding's norm)",
+    "replicated": "whole on every rank, with a whole gradient (position table, the embedding's norm, a router)",
+    "experts": "a mixture's stacked expert matrices: each expert split as an MLP is (w_gate, w_up by their "
+               "d_ff rows, w_down by its d_ff columns), the partial outputs summed with the layer's one "
+               "reduction; the experts themselves split over the expert-parallel group",
 }
 
 
