@@ -9,7 +9,9 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -79,6 +81,23 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_uninterrupted
         assert torch.equal(got[name], value), f"{name} differs (killed at step {killed})"
 
 
+def _continue_once_terminated(pids: list[int], stop: threading.Event) -> None:
+    """SIGCONT each stopped process in `pids` once a SIGTERM is pending on it."""
+    waiting = set(pids)
+    while waiting and not stop.wait(0.05):
+        for pid in list(waiting):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except (FileNotFoundError, ProcessLookupError):
+                waiting.discard(pid)
+                continue
+            pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+            if pending & (1 << (signal.SIGTERM - 1)):
+                os.kill(pid, signal.SIGCONT)
+                waiting.discard(pid)
+
+
 def test_a_hung_rank_is_named_in_the_last_line(tmp_path):
     """Rank 1 freezes (SIGSTOP) mid-run: rank 0's next collective times out, and the launcher's
     last line names rank 1 as the one that never arrived (rank 0 only waited for it)."""
@@ -92,9 +111,16 @@ def test_a_hung_rank_is_named_in_the_last_line(tmp_path):
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)
         time.sleep(0.05)
+    # The launcher gives up on the frozen rank with SIGTERM and would wait torchrun's 30 s before
+    # SIGKILL; once the SIGTERM is pending, let it through (the rank dies without running any code).
+    stop = threading.Event()
+    watcher = threading.Thread(target=_continue_once_terminated, args=(frozen, stop), daemon=True)
+    watcher.start()
     try:
         out, _ = job.communicate(timeout=180)
     finally:
+        stop.set()
+        watcher.join()
         kill_tree(job.pid)
         for pid in frozen:  # orphaned, if the launcher is gone already
             try:
@@ -110,17 +136,25 @@ def test_a_hung_rank_is_named_in_the_last_line(tmp_path):
 
 
 def _skip_a_collective(timeout_s):
-    """Rank 1 never joins rank 0's second all-reduce (it is busy elsewhere)."""
-    group = dist.new_group([0, 1])
+    """Rank 1 never joins rank 0's second all-reduce (it is busy elsewhere). The group gets the
+    timeout explicitly (torch gives a new group 30 minutes): without it rank 0 would only fail when
+    rank 1 exits, with "connection closed", not a timeout."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
     x = torch.ones(4)
     comm.all_reduce(x, group, "dp")
+    store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 1:
-        time.sleep(timeout_s + 4)
+        # busy until rank 0 has its answer; polled, not store.wait: a blocking wait would hold the
+        # store's client and keep this rank's arrivals thread from posting #1
+        while not store.check(["answered"]):
+            time.sleep(0.1)
         return None
     try:
         comm.all_reduce(x, group, "dp")
     except RuntimeError as e:
         return str(e)
+    finally:
+        store.set("answered", "1")
     return "no error"
 
 
@@ -129,6 +163,7 @@ def test_a_rank_that_skips_a_collective_gets_a_timeout_error_naming_it():
     message = run_on_ranks(_skip_a_collective, 2, timeout_s, collective_timeout=timeout_s, timeout=120)[0]
     assert "collective all_reduce #2 on process group 'dp' (ranks [0, 1])" in message, message
     assert "ranks that did not arrive: 1 (last entered #1 all_reduce)" in message, message
+    assert "Timed out" in message, message  # the timeout fired, not the peer's exit
 
 
 def test_a_non_finite_gradient_stops_before_the_update_with_one_line(tmp_path, capsys):
