@@ -63,6 +63,9 @@ class TrainConfig:
                               "--tp-depth, Tesseract) | 3d (q x q x q); 2d/2.5d/3d split activations too")
     tp_depth: int = _key(1, "with --tp-mode 2.5d: the grid's depth d (--tp = q x q x d)")
     sequence_parallel: bool = _key(False, "with --tp: split norms and residuals along the sequence too")
+    ep: int = _key(1, "expert-parallel degree: a mixture's experts split over this many of the data-parallel ranks")
+    capacity_factor: float | None = _key(None, "mixture of experts: each expert takes at most factor x tokens x k / "
+                                               "n_experts of a micro-batch's tokens, the rest dropped (default: dropless)")
     pp: int = _key(1, "pipeline-parallel degree (stages)")
     schedule: str = _key("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1) | "
                                  "2bw (PipeDream-2BW) | pipedream | pipedream-vs (vertical sync); the last three asynchronous: "
@@ -314,7 +317,7 @@ def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
                   cfg.micro_batch, cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule,
                   cfg.pp_split if cfg.emulate_stages == 1 else None,  # else the emulated stages' cut
                   cfg.reduce_dtype, cfg.gather_dtype, cfg.offload_params, cfg.offload_activations, cfg.tp_mode,
-                  cfg.tp_depth)
+                  cfg.tp_depth, cfg.ep, cfg.capacity_factor)
 
 
 def zero_stage(cfg: TrainConfig) -> int:

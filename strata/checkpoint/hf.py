@@ -44,6 +44,8 @@ def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
         raise ConfigError(f"{where}: config.json holds a JSON {type(hf).__name__}, not an object")
     for key in SHAPE_KEYS:
         value = hf.get(key)
+        if key == "sliding_window" and value == 0 and hf.get("use_sliding_window") is False:
+            continue  # transformers 5's Qwen2MoeConfig writes 0 for a window that is off
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{where}: config.json: {key}={value!r} must be a whole number >= 1")
     family = family_of_model_type(hf.get("model_type"), where)

@@ -52,9 +52,11 @@ def add_generate_flags(gen) -> None:
     gen.add_argument("--stop", action="append", default=[], help="stop an answer at this text (repeatable); "
                                                                  "answers also stop at the model's end-of-text (EOS)")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--nproc", type=int, help="processes to start (default: tp x pp)")
+    gen.add_argument("--nproc", type=int, help="processes to start (default: tp x pp x ep)")
     gen.add_argument("--tp", type=int, default=1, help="split every layer over N processes (tensor parallel)")
     gen.add_argument("--pp", type=int, default=1, help="place the layers on N processes (pipeline stages)")
+    gen.add_argument("--ep", type=int, default=1, help="a mixture of experts: split its experts over N processes "
+                                                       "(each runs every request; tokens travel to their experts)")
     gen.add_argument("--micro-batches", type=int, help="with --pp: requests in flight at once, in groups "
                                                        "(default: min(pp, prompts))")
     gen.add_argument("--dtype", choices=DTYPE_NAMES, help="compute dtype (default: the checkpoint's)")

@@ -10,10 +10,12 @@ path through the code.
 
 Volumes per rank for a tensor of n bytes on a group of N ranks (ring algorithms, as nccl-tests
 count them): all-reduce 2(N-1)/N·n; reduce-scatter (N-1)/N·n of its input; all-gather (N-1)/N·n of
-its output; broadcast n; a point-to-point send n (counted by the sender only)."""
+its output; all-to-all (N-1)/N·n of its input, or with uneven splits the rows sent to the other
+ranks; broadcast n; a point-to-point send n (counted by the sender only)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict
@@ -228,6 +230,16 @@ def all_to_all(output, input, group, group_name: str, async_op: bool = False):
     n = dist.get_world_size(group)
     return _issue("all_to_all", group_name, (n - 1) / n * _nbytes(input),
                   lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op, group)
+
+
+def all_to_all_uneven(output, input, output_splits: list[int], input_splits: list[int], group, group_name: str):
+    """Rows [sum(input_splits[:j]), ... + input_splits[j]) of `input` go to rank j, which puts
+    them at this rank's place in its `output` (rows from rank j: output_splits[j]). Counted: the
+    bytes sent to the other ranks (a rank's rows to itself stay)."""
+    me = dist.get_rank(group)
+    row = _nbytes(input) // input.shape[0] if input.shape[0] else input[0:0].element_size() * math.prod(input.shape[1:])
+    return _issue("all_to_all", group_name, row * (sum(input_splits) - input_splits[me]),
+                  lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group), False, group)
 
 
 def broadcast(tensor, src_group_rank: int, group, group_name: str) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from strata.rules.experts import expert_dp_members
 from strata.rules.tensor_modes import GROUP_AXES, TensorGrid, group_members
 
 
@@ -71,6 +72,23 @@ def grid_axes(dims: ParallelDims, grid: TensorGrid, rank: int, whole_group, time
             raise AssertionError(f"tp.{kind}: rank {rank} is {group_rank} in its group, expected {expected}")
         axes[kind] = Axis(mine, f"tp.{kind}", len(members[0]), group_rank)
     return axes
+
+
+def expert_axes(dims: ParallelDims, ep: int, rank: int, timeout_s: float) -> tuple[Axis, Axis]:
+    """The expert-parallel group (ep adjacent dp ranks; strata/rules/experts.py) and the
+    expert-data-parallel group (the ranks holding the same experts) of this rank, each with the
+    run's collective timeout; a group of one rank is None."""
+    ep_members, edp_members = expert_dp_members(dims.dp, ep)
+    axes = []
+    for name, members in (("ep", ep_members), ("edp", edp_members)):
+        everywhere = [[dims.rank_at(pp, d, tp) for d in group] for pp in range(dims.pp) for tp in range(dims.tp)
+                      for group in members]
+        mine = next(group for group in everywhere if rank in group)
+        group = None
+        if len(mine) > 1:
+            group, _ = dist.new_subgroups_by_enumeration(everywhere, timeout=timedelta(seconds=timeout_s))
+        axes.append(Axis(group, name, len(mine), mine.index(rank)))
+    return axes[0], axes[1]
 
 
 def pick_device(choice: str = "auto") -> torch.device:

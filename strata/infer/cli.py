@@ -17,23 +17,26 @@ from strata.checkpoint import store
 from strata.checkpoint.shards import read_full
 from strata.data.tokenizer import END_OF_TEXT, load_tokenizer
 from strata.distributed.launch import launch_local
-from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+from strata.distributed.mesh import ParallelDims, expert_axes, init_distributed, pick_device
 from strata.errors import ConfigError
 from strata.infer.generate import FINISHED, Sampling, check_length, generate
 from strata.infer.pipeline import generate_pipelined
 from strata.model.transformer import build_model
+from strata.parallel.expert import ExpertAxes, apply_expert_parallel, slice_experts
 from strata.parallel.pipeline.stage import keep_stage
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs, slice_tensor_parallel
 from strata.rules.devices import check_device
 from strata.rules.dtypes import torch_dtype
+from strata.rules.experts import check_experts
 from strata.rules.layout import check_tensor_parallel
 from strata.rules.pipeline_cut import make_layout
 
 
-def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None, dtype=None):
+def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None, dtype=None, experts=None):
     """(model, tokenizer or None) from a checkpoint directory or a save directory. With a tp
     group, every layer is split across its ranks; with stage = (pipeline layout, pp rank), only
-    that stage's layers are built and read."""
+    that stage's layers are built and read; with experts (ExpertAxes), a mixture's experts are
+    split over the expert-parallel group."""
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
     path, state, reader = store.open_checkpoint(checkpoint)
@@ -44,6 +47,9 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None,
     if tp_group is not None:  # before the stage is cut, as training does (on the meta device: free)
         check_tensor_parallel(model_cfg, dist.get_world_size(tp_group))
         apply_tensor_parallel(model, tp_group)
+    if experts is not None:
+        check_experts(model_cfg, experts.ep.size, experts.ep.size, 0, "1d", False, None)
+        apply_expert_parallel(model, experts)
     if stage is not None:
         keep_stage(model, *stage)
     model = model.to_empty(device=device).to(dtype)
@@ -51,6 +57,8 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None,
         tensors = read_full(reader, model.state_dict().keys())
     if tp_group is not None:
         tensors = slice_tensor_parallel(tensors, shard_specs(model), tp_group)
+    if experts is not None:
+        tensors = slice_experts(tensors, shard_specs(model))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ConfigError(f"checkpoint {path}: does not match its model config "
@@ -149,21 +157,23 @@ def run_generate(args, argv: list[str]) -> int:
     """Generate on one process, or on tp x pp processes (started here unless torchrun did)."""
     _check_flags(args)
     check_device(args.device)
-    world = args.tp * args.pp
+    world = args.tp * args.pp * args.ep
     if args.nproc is not None and args.nproc != world:
-        raise ConfigError(f"--nproc {args.nproc}: generation runs on tp x pp = {args.tp} x {args.pp} = {world} "
-                          f"processes; set --nproc {world}")
+        sizes = (("tp", args.tp), ("pp", args.pp)) + ((("ep", args.ep),) if args.ep > 1 else ())
+        raise ConfigError(f"--nproc {args.nproc}: generation runs on {' x '.join(n for n, _ in sizes)} = "
+                          f"{' x '.join(str(v) for _, v in sizes)} = {world} processes; set --nproc {world}")
     launched = "LOCAL_RANK" in os.environ
     if world > 1 and not launched:
         _requests(args)  # every check that can fail on input, once, before any process starts
         return launch_local(world, argv)
     if not launched or int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return _generate(args, _requests(args), tp_group=None, stage=None, peers=None)
+        return _generate(args, _requests(args), tp_group=None, stage=None, peers=None, experts=None)
     _, size, _ = init_distributed(pick_device(args.device), timeout_s=args.timeout)
     try:
         if size != world:
-            raise ConfigError(f"--tp {args.tp} x --pp {args.pp}: launched with {size} processes; they must be equal")
-        dims = ParallelDims(tp=args.tp, pp=args.pp)
+            raise ConfigError(f"--tp {args.tp} x --pp {args.pp} x --ep {args.ep}: launched with {size} processes; "
+                              f"they must be equal")
+        dims = ParallelDims(dp=args.ep, tp=args.tp, pp=args.pp)  # the expert-parallel ranks run the same requests
         mesh = dims.build_mesh(pick_device(args.device).type)
         where = dims.coordinates(dist.get_rank())
         tp_group = mesh["tp"].get_group() if args.tp > 1 else None
@@ -171,7 +181,8 @@ def run_generate(args, argv: list[str]) -> int:
         if args.pp > 1:
             stage = (requests.layout, where["pp"])
             peers = [dims.rank_at(s, 0, where["tp"]) for s in range(args.pp)]
-        return _generate(args, requests, tp_group, stage, peers)
+        experts = ExpertAxes(*expert_axes(dims, args.ep, dist.get_rank(), args.timeout)) if args.ep > 1 else None
+        return _generate(args, requests, tp_group, stage, peers, experts)
     finally:
         dist.destroy_process_group()
 
@@ -179,6 +190,8 @@ def run_generate(args, argv: list[str]) -> int:
 def _check_flags(args) -> None:
     requests = len(args.prompt or args.prompt_ids)
     checks = [(args.tp >= 1, f"--tp {args.tp}: must be >= 1"), (args.pp >= 1, f"--pp {args.pp}: must be >= 1"),
+              (args.ep >= 1, f"--ep {args.ep}: must be >= 1"),
+              (args.ep == 1 or args.pp == 1, f"--ep {args.ep}: not with --pp {args.pp} in generation"),
               (args.max_new_tokens is None or args.max_new_tokens >= 1,
                f"--max-new-tokens {args.max_new_tokens}: must be >= 1"),
               (args.micro_batches is None or args.pp > 1,
@@ -241,15 +254,17 @@ def end_of_text_ids(state: dict, tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
-def _generate(args, requests: Requests, tp_group, stage, peers) -> int:
+def _generate(args, requests: Requests, tp_group, stage, peers, experts) -> int:
     sampling = _sampling(args)
     prompts, texts, tokenizer, stops = requests.prompts, requests.texts, requests.tokenizer, requests.stops
     model, _ = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage,
-                                  torch_dtype(args.dtype) if args.dtype else None)
+                                  torch_dtype(args.dtype) if args.dtype else None, experts)
 
     pp_rank, pp = (stage[1], args.pp) if stage is not None else (0, 1)
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    printing = pp_rank == pp - 1 and tp_rank == 0  # whoever samples prints: the last stage's first tp rank
+    ep_rank = experts.ep.rank if experts is not None else 0
+    # whoever samples prints: the last stage's first tp rank (of the first expert-parallel rank)
+    printing = pp_rank == pp - 1 and tp_rank == 0 and ep_rank == 0
     printer = Printer(texts, tokenizer, stops, sys.stdout if printing else io.StringIO())
     if stage is None:
         steps = ((range(len(prompts)), ids) for ids in generate(model, prompts, args.max_new_tokens, sampling, stops))

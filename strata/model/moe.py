@@ -72,8 +72,15 @@ class _AddAuxGradient(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
+def _identity(x):
+    return x
+
+
 class Experts(nn.Module):
     """n SwiGLU experts with stacked weights: w_gate, w_up (n, d_ff, d_model), w_down (n, d_model, d_ff)."""
+
+    # each matrix's d_ff dimension, which tensor parallelism splits (dimension 0 is the expert's)
+    d_ff_dims = {"w_gate": 1, "w_up": 1, "w_down": 2}
 
     def __init__(self, n: int, d_model: int, d_ff: int):
         super().__init__()
@@ -120,16 +127,19 @@ class MoE(nn.Module):
         self.losses = losses
         self.capacity_factor: float | None = None  # None: dropless (the trainer's --capacity-factor)
         self.dispatch = local_dispatch
-        # Under tensor parallelism (strata/parallel/tensor.py): what the routing weights and the shared
-        # gate pass through so that their gradients are whole (identity on one device).
-        self.whole_gradient = nn.Identity()
+        # Under tensor parallelism (strata/parallel/tensor.py; identities on one device): the routing
+        # weights pass through `whole_gradient` (the tp ranks' partial gradients summed), the routed
+        # experts' partial outputs through `reduce_partial`, and what the router and the shared gate
+        # read through `replicated_input` (each rank's copy of their input gradient counted 1/t).
+        self.whole_gradient = self.reduce_partial = self.replicated_input = _identity
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         tokens = x.shape[0]
         compute = torch.promote_types(x.dtype, torch.float32)  # fp64 training stays fp64
-        probs = F.softmax(self.router(x).to(compute), dim=-1)
+        whole = self.replicated_input(x)
+        probs = F.softmax(self.router(whole).to(compute), dim=-1)
         weights, chosen = torch.topk(probs, self.k, dim=-1)  # (T, k)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -144,11 +154,11 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_expert[slots], minlength=self.n_experts)
         routed = self.dispatch(self.experts, x[token_of], counts)
         w = self.whole_gradient(weights.to(x.dtype)).reshape(-1)[slots]
-        out = torch.zeros_like(x).index_add_(0, token_of, routed * w[:, None])
+        out = self.reduce_partial(torch.zeros_like(x).index_add_(0, token_of, routed * w[:, None]))
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(self.whole_gradient(self.shared_gate(x))) * shared
+                shared = torch.sigmoid(self.shared_gate(whole)) * shared
             out = out + shared
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
             self.losses.aux.append(aux.detach())

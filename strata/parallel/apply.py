@@ -22,6 +22,7 @@ from strata.memory.tiers import OffloadedActivations, Tier
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
 from strata.parallel.data import DataParallel, DataParallelSettings
+from strata.parallel.expert import ExpertAxes, ExpertSplit, apply_expert_parallel, set_capacity
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
 from strata.parallel.pipeline.stage import keep_stage, tied_copy
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs
@@ -36,18 +37,22 @@ BUCKET_STAGES = {0: Replicate, 1: ShardOptimizerStates, 2: ShardGradients}  # Ze
 
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
                 dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None,
-                offload_dir: str | None = None, rank: int = 0, grid: GridGroups | None = None
-                ) -> tuple[Transformer, DataParallel]:
+                offload_dir: str | None = None, rank: int = 0, grid: GridGroups | None = None,
+                experts: ExpertAxes | None = None) -> tuple[Transformer, DataParallel]:
     """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None.
     offload_dir, rank: where and under which rank's name offloaded parameters and activations go.
-    grid: this rank's place and sub-groups under 2-D, 2.5-D or 3-D tensor parallelism."""
+    grid: this rank's place and sub-groups under 2-D, 2.5-D or 3-D tensor parallelism.
+    experts: this rank's expert-parallel groups (with --ep > 1)."""
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
     if grid is not None:
         apply_grid_parallel(model, grid)
     elif tp_group is not None:
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
+    set_capacity(model, cfg.capacity_factor)
+    expert_names = apply_expert_parallel(model, experts) if experts is not None else set()
     if stage is not None:
         keep_stage(model, stage[0], stage[1])
+        expert_names &= {name for name, _ in model.named_parameters()}  # this stage's
     if cfg.compile:
         compile_layers(model)
     # activations to host memory on a GPU; a CPU device's host memory is where they are: a file then
@@ -72,7 +77,19 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                 param.copy_(init(name))
         tied = tied_copy(model, stage[0], stage[1]) if stage is not None else None
         settings = replace(settings, counted_elsewhere=frozenset({id(tied)} if tied is not None else ()))
-        sharding = BUCKET_STAGES[cfg.zero]([p for p in model.parameters() if p.requires_grad], settings)
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if expert_names:  # the experts' gradients reduced over the ranks holding the same experts
+            settings = replace(settings, expert_ids=frozenset(id(p) for n, p in trainable if n in expert_names),
+                               ep_group=experts.ep.group, edp_rank=experts.edp.rank)
+            # (each expert on one rank, ep = dp: nothing to reduce nor shard)
+            expert_stage = BUCKET_STAGES[cfg.zero if experts.edp.group is not None else 0]
+            sharding = ExpertSplit(
+                BUCKET_STAGES[cfg.zero]([p for n, p in trainable if n not in expert_names], settings),
+                expert_stage([p for n, p in trainable if n in expert_names],
+                             replace(settings, dp_group=experts.edp.group, group_name="edp")),
+                expert_names)
+        else:
+            sharding = BUCKET_STAGES[cfg.zero]([p for _, p in trainable], settings)
         if SCHEDULES[cfg.schedule].asynchronous and cfg.zero == 0:  # weight stashing swaps the parameters' storage
             sharding.separate_optimizer_targets()
     model.reset_buffers()

@@ -34,6 +34,12 @@ class DataParallelSettings:
     # id() of parameters another rank already counts (the last stage's copy of a tied embedding):
     # left out of the norm, and not written to checkpoints
     counted_elsewhere: frozenset[int] = frozenset()
+    group_name: str = "dp"  # what the reductions are counted under ("edp": the experts' data-parallel group)
+    # expert parallelism (strata/parallel/expert.py): id() of the expert parameters, which ranks of
+    # the expert-parallel group hold disjoint parts of, and this rank's place among their replicas
+    expert_ids: frozenset[int] = frozenset()
+    ep_group: object = None
+    edp_rank: int = 0
 
     @property
     def dp_size(self) -> int:
@@ -129,14 +135,23 @@ class DataParallel:
         settings = self.settings
         pairs = [(n, p) for n, p in self.sharding.grad_norm_pairs() if id(p) not in settings.counted_elsewhere]
         squares = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # (tp-split, replicated)
+        experts = torch.zeros(1, dtype=torch.float64, device=self.params[0].device)
         if pairs:
             norms = torch.stack([n for n, _ in pairs]).double()
             specs = [self.spec_of(p) for _, p in pairs]
-            replicated = torch.tensor([not spec.split for spec in specs], device=norms.device)
+            expert = torch.tensor([id(p) in settings.expert_ids for _, p in pairs], device=norms.device)
+            replicated = torch.tensor([not spec.split for spec in specs], device=norms.device) & ~expert
             # a block several tp ranks hold (multi-dimensional tp) is counted by its owner only
-            owned = torch.tensor([spec.owner for spec in specs], device=norms.device)
+            owned = torch.tensor([spec.owner for spec in specs], device=norms.device) & ~expert
             squares[0] = norms[~replicated & owned].square().sum()
             squares[1] = norms[replicated].square().sum()
+            experts[0] = norms[expert].square().sum()
+        if settings.expert_ids:
+            # the expert-parallel ranks hold different experts; under ZeRO the dp reduction below
+            # covers them (ep x edp = dp, every part disjoint), else their replicas are alike
+            if self.stage == 0 and settings.ep_group is not None:
+                comm.all_reduce(experts, settings.ep_group, "ep")
+            squares[0] += experts[0]  # split by tp like an MLP, when tp > 1
         if self.stage > 0 and settings.dp_group is not None:  # each dp rank holds a disjoint part
             comm.all_reduce(squares, settings.dp_group, "dp")
         if settings.tp_group is not None:
@@ -197,7 +212,8 @@ class DataParallel:
         a tied embedding's second copy) by one rank only."""
         spec = self.spec_of(param)
         written = spec.owner if spec.cuts else (spec.dim is not None or tp_rank == 0)
-        return ((self.stage > 0 or self.settings.dp_rank == 0) and written
+        replica = self.settings.edp_rank if id(param) in self.settings.expert_ids else self.settings.dp_rank
+        return ((self.stage > 0 or replica == 0) and written
                 and id(param) not in self.settings.counted_elsewhere)
 
 

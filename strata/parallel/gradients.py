@@ -101,13 +101,14 @@ class _Buckets:
 
     def __init__(self, params: list[nn.Parameter], settings):
         self.params, self.settings, self.group = params, settings, settings.dp_group
+        self.group_name = settings.group_name
         self.dp_size, self.dp_rank = settings.dp_size, settings.dp_rank
         sample = params[0]
         self.master_dtype = sample.dtype  # the parameters as given: what the optimizer updates
         self.buckets, self.total = plan_buckets(list(reversed(params)), bucket_elements(settings.bucket_mb, sample.dtype),
                                                 self.dp_size)
         if self.group is not None:
-            broadcast_parameters(self.buckets, self.group)
+            broadcast_parameters(self.buckets, self.group, self.group_name)
         # the stage's steps, looked up when they run (a stage sets some of them after this)
         self.reductions = BucketReductions(self.buckets, lambda b, p: self._collect(b, p), lambda b: self._start(b),
                                            lambda b: self._finish(b), hooked=self.group is not None)
@@ -182,7 +183,7 @@ class Replicate(_Buckets):
 
     def _start(self, bucket: Bucket):
         self._wires[bucket.index] = wire = self._on_wire(self.grad_buffer[bucket.start:bucket.start + bucket.size])
-        return comm.all_reduce(wire, self.group, "dp", async_op=True)
+        return comm.all_reduce(wire, self.group, self.group_name, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:
         flat, wire = self.grad_buffer[bucket.start:bucket.start + bucket.size], self._wires.pop(bucket.index)
@@ -271,7 +272,7 @@ class _ShardedBuckets(_Buckets):
             if self.masters is not None:
                 self.param_buffer[lo:hi].copy_(self._bucket_shard(self.masters, bucket))
             pending.append(comm.all_gather(self.param_buffer[bucket.start:bucket.start + bucket.size],
-                                           self.param_buffer[lo:hi], self.group, "dp", async_op=True))
+                                           self.param_buffer[lo:hi], self.group, self.group_name, async_op=True))
             if len(pending) > MAX_IN_FLIGHT:
                 pending.pop(0).wait()
         for work in pending:
@@ -284,7 +285,8 @@ class _ShardedBuckets(_Buckets):
         if self.masters is not None:
             names = {id(p): n for n, p in model.named_parameters()}
             for bucket in self.buckets:
-                flat = gather_shards(self._bucket_shard(self.masters, bucket), bucket.size, self.group)
+                flat = gather_shards(self._bucket_shard(self.masters, bucket), bucket.size, self.group,
+                                     self.group_name)
                 for p, offset in zip(bucket.params, bucket.offsets):
                     state[names[id(p)]] = flat[offset - bucket.start:offset - bucket.start + p.numel()].view(p.shape)
         return state
@@ -316,7 +318,7 @@ class ShardOptimizerStates(_ShardedBuckets):
     def _start(self, bucket: Bucket):
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
         self._wires[bucket.index] = wire = self._on_wire(self.grad_buffer[bucket.start:bucket.start + bucket.size])
-        return comm.reduce_scatter(wire[lo - bucket.start:hi - bucket.start], wire, self.group, "dp", async_op=True)
+        return comm.reduce_scatter(wire[lo - bucket.start:hi - bucket.start], wire, self.group, self.group_name, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
@@ -370,7 +372,7 @@ class ShardGradients(_ShardedBuckets):
     def _start(self, bucket: Bucket):
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
         self._wires[bucket.index] = wire = self._on_wire(self._staging_for(bucket))
-        return comm.reduce_scatter(wire[lo - bucket.start:hi - bucket.start], wire, self.group, "dp", async_op=True)
+        return comm.reduce_scatter(wire[lo - bucket.start:hi - bucket.start], wire, self.group, self.group_name, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
@@ -388,12 +390,12 @@ class ShardGradients(_ShardedBuckets):
 
 # --- flat buffers ---------------------------------------------------------------------------------
 @torch.no_grad()
-def broadcast_parameters(buckets: list[Bucket], group) -> None:
+def broadcast_parameters(buckets: list[Bucket], group, group_name: str = "dp") -> None:
     """Copy rank 0's parameters to every rank of the group, so all replicas start identical; one
     broadcast per bucket, through a buffer of one bucket's size."""
     for bucket in buckets:
         flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
-        comm.broadcast(flat, 0, group, "dp")
+        comm.broadcast(flat, 0, group, group_name)
         for p, piece in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
             p.copy_(piece.view_as(p))
 
@@ -440,10 +442,10 @@ def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor, dty
     return buffer
 
 
-def gather_shards(shard: torch.Tensor, size: int, group) -> torch.Tensor:
+def gather_shards(shard: torch.Tensor, size: int, group, group_name: str = "dp") -> torch.Tensor:
     """Every rank's equal shard of a flat tensor of `size` elements, all-gathered into a new one."""
     flat = shard.new_empty(size)
-    comm.all_gather(flat, shard, group, "dp")
+    comm.all_gather(flat, shard, group, group_name)
     return flat
 
 

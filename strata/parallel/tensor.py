@@ -319,6 +319,24 @@ class _Splitter:
     def replicated(self, module):
         return module
 
+    def moe(self, module):
+        module.whole_gradient = lambda w: tpc.copy_to_tp(w, self.group)
+        module.reduce_partial = lambda y: tpc.reduce_from_tp(y, self.group)
+        module.replicated_input = lambda x: tpc.scale_gradient(x, 1.0 / self.world)
+        return module
+
+    def stacked_experts(self, module):
+        """Each expert's d_ff split as an MLP's (module.d_ff_dims), as cuts: expert parallelism adds its own."""
+        specs = {}
+        for name, param in list(module.named_parameters(recurse=False)):
+            dim = module.d_ff_dims[name]
+            shape = list(param.shape)
+            specs[name] = ShardSpec(tuple(shape), cuts=((dim, self.world, self.rank),))
+            shape[dim] //= self.world
+            setattr(module, name, nn.Parameter(torch.empty(shape)))
+        module.tp_specs = specs
+        return module
+
 
 def _partial_gradients(module: nn.Module) -> None:
     """A replicated module whose gradient on each rank is a part of the whole: summed over the group."""

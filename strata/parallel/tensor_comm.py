@@ -75,7 +75,14 @@ def _identity(x, group):
     return x
 
 
+def _scale(x, factor):
+    return x * factor
+
+
 copy_to_tp = conjugate("CopyToTP", _identity, _all_reduce)
+# identity forward, the gradient times `factor` (the group argument): a replicated layer's input
+# gradient, computed alike on every rank, counted once by the all-reduce that follows
+scale_gradient = conjugate("ScaleGradient", _identity, _scale)
 reduce_from_tp = conjugate("ReduceFromTP", _all_reduce, _identity)
 scatter_seq = conjugate("ScatterSeq", _reduce_scatter_seq, _gather_seq)
 split_seq = conjugate("SplitSeq", _split_seq, _gather_seq)

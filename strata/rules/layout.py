@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.rules.checkpointing import parse as parse_checkpointing
+from strata.rules.experts import check_experts
 from strata.rules.pipeline_cut import PipelineLayout, make_layout
 from strata.rules.schedules import SCHEDULES
 from strata.rules.tensor_modes import TensorGrid, check_grid, grid_of
@@ -45,6 +46,8 @@ class Layout:
     offload_activations: str = "none"  # an ACTIVATION_OFFLOAD_TARGETS name (with checkpointing)
     tp_mode: str = "1d"  # a TP_MODES name: how tp cuts the matrices (rules/tensor_modes.py)
     tp_depth: int = 1  # 2.5d's depth
+    ep: int = 1  # expert parallelism, carved out of dp (rules/experts.py)
+    capacity_factor: float | None = None  # a mixture's expert capacity (None: dropless)
 
     @property
     def grid(self) -> TensorGrid:
@@ -56,6 +59,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.ep > 1:
+            parts.insert(1, f"ep={self.ep}")
         if self.tp_mode != "1d":
             parts.insert(2, f"tp_mode={self.tp_mode}" + (f",tp_depth={self.tp_depth}" if self.tp_depth > 1 else ""))
         if self.virtual_stages > 1:
@@ -111,6 +116,10 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
         raise ConfigError(f"must divide the model's {model.kv_heads} KV heads or be a multiple of them", "tp", tp)
     if model.d_ff % tp:
         raise ConfigError(f"must divide the model's d_ff {model.d_ff}", "tp", tp)
+    for name, width in (("expert width", model.expert_width if model.moe else 0), ("shared expert's width",
+                                                                                    model.shared_d_ff)):
+        if width % tp:
+            raise ConfigError(f"must divide the model's {name} {width}", "tp", tp)
 
 
 def check_schedule(layout: Layout) -> None:
@@ -182,6 +191,8 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     if global_batch % (layout.micro_batch * layout.dp):
         raise ConfigError(f"must be a multiple of micro_batch {layout.micro_batch} x dp {layout.dp} = "
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)
+    check_experts(model, layout.ep, layout.dp, layout.zero, layout.tp_mode, layout.sequence_parallel,
+                  layout.capacity_factor)
     check_asynchronous(model, layout, global_batch)
     return check_pipeline(model, layout, seq_len)
 
@@ -231,6 +242,9 @@ def check_asynchronous(model: ModelConfig, layout: Layout, global_batch: int) ->
     spec = SCHEDULES.get(layout.schedule)
     if spec is None or not spec.asynchronous:
         return
+    if model.moe and layout.pp > 1:
+        raise ConfigError("not with a mixture of experts: the router's auxiliary loss is scaled per synchronous "
+                          "step", "schedule", layout.schedule)
     if layout.zero > 1:
         raise ConfigError(f"not with --schedule {layout.schedule}: ZeRO-2/3 reduce (and ZeRO-3 gathers) the "
                           f"parameters the stashed weight versions stand in for; use zero 0 or 1", "zero", layout.zero)

@@ -79,6 +79,8 @@ class RunLog:
         if run.versions:  # asynchronous schedules: stashed weight versions per (emulated) stage, after the update
             record.update(weight_versions=[len(v.stashes) for v in run.versions],
                           weight_version_bytes=[v.stash_bytes() for v in run.versions])
+        if run.routed is not None:  # a mixture of experts
+            record.update(run.routed)
         if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
             record.update(bubble=run.pipeline.idle_fraction, peak_activation_bytes=run.pipeline.peak_activation_bytes)
         else:  # one micro-batch's activations at a time

@@ -10,7 +10,9 @@ import time
 
 import torch
 
+from strata.distributed import comm
 from strata.files import cache_dir
+from strata.parallel.expert import routed_rows
 from strata.rules.dtypes import DTYPES, torch_dtype
 
 
@@ -133,3 +135,25 @@ def _keep_records_up_to(path: str, step: int) -> None:
     with open(path + ".tmp", "wb") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
+
+
+def routed(run, micro_batches: int) -> dict:
+    """What the MoE layers routed in a step, over every layer, micro-batch and rank: the weighted
+    auxiliary loss (its mean over micro-batches and data-parallel ranks, summed over the stages'
+    layers), tokens per expert and dropped assignments (sums); and this rank's all-to-all rows to
+    and from each expert-parallel rank (with --ep > 1)."""
+    taken = run.model.router_losses.take()
+    n, device = run.model_cfg.n_experts, run.device
+    zero = torch.zeros(1, dtype=torch.float64, device=device)
+    sums = torch.cat([zero if taken["aux_loss"] is None else taken["aux_loss"].double().reshape(1).to(device),
+                      zero.repeat(n) if taken["expert_load"] is None else taken["expert_load"].double().to(device),
+                      zero if taken["dropped"] is None else taken["dropped"].double().reshape(1).to(device)])
+    for group, name in ((run.pp_group, "pp"), (run.dp_group, "dp")):
+        if group is not None:
+            comm.all_reduce(sums, group, name)
+    out = {"aux_loss": sums[0].item() / (micro_batches * run.dims.dp), "expert_load": [int(v) for v in sums[1:1 + n]],
+           "dropped_tokens": int(sums[-1].item())}
+    if routed_rows.dispatches:
+        out["all_to_all_rows"] = {"sent": routed_rows.sent, "received": routed_rows.received,
+                                  "dispatches": routed_rows.dispatches}
+    return out

@@ -17,7 +17,7 @@ from strata.checkpoint import shards, store
 from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length, zero_stage
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
-from strata.distributed.mesh import ParallelDims, grid_axes, init_distributed, pick_device
+from strata.distributed.mesh import ParallelDims, expert_axes, grid_axes, init_distributed, pick_device
 from strata.errors import ConfigError
 from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
@@ -26,6 +26,7 @@ from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer
 from strata.parallel.apply import compile_seconds, parallelize
 from strata.parallel.data import DataParallel
+from strata.parallel.expert import ExpertAxes, gather_experts, routed_rows
 from strata.parallel.pipeline.executor import PipelineExecutor
 from strata.parallel.pipeline.stage import chunk_views, embedding_group, stage_parameters
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
@@ -75,6 +76,8 @@ class Run:
     versions: list[WeightVersions] | None = None  # asynchronous schedules: per (emulated) stage
     update_s: float = 0.0  # the last optimizer step's seconds (with offload: its pass over the tiers)
     drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
+    experts: ExpertAxes | None = None  # with --ep > 1
+    routed: dict | None = None  # a mixture of experts: the last step's auxiliary loss, load and drops
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -94,6 +97,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
     groups = _groups(dims, device)
+    experts = ExpertAxes(*expert_axes(dims, cfg.ep, rank, cfg.timeout)) if cfg.ep > 1 else None
     grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
     grid_groups = GridGroups(grid, rank % dims.tp, grid_axes(dims, grid, rank, groups["tp"], cfg.timeout)) \
         if grid.mode != "1d" else None
@@ -110,13 +114,13 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
-                                  offload_dir(cfg), rank, grid_groups)
+                                  offload_dir(cfg), rank, grid_groups, experts)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
                                 parallel.sharding.stream_units if cfg.offload_params != "none" else None)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
               optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
-              owns_process_group=owns_process_group)
+              owns_process_group=owns_process_group, experts=experts)
     if cfg.dtype == "fp16":
         run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
     if SCHEDULES[cfg.schedule].asynchronous:
@@ -245,6 +249,8 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
     state = run.parallel.full_state_dict()
     if run.tp_group is not None:
         state = gather_tensor_parallel(state, shard_specs(run.model), run.tp_group)
+    if run.experts is not None:
+        state = gather_experts(state, shard_specs(run.model), run.parallel.sharding.expert_names, run.experts)
     if run.pp_group is not None:  # every stage's layers (a tied embedding's copies are equal)
         stages = [None] * run.dims.pp
         dist.all_gather_object(stages, {k: v.cpu() for k, v in state.items()}, group=run.pp_group)
@@ -254,7 +260,7 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
 
 def layout(run: Run) -> dict:
     """The layout, as a checkpoint records it (any layout loads any checkpoint)."""
-    return {"dp": run.dims.dp, "tp": run.dims.tp, "tp_mode": run.cfg.tp_mode, "tp_depth": run.cfg.tp_depth,
+    return {"dp": run.dims.dp, "ep": run.cfg.ep, "tp": run.dims.tp, "tp_mode": run.cfg.tp_mode, "tp_depth": run.cfg.tp_depth,
             "pp": run.dims.pp, "zero": run.cfg.zero, "virtual_stages": run.cfg.virtual_stages,
             "blocks_per_chunk": list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None}
 
@@ -275,6 +281,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         group["lr"] = lr_at(step, cfg)
     micro_batches = run.train_data.micro_batches(step, cfg.micro_batch)
     scale = run.scaler.scale if run.scaler is not None else 1.0
+    if model.router_losses is not None:  # the auxiliary loss's gradient scaled as the loss's is
+        model.router_losses.grad_scale = scale * run.parallel.loss_factor / len(micro_batches)
     if run.pipeline is not None:
         run.pipeline.loss_scale = scale * run.parallel.loss_factor
         loss_sum = pipeline_forward_backward(run, micro_batches)
@@ -300,6 +308,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.dp
     loss = (loss_sum / len(micro_batches)).item()
+    if model.router_losses is not None:
+        run.routed = m.routed(run, len(micro_batches))
     if run.scaler is None and not math.isfinite(loss):  # every rank alike: the loss was all-reduced
         raise FloatingPointError(f"step {step + 1}: the loss is {loss}; stopped before the update "
                                  f"(lower --lr, or use fp32/bf16)")
@@ -438,6 +448,7 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
         for step in range(run.start_step, cfg.steps):
             comm.counter.reset()
             tiers.io.reset()
+            routed_rows.reset()
             started = time.perf_counter()
             if run.versions and run.pipeline is not None:
                 metrics, states = async_pipeline_step(run, step)

@@ -23,7 +23,9 @@ PLACEMENTS = {
     "head_norm": "whole on every rank, over each head's features (q/k norms): each rank normalises its own "
                  "heads, gradient summed",
     "replicated": "whole on every rank, with a whole gradient (position table, the embedding's norm, a router)",
-    "experts": "a mixture's stacked expert matrices: each expert split as an MLP is (w_gate, w_up by their "
+    "moe": "a mixture of experts' layer: its routing weights' gradients summed over the ranks (each holds a "
+           "slice of every expert), the routed outputs summed, the router's input gradient counted once",
+    "stacked_experts": "a mixture's stacked expert matrices: each expert split as an MLP is (w_gate, w_up by their "
                "d_ff rows, w_down by its d_ff columns), the partial outputs summed with the layer's one "
                "reduction; the experts themselves split over the expert-parallel group",
 }

@@ -1,0 +1,222 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020; DeepSpeed-MoE; Megatron-core's all-to-all
+dispatcher): a mixture's experts split over an expert-parallel group carved out of the
+data-parallel ranks (strata/rules/experts.py has the layout and the traffic formula).
+
+Each MoE layer's routed rows (a token once per expert it is sent to, sorted by expert) go to the
+rank holding their expert and come back with an all-to-all each way; the row counts are exchanged
+first, since the splits are uneven. Both are autograd functions whose backward is the same
+exchange the other way. The experts' parameters are the logical stacked tensors cut along the
+expert dimension (a ShardSpec cut, with tensor parallelism's d_ff cut beside it), so a checkpoint
+stays layout-free; their gradients are reduced over the expert-data-parallel group
+(`ExpertSplit`), the dense parameters' over every data-parallel rank."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+from torch import nn
+
+from strata.distributed import comm
+from strata.distributed.mesh import Axis
+from strata.model.families import get_family
+from strata.parallel.tensor import ShardSpec
+
+GROUP, DATA_GROUP = "ep", "edp"
+
+
+@dataclass(frozen=True)
+class ExpertAxes:
+    """This rank's expert-parallel group (size ep) and expert-data-parallel group (size dp / ep),
+    from strata/distributed/mesh.expert_axes; a group is None where it has one rank."""
+    ep: Axis
+    edp: Axis
+
+
+class RoutedRows:
+    """What this rank's dispatches moved since the last reset, for the metrics and the traffic
+    formula (rules/experts.all_to_all_bytes): rows sent to and received from each rank of the
+    expert-parallel group, summed over layers and micro-batches, and the number of dispatches."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent: list[int] = []
+        self.received: list[int] = []
+        self.dispatches = 0
+
+    def add(self, sent: list[int], received: list[int]) -> None:
+        if not self.sent:
+            self.sent, self.received = [0] * len(sent), [0] * len(received)
+        self.sent = [a + b for a, b in zip(self.sent, sent)]
+        self.received = [a + b for a, b in zip(self.received, received)]
+        self.dispatches += 1
+
+
+routed_rows = RoutedRows()
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, received: list[int], sent: list[int], group):
+        ctx.received, ctx.sent, ctx.group = received, sent, group
+        out = x.new_empty((sum(received), *x.shape[1:]))
+        comm.all_to_all_uneven(out, x.contiguous(), received, sent, group, GROUP)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
+        comm.all_to_all_uneven(back, grad.contiguous(), ctx.sent, ctx.received, ctx.group, GROUP)
+        return back, None, None, None
+
+
+def expert_dispatch(axes: ExpertAxes, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """MoE.dispatch under expert parallelism. x: this rank's routed rows sorted by expert,
+    counts[e] for global expert e. Returns the experts' outputs for the same rows, in the same order."""
+    ep = axes.ep.size
+    local = counts.numel() // ep
+    to_rank = counts.view(ep, local).contiguous()  # [j, e]: rows for rank j's local expert e
+    from_rank = torch.empty_like(to_rank)  # [j, e]: rows rank j sends to this rank's expert e
+    comm.all_to_all(from_rank, to_rank, axes.ep.group, GROUP)
+    sent, received = to_rank.sum(1).tolist(), from_rank.sum(1).tolist()
+    routed_rows.add(sent, received)
+    rows = _AllToAll.apply(x, received, sent, axes.ep.group)  # by source rank, then by expert
+    sizes = from_rank.tolist()
+    # by expert, then by source rank, for the experts' loop; and back
+    by_source = rows.split([sizes[j][e] for j in range(ep) for e in range(local)])
+    by_expert = [by_source[j * local + e] for e in range(local) for j in range(ep)]
+    outputs = experts(torch.cat(by_expert), [sum(sizes[j][e] for j in range(ep)) for e in range(local)])
+    out_by_expert = outputs.split([sizes[j][e] for e in range(local) for j in range(ep)])
+    back = torch.cat([out_by_expert[e * ep + j] for j in range(ep) for e in range(local)])
+    return _AllToAll.apply(back, sent, received, axes.ep.group)
+
+
+def apply_expert_parallel(model: nn.Module, axes: ExpertAxes) -> set[str]:
+    """Keep this rank's n_experts / ep experts of every MoE layer (on the meta device) and route
+    through the all-to-all. Returns the names of the expert parameters."""
+    family = get_family(model.cfg.family)
+    names = set()
+    for name, module in list(model.named_modules()):
+        placement = family.placement(name)
+        if placement == "moe":
+            module.dispatch = partial(expert_dispatch, axes)
+        if placement != "stacked_experts":
+            continue
+        specs = getattr(module, "tp_specs", {})
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            spec = specs.get(leaf, ShardSpec(tuple(param.shape)))
+            specs[leaf] = replace(spec, cuts=((0, axes.ep.size, axes.ep.rank), *spec.cuts))
+            with torch.device("meta"):
+                setattr(module, leaf, nn.Parameter(torch.empty(param.shape[0] // axes.ep.size, *param.shape[1:])))
+            names.add(f"{name}.{leaf}")
+        module.tp_specs = specs
+    return names
+
+
+def set_capacity(model: nn.Module, capacity_factor: float | None) -> None:
+    """Each MoE layer's capacity factor (None: dropless)."""
+    family = get_family(model.cfg.family)
+    for name, module in model.named_modules():
+        if family.placement(name) == "moe":
+            module.capacity_factor = capacity_factor
+
+
+class ExpertSplit:
+    """A ZeRO stage's strategy twice: over the dense parameters with the data-parallel group, over
+    the experts' with the expert-data-parallel one. It answers what DataParallel asks of one strategy."""
+
+    def __init__(self, dense, experts, expert_names: set[str]):
+        self.dense, self.experts, self.expert_names = dense, experts, expert_names
+        self.parts = (dense, experts)
+        self.params = dense.params + experts.params
+        self.stage = dense.stage
+        self.reduce_every_micro_batch = dense.reduce_every_micro_batch
+        self.offloaded_bytes = 0
+
+    @contextmanager
+    def backward(self, sync: bool, final: bool = True):
+        with ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.backward(sync, final))
+            yield
+
+    def _each(self, method: str, *args) -> list:
+        return [getattr(part, method)(*args) for part in self.parts]
+
+    def _joined(self, method: str) -> list:
+        return [item for items in self._each(method) for item in items]
+
+    def grad_pairs(self):
+        return self._joined("grad_pairs")
+
+    def grad_norm_pairs(self):
+        return self._joined("grad_norm_pairs")
+
+    def optimizer_pieces(self):
+        """Matrices first, as each strategy orders its own: the optimizer's decayed group, then the
+        rest (DataParallel.optimizer_param_groups), so its state i is piece i."""
+        pieces = self._joined("optimizer_pieces")
+        return [pc for pc in pieces if pc[1].dim() >= 2] + [pc for pc in pieces if pc[1].dim() < 2]
+
+    def reduce_all(self) -> None:
+        self._each("reduce_all")
+
+    def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        self._each("clip_", max_norm, total_norm)
+
+    def prepare_step(self) -> None:
+        self._each("prepare_step")
+
+    def after_step(self) -> None:
+        self._each("after_step")
+
+    def zero_grad(self) -> None:
+        self._each("zero_grad")
+
+    def close(self) -> None:
+        self._each("close")
+
+    def held_bytes(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for part in self._each("held_bytes"):
+            for key, value in part.items():
+                held[key] = held.get(key, 0) + value
+        return held
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Each parameter as its own strategy holds it (ZeRO-1/2 gather their masters)."""
+        state, experts = self.dense.full_state_dict(model), self.experts.full_state_dict(model)
+        return {**state, **{name: experts[name] for name in self.expert_names}}
+
+    @contextmanager
+    def in_memory(self):
+        yield
+
+
+def gather_experts(state: dict[str, torch.Tensor], specs: dict[str, ShardSpec], names: set[str],
+                   axes: ExpertAxes) -> dict[str, torch.Tensor]:
+    """Every expert of every layer on every rank of the expert-parallel group: each rank places its
+    experts in the logical tensor (tensor parallelism's gather has placed its d_ff cut already, or
+    there is none), the group sums."""
+    full = dict(state)
+    for name in names & state.keys():
+        spec, tensor = specs[name], state[name]
+        whole = tensor if tuple(tensor.shape) == spec.full_shape else None
+        if whole is None:
+            whole = tensor.new_zeros(spec.full_shape)
+            whole[spec.box_slices()] = tensor
+        whole = whole.clone()
+        comm.all_reduce(whole, axes.ep.group, GROUP)
+        full[name] = whole
+    return full
+
+
+def slice_experts(state: dict[str, torch.Tensor], specs: dict[str, ShardSpec]) -> dict[str, torch.Tensor]:
+    """Logical tensors -> this rank's experts (and d_ff slice): the box of every cut tensor still
+    whole (tensor parallelism's slicing took those it cuts)."""
+    return {name: specs[name].local(t, 0, 1) if name in specs and specs[name].cuts and tuple(t.shape) ==
+            specs[name].full_shape else t for name, t in state.items()}
