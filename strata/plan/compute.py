@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
+from strata.plan.experts import moe_elementwise, moe_gemms
 from strata.plan.hardware import Kernels
 from strata.rules.tensor_modes import TensorGrid
 from strata.rules.tensor_traffic import block_linears
@@ -37,6 +38,7 @@ class StepWork:
     # 2-D, 2.5-D or 3-D tensor parallelism (tp is then the grid's size, and every activation split
     # tp ways, as sequence_parallel says); None: Megatron's 1-D
     grid: TensorGrid | None = None
+    ep: int = 1  # a mixture's expert-parallel degree: each rank runs n_experts / ep experts on ep ranks' rows
 
 
 def grid_gemm(grid: TensorGrid, tokens: float, k: float, m: float) -> tuple[float, float, float]:
@@ -67,6 +69,8 @@ def block_gemms(w: StepWork) -> list[tuple[float, float, float]]:
     kv = cfg.kv_heads * cfg.head_dim
     attention = [(m, cfg.q_dim / t, cfg.d_model), (m, kv / t, cfg.d_model), (m, kv / t, cfg.d_model),
                  (m, cfg.d_model, cfg.q_dim / t)]
+    if cfg.moe:
+        return attention + moe_gemms(cfg, m, t, w.ep)
     ins = [(m, cfg.d_ff / t, cfg.d_model)] * (2 if cfg.gated_mlp else 1)
     return attention + ins + [(m, cfg.d_model, cfg.d_ff / t)]
 
@@ -111,6 +115,10 @@ def block_elementwise(w: StepWork) -> tuple[float, int]:
     rotary = ROTARY_PASSES * (cfg.q_dim + cfg.kv_heads * cfg.head_dim) / t if rope else 0
     transpose = TRANSPOSE_PASSES * cfg.q_dim / t
     kernels = 2 * (4 if cfg.norm != "layernorm" else 1) + 2 + (2 if cfg.gated_mlp else 1) + (10 if rope else 0) + 1
+    if cfg.moe:  # the experts' activations on k rows per token, and the routing's passes
+        activation, routing, moe_kernels = moe_elementwise(cfg, t, w.ep, GATED_MLP_PASSES)
+        activation += routing
+        kernels += moe_kernels
     return (norms + adds + activation + rotary + transpose) * w.tokens, kernels
 
 

@@ -14,9 +14,21 @@ from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
+from strata.plan.experts import (
+    NO_ALL_TO_ALL,
+    AllToAll,
+    across_seconds,
+    activation_change,
+    all_to_all,
+    expert_group,
+    expert_share,
+    held_states,
+    moe_tp_collectives,
+    updated_params,
+)
 from strata.plan.hardware import Device
 from strata.plan.links import Cluster, collective_seconds
-from strata.plan.memory import activation_bytes_per_layer, held_state_bytes
+from strata.plan.memory import activation_bytes_per_layer
 from strata.plan.offload import offload_cost, offloads
 from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
 from strata.rules.constants import BUCKET_MB
@@ -75,6 +87,12 @@ class Estimate:
     tier_bytes: dict[str, float] = field(default_factory=dict)  # offloaded: what host memory and disk hold
     io_s: float = 0.0  # offload transfers per step, hidden or not
     exposed_io_s: float = 0.0  # of them, what neither compute nor the optimizer step hides
+    total_params: int = 0  # the model's parameters, every expert counted
+    active_params: int = 0  # those one token uses (a mixture: its k experts)
+    all_to_all_s: float = 0.0  # a mixture under expert parallelism: the step's all-to-alls (in comm_seconds["ep"])
+    all_to_all_bytes: float = 0.0  # what a rank sends in them per step
+    ep_crosses_nodes: bool = False  # the expert-parallel group spans nodes
+    all_to_all_across_s: float = 0.0  # a group inside a node: the all-to-alls split over two nodes (explain)
 
     def shares(self) -> dict[str, float]:
         """The step split into parts that add up to it: compute, each group's exposed
@@ -95,7 +113,10 @@ class Estimate:
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "exposed_comm_seconds": self.exposed_comm_s, "optimizer_s": self.optimizer_s,
                 "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "notes": self.notes,
-                "tier_bytes": self.tier_bytes, "io_seconds": self.io_s, "exposed_io_seconds": self.exposed_io_s}
+                "tier_bytes": self.tier_bytes, "io_seconds": self.io_s, "exposed_io_seconds": self.exposed_io_s,
+                "total_params": self.total_params, "active_params": self.active_params,
+                "all_to_all_seconds": self.all_to_all_s, "all_to_all_bytes": self.all_to_all_bytes,
+                "ep_crosses_nodes": self.ep_crosses_nodes}
 
 
 # --- the pipeline's stages ------------------------------------------------------------------------
@@ -161,6 +182,9 @@ class _Terms:
     pp_send_s: float
     tp_collective_s: float  # 1-D: one collective of tp_message
     grid: GridCost | None  # 2-D, 2.5-D, 3-D: bytes and seconds by part (plan/tensor.py)
+    experts: AllToAll = NO_ALL_TO_ALL  # a mixture's all-to-alls per MoE layer (plan/experts.py)
+    moe_tp: tuple[float, float] = (0.0, 0.0)  # (seconds, bytes) an MoE layer adds to 1-D tp's collectives
+    across: float = 0.0  # the all-to-all's time split over two nodes, over its time here (explain)
 
 
 def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> _Terms:
@@ -171,7 +195,7 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
     split = lay.sequence_parallel or grid is not None  # every activation between layers split t ways
     tp_message = b * s * cfg.d_model * act_bytes
     pp_message = b * s * cfg.d_model * act_bytes / (t if split else 1)
-    step_work = StepWork(cfg, b * s, b, s, t, split, work.fused_attention, act_bytes, grid)
+    step_work = StepWork(cfg, b * s, b, s, t, split, work.fused_attention, act_bytes, grid, lay.ep)
     units, ceiling = _unit_seconds(step_work, cluster, peak)
     # processes sharing cores (cpu-local): every kernel runs at the share of the cores it gets
     units = tuple(UnitSeconds(u.forward / rate_scale, u.backward / rate_scale, u.attention_forward / rate_scale)
@@ -181,14 +205,20 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
                  kernel_ceiling=ceiling,
                  activation_per_layer=activation_bytes_per_layer(s, b, cfg.d_model, cfg.n_heads, t, split,
                                                                  lay.checkpointing,
-                                                                 fused_attention=work.fused_attention) * act_bytes / 2,
+                                                                 fused_attention=work.fused_attention) * act_bytes / 2
+                 + activation_change(cfg, b * s, t, lay.checkpointing, act_bytes),
                  tp_message=tp_message, pp_message=pp_message,
                  pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.dp) if lay.pp > 1 else 0.0)
     if grid is not None:
         e = element_bytes(lay, act_bytes, BYTES[lay.gather_dtype])
         return _Terms(**terms, tp_collective_s=0.0, grid=grid_cost(cfg, grid, b * s, e, cluster))
     op = "all_gather" if lay.sequence_parallel else "all_reduce"
-    return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1), grid=None)
+    moe_tp = [(n * collective_seconds(cluster, "all_reduce", nbytes, t, 1), n * 2 * (t - 1) / t * nbytes)
+              for nbytes, n in moe_tp_collectives(cfg, b * s, act_bytes)] if t > 1 else []
+    a2a = all_to_all(cfg, lay, cluster, b * s, act_bytes)
+    return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1), grid=None,
+                  experts=a2a, moe_tp=(sum(x for x, _ in moe_tp), sum(y for _, y in moe_tp)),
+                  across=across_seconds(cfg, lay, cluster, b * s, act_bytes, a2a))
 
 
 def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[UnitSeconds, ...], float]:
@@ -208,8 +238,8 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[Uni
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
-    states = held_state_bytes(params_held(cfg, lay, load.params, load.layers, load.first, load.last), lay.zero, lay.dp, terms.precision,
-                              work.optimizer, lay.gather_dtype)
+    states = held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.layers,
+                         terms.precision, work.optimizer)
     activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
     split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
     activations += (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
@@ -246,6 +276,8 @@ class _RankTime:
     tp_step_seconds: float  # once a step: the sums of partial gradients over tensor-parallel groups
     tp_step_bytes: float
     load: StageLoad
+    ep_seconds: float = 0.0  # a mixture's all-to-alls (plan/experts.py), on the critical path
+    ep_bytes: float = 0.0
 
     @property
     def total(self) -> float:
@@ -262,9 +294,17 @@ def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) ->
     tp_seconds, tp_bytes, step_seconds, step_bytes = stage_seconds(cluster, lay, terms.grid, terms.tp_collective_s,
                                                                    terms.tp_message, terms.tokens, terms.d_model,
                                                                    load.layers, load.first, load.last)
+    tp_seconds += load.layers * terms.moe_tp[0]
+    tp_bytes += load.layers * terms.moe_tp[1]
     pp_seconds = 2 * lay.virtual_stages * terms.pp_send_s * (p > 1)
-    return _RankTime(fwd + (tp_seconds + pp_seconds) / 2, bwd + recompute + (tp_seconds + pp_seconds) / 2,
-                     fwd + bwd + recompute, tp_seconds, tp_bytes, step_seconds, step_bytes, load)
+    # the all-to-alls: half in the forward, half in the backward, the forward's again when recomputed
+    a2a, full = terms.experts, lay.checkpointing == "full"
+    ep_fwd, ep_bwd = load.layers * a2a.forward_seconds, load.layers * (a2a.seconds - a2a.forward_seconds)
+    ep_again = ep_fwd if full else 0.0
+    return _RankTime(fwd + (tp_seconds + pp_seconds) / 2 + ep_fwd,
+                     bwd + recompute + (tp_seconds + pp_seconds) / 2 + ep_bwd + ep_again,
+                     fwd + bwd + recompute, tp_seconds, tp_bytes, step_seconds, step_bytes, load,
+                     ep_fwd + ep_bwd + ep_again, load.layers * a2a.bytes * (1.5 if full else 1.0))
 
 
 def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
@@ -284,16 +324,26 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     comm_bytes = {"tp": slowest.tp_bytes * m + sums_bytes, "pp": 2 * v * m * terms.pp_message * (p > 1)}
     comm_seconds = {"tp": slowest.tp_seconds * m + sums_seconds, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
     held = params_held(cfg, lay, slowest.load.params, slowest.load.layers, slowest.load.first, slowest.load.last)
-    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, held, m, slowest.forward,
+    dense, experts = expert_share(cfg, lay, held, slowest.load.layers)
+    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, dense, m, slowest.forward,
                                                                       slowest.backward, slowest.load.layers)
+    exposed = {"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]}
+    if cfg.moe:  # the all-to-alls, exposed; the experts' gradients over their own group, after the dense ones
+        comm_seconds["ep"] = exposed["ep"] = slowest.ep_seconds * m
+        comm_bytes["ep"] = slowest.ep_bytes * m
+        comm_seconds["edp"], exposed["edp"], comm_bytes["edp"] = _data_parallel(
+            cluster, lay, experts, m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]),
+            slowest.load.layers, expert_group(lay))
+    updated = updated_params(cfg, lay, held, slowest.load.layers)  # by this rank's optimizer step
+    held = dense + experts  # what the rank holds, its experts included
     # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's
     # micro-batch; with unequal ones, the others' (the slowest stage's own is all in m x its time)
     others = [r.total for r in ranks if r is not slowest] or [slowest.total]
     bubble_time = _bubble_time(lay, m, sum(others) / len(others))
-    optimizer = _optimizer_seconds(cluster, lay, held)
+    optimizer = _optimizer_seconds(cluster, lay, updated)
     gradient_passes = _gradient_pass_seconds(cluster, lay, held, m, work.fused_accumulation) / rate_scale
     # the partial gradients' sums run after the last backward, before the update
-    step = m * slowest.total + sums_seconds + gradient_passes + bubble_time + dp_exposed + optimizer
+    step = m * slowest.total + sums_seconds + gradient_passes + bubble_time + dp_exposed + optimizer + exposed.get("edp", 0.0)
     io = exposed_io = 0.0
     tiers = {}
     if offloads(lay):
@@ -320,8 +370,11 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                  tflops_per_device=hardware_flops / step / world / 1e12,
                  mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak,
                  kernel_ceiling=terms.kernel_ceiling,
-                 exposed_comm_s={"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]},
-                 optimizer_s=optimizer, tier_bytes=tiers, io_s=io, exposed_io_s=exposed_io)
+                 exposed_comm_s=exposed, optimizer_s=optimizer, tier_bytes=tiers, io_s=io, exposed_io_s=exposed_io,
+                 total_params=cfg.num_params(), active_params=cfg.active_params(),
+                 all_to_all_s=comm_seconds.get("ep", 0.0), all_to_all_bytes=comm_bytes.get("ep", 0.0),
+                 ep_crosses_nodes=terms.experts.crosses_nodes,
+                 all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across)
     e.notes += overflow
     return e
 
@@ -365,11 +418,12 @@ def _buffers(cfg: ModelConfig, lay: Layout, t: int) -> float:
 
 
 def _data_parallel(cluster: Cluster, lay: Layout, params_local: float, m: int, t_fwd: float, t_bwd: float,
-                   layers_local: float):
-    """(total seconds, seconds not hidden behind compute, bytes per device) of the dp group, each
-    collective priced in the dtype the runtime moves: gradients in the reduce dtype, parameters
-    (ZeRO-3's gathers, ZeRO-1/2's of the updated shards) in the gather dtype."""
-    d, stride = lay.dp, lay.tp
+                   layers_local: float, group: tuple[int, int] | None = None):
+    """(total seconds, seconds not hidden behind compute, bytes per device) of the dp group (or
+    `group`: (size, stride), a mixture's expert-data-parallel one), each collective priced in the
+    dtype the runtime moves: gradients in the reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's
+    of the updated shards) in the gather dtype."""
+    d, stride = group or (lay.dp, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
@@ -422,11 +476,11 @@ def _gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m
     return passes / cluster.device.memory_bandwidth
 
 
-def _optimizer_seconds(cluster: Cluster, lay: Layout, params_local: float) -> float:
+def _optimizer_seconds(cluster: Cluster, lay: Layout, updated: float) -> float:
     """Adam is memory-bound: it reads and writes its states and the weights once (about 16 bytes
-    read + 16 written per parameter it updates). Offloaded, the gradients go to the host and the
-    weights come back over PCIe, and the host does the update."""
-    updated = params_local / (lay.dp if lay.zero >= 1 else 1)
+    read + 16 written per parameter it updates: all a rank holds, or under ZeRO its shards,
+    plan/experts.updated_params). Offloaded, the gradients go to the host and the weights come back
+    over PCIe, and the host does the update."""
     if lay.offload == "cpu":
         return updated * 4 / PCIE_BYTES_PER_S + updated * 32 / HOST_MEMORY_BYTES_PER_S
     return updated * 32 / cluster.device.memory_bandwidth

@@ -76,3 +76,21 @@ def measured_seconds(points: list[list[float]], nbytes: float) -> float:
     return max(y0 + (nbytes - x0) * per_byte, 0.0)
 
 
+
+
+def all_to_all_seconds(cluster: Cluster, sent: float, size: int, members_per_node: int) -> float:
+    """One all-to-all over `size` ranks, `members_per_node` of them in each node, each rank sending
+    `sent` bytes split evenly among the others, while every rank of the cluster does the same (a
+    mixture's layers run on all ranks at once). The share to peers in the same node goes over the
+    intra-node link; the rest leaves through the node's network links, which carry every device's
+    share at once (an all-to-all is bound by the bisection, not by a ring's one crossing per step).
+    Each peer is one message: (size - 1) latencies."""
+    if size <= 1 or sent == 0:
+        return 0.0
+    inside = max(1, min(members_per_node, size))
+    on_node = sent * (inside - 1) / (size - 1)
+    off_node = sent - on_node
+    seconds = on_node / cluster.intra_bandwidth if on_node else 0.0
+    if off_node:
+        seconds = max(seconds, off_node * cluster.devices_per_node / cluster.inter_bandwidth)
+    return (size - 1) * (cluster.inter_latency if off_node else cluster.intra_latency) + seconds

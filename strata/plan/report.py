@@ -13,12 +13,13 @@ LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("v
                "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool),
                "reduce": ("reduce_dtype", str), "gather": ("gather_dtype", str),
                "offload_params": ("offload_params", str), "offload_activations": ("offload_activations", str),
-               "tp_mode": ("tp_mode", str), "tp_depth": ("tp_depth", int)}
+               "tp_mode": ("tp_mode", str), "tp_depth": ("tp_depth", int), "ep": ("ep", int)}
 KEY_OF_FIELD = {field: key for key, (field, _) in LAYOUT_KEYS.items()}
 
 
 def parse_layout(text: str, work: Workload, world: int) -> Layout:
-    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp,reduce=bf16', checked by
+    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp,reduce=bf16' (a mixture's
+    expert parallelism: ep=8, carved out of dp), checked by
     the trainer's own layout check: the planner evaluates exactly the layouts `strata train` runs."""
     values = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -51,9 +52,11 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
 
 def table(estimates: list[Estimate], costs: list | None = None) -> str:
     """One row per layout; with costs (strata/plan/run_cost.RunCost, one per layout) the run's days,
-    device-hours and price too."""
-    head = ("| layout | fits | GB/device: weights + grads + optimizer + activations + buffers | comm s/step: tp, dp, pp "
-            "| bubble | step s | tokens/s | TFLOP/s/device | MFU |")
+    device-hours and price too. A mixture of experts adds its all-to-all (ep) and its experts'
+    gradient reduction (edp) to the communication."""
+    groups = ("tp", "dp", "pp") + (("ep", "edp") if any("ep" in e.comm_seconds for e in estimates) else ())
+    head = (f"| layout | fits | GB/device: weights + grads + optimizer + activations + buffers | comm s/step: "
+            f"{', '.join(groups)} | bubble | step s | tokens/s | TFLOP/s/device | MFU |")
     extra = [] if not costs else ["days", "device-hours"] + (["price"] if costs[0].price is not None else [])
     rows = [head + "".join(f" {name} |" for name in extra), "|" + "---|" * (9 + len(extra))]
     for i, e in enumerate(estimates):
@@ -61,7 +64,7 @@ def table(estimates: list[Estimate], costs: list | None = None) -> str:
         gb = " + ".join(f"{mem[k] / 1e9:.1f}" for k in ("weights", "gradients", "optimizer_states", "activations", "buffers"))
         if mem.get("weight_versions"):  # an asynchronous schedule's stashed weights
             gb += f" + {mem['weight_versions'] / 1e9:.1f} stashed weight versions"
-        comm = ", ".join(f"{e.comm_seconds[g]:.3g}" for g in ("tp", "dp", "pp"))
+        comm = ", ".join(f"{e.comm_seconds.get(g, 0.0):.3g}" for g in groups)
         rows.append(f"| {e.layout.describe()} | {'yes' if e.fits else 'no'} | {e.memory_bytes_per_device / 1e9:.1f} = {gb} "
                     f"| {comm} | {e.bubble:.1%} | {e.step_time_s:.3g} | {e.tokens_per_s:,.0f} "
                     f"| {e.tflops_per_device:.1f} | {e.mfu:.1%} |" + (_cost_cells(costs[i]) if costs else ""))

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from strata.errors import ConfigError
 from strata.plan.cost import Cluster, Estimate, Workload, estimate
+from strata.plan.experts import expert_degrees, moe_lines
 from strata.rules.checkpointing import PLANNED_MODES
 from strata.rules.layout import ZERO_STAGES, Layout, check_layout
 from strata.rules.schedules import SCHEDULES
@@ -44,7 +45,8 @@ def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[s
 def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str],
                 allow_async: bool) -> Iterator[Layout]:
     """The search space: every split of the world into tp x pp x dp, the schedules worth trying for
-    each pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP."""
+    each pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP, and for a
+    mixture of experts each expert-parallel degree (divisors of its experts that divide dp)."""
     for t in divisors(world):
         for p in divisors(world // t):
             d = world // (t * p)
@@ -54,9 +56,10 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                         for checkpointing in PLANNED_MODES:
                             for place in ("none", "cpu") if offload else ("none",):
                                 for sp, mode, depth in _tensor_modes(t):
-                                    yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
-                                                 reduce_dtype=transfers[0], gather_dtype=transfers[1],
-                                                 tp_mode=mode, tp_depth=depth)
+                                    for ep in expert_degrees(work.model, d):
+                                        yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
+                                                     reduce_dtype=transfers[0], gather_dtype=transfers[1],
+                                                     tp_mode=mode, tp_depth=depth, ep=ep)
 
 
 def _tensor_modes(t: int) -> list[tuple[bool, str, int]]:
@@ -145,12 +148,12 @@ def _estimates(work: Workload, cluster: Cluster, candidates) -> tuple[list[Estim
 
 
 def distinct(estimates: list[Estimate]) -> list[Estimate]:
-    """The best of each shape (degrees, ZeRO stage, schedule, tensor-parallel mode): variants that differ only in a knob
-    that does not matter there (sequence parallelism, a checkpointing mode) would crowd a table."""
+    """The best of each shape (degrees, expert parallelism, ZeRO stage, schedule, tensor-parallel mode): variants that
+    differ only in a knob that does not matter there (sequence parallelism, a checkpointing mode) would crowd a table."""
     seen, kept = set(), []
     for e in estimates:
         lay = e.layout
-        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth)
+        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth, lay.ep)
         if key not in seen:
             seen.add(key)
             kept.append(e)
@@ -181,6 +184,12 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         "with Megatron's 1-D tensor parallelism (tp_mode=1d, tp>1)": lambda lay: lay.tp > 1 and lay.tp_mode == "1d",
         "with 2-D, 2.5-D or 3-D tensor parallelism": lambda lay: lay.tp_mode != "1d",
     }
+    if best.total_params != best.active_params:  # a mixture of experts: where its experts live, and why
+        lines += moe_lines(best, ranked, cluster)
+        alternatives["without expert parallelism (ep=1)"] = lambda lay: lay.ep == 1
+        alternatives["with expert parallelism (ep>1)"] = lambda lay: lay.ep > 1
+        alternatives["with the expert-parallel group across nodes"] = \
+            lambda lay: lay.ep > 1 and lay.ep * lay.tp > cluster.devices_per_node
     if best.layout.offload_params != "none":
         lines.append(_offload_line(best, rejected))
     spec = SCHEDULES[best.layout.schedule]
