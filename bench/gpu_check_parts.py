@@ -174,8 +174,8 @@ def environment(check: Check) -> dict:
 
 
 # --- correctness: the device against the CPU ----------------------------------------------------------
-def tiny_config(dtype: str, device: str) -> TrainConfig:
-    return TrainConfig(model="tiny", dtype=dtype, steps=CORRECTNESS_STEPS, micro_batch=4, device=device,
+def tiny_config(dtype: str, device: str, model: str = "tiny") -> TrainConfig:
+    return TrainConfig(model=model, dtype=dtype, steps=CORRECTNESS_STEPS, micro_batch=4, device=device,
                        eval_batches=1, progress=False, peak_flops=1e12, seed=0)
 
 
@@ -183,9 +183,9 @@ def max_state_difference(a: dict, b: dict) -> float:
     return max((a[k].detach().cpu().double() - b[k].detach().cpu().double()).abs().max().item() for k in a)
 
 
-def training_matches_cpu(check: Check, dtype: str) -> dict:
-    reference = train(tiny_config(dtype, "cpu"), keep_state=True)
-    on_device = train(tiny_config(dtype, check.device.type), keep_state=True)
+def training_matches_cpu(check: Check, dtype: str, model: str = "tiny") -> dict:
+    reference = train(tiny_config(dtype, "cpu", model), keep_state=True)
+    on_device = train(tiny_config(dtype, check.device.type, model), keep_state=True)
     loss_diff = max(abs(a - b) for a, b in zip(reference["losses"], on_device["losses"]))
     param_diff = max_state_difference(reference["state"], on_device["state"])
     tolerance = TOLERANCE[dtype]
@@ -224,7 +224,9 @@ def generation_matches_cpu(check: Check, dtype: torch.dtype) -> dict:
 def correctness(check: Check) -> dict:
     out = {"model": "tiny", "steps": CORRECTNESS_STEPS, "reference": "cpu", "device": str(check.device),
            "training": {**{dtype: training_matches_cpu(check, dtype) for dtype in ("fp64", "fp32")},
-                        "fp32 offloaded vs on the device": offload_matches_memory(check)},
+                        "fp32 offloaded vs on the device": offload_matches_memory(check),
+                        "fp64 tiny-moe (router, experts, auxiliary loss)": training_matches_cpu(check, "fp64",
+                                                                                                "tiny-moe")},
            "generation": {name: generation_matches_cpu(check, dtype)
                           for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32))}}
     out["passed"] = all(r["passed"] for kind in ("training", "generation") for r in out[kind].values())

@@ -16,6 +16,7 @@ from strata.model.moe import MoE, RouterLosses
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.rules.experts import all_to_all_bytes
+from strata.train.tensorboard import scalars
 from strata.train.trainer import train
 
 from cli_runner import run_strata
@@ -190,3 +191,20 @@ def test_bad_expert_layouts_are_one_line_and_exit_code_2(args, needle):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert needle in lines[0], lines[0]
+
+
+def test_compiled_blocks_train_as_eager_with_the_router_left_eager():
+    """--compile compiles each block around the MoE layer (its shapes follow the routing): the
+    losses and the auxiliary losses of the eager run, in fp64."""
+    eager = single_process(_key(dtype="fp64", steps=2))
+    compiled = single_process(_key(dtype="fp64", steps=2, compile=True))
+    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-12, atol=0)
+    torch.testing.assert_close([r["aux_loss"] for r in compiled["records"]],
+                               [r["aux_loss"] for r in eager["records"]], rtol=1e-12, atol=0)
+
+
+def test_tensorboard_shows_the_routers_metrics():
+    record = single_process(_key(dtype="fp64"))["records"][-1]
+    tags = scalars(record)
+    assert tags["train/aux_loss"] == record["aux_loss"] and tags["moe/dropped_tokens"] == 0
+    assert [tags[f"moe/expert_load/{e}"] for e in range(4)] == record["expert_load"]

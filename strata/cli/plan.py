@@ -70,7 +70,8 @@ def run_plan(args) -> int:
                           "nodes": nodes, "device": cluster.device.name, "tokens": tokens, "layouts": layouts},
                          indent=1))
     else:
-        print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) on {nodes} x {args.gpus_per_node} "
+        active = f", {model.active_params() / 1e9:.2f}B active" if model.moe else ""
+        print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters{active}) on {nodes} x {args.gpus_per_node} "
               f"{cluster.device.name}, global batch {work.global_batch} x {work.seq_len} tokens, {work.precision}\n")
         print(table(shown, costs))
         for e in shown:

@@ -49,14 +49,14 @@ class ModelConfig:
     # router over n_experts SwiGLU experts of width expert_d_ff (d_ff when None), each token sent
     # to its experts_per_token best; norm_topk renormalises the k chosen probabilities to sum to 1
     # (Mixtral; Qwen2-MoE does not); shared_d_ff > 0 adds an expert every token goes through
-    # (Qwen2-MoE, DeepSeek), scaled by sigmoid(a learned gate) when shared_gate; router_aux_coef
+    # (Qwen2-MoE, DeepSeek), scaled by sigmoid(a learned gate) when gated_shared_expert; router_aux_coef
     # weights the load-balancing loss (Switch, Fedus et al. 2021).
     n_experts: int = 0
     experts_per_token: int = 2
     expert_d_ff: int | None = None
     norm_topk: bool = True
     shared_d_ff: int = 0
-    shared_gate: bool = False
+    gated_shared_expert: bool = False
     router_aux_coef: float = 0.01
 
     def __post_init__(self):
@@ -138,8 +138,8 @@ class ModelConfig:
             raise ValueError(f"mlp={self.mlp!r}: experts are SwiGLU MLPs (mlp='swiglu')")
         if not isinstance(self.shared_d_ff, int) or self.shared_d_ff < 0:
             raise ValueError(f"shared_d_ff={self.shared_d_ff!r} must be 0 (no shared expert) or a width")
-        if self.shared_gate and not self.shared_d_ff:
-            raise ValueError("shared_gate needs a shared expert (shared_d_ff > 0)")
+        if self.gated_shared_expert and not self.shared_d_ff:
+            raise ValueError("gated_shared_expert needs a shared expert (shared_d_ff > 0)")
         if not isinstance(self.router_aux_coef, (int, float)) or not 0 <= self.router_aux_coef < float("inf"):
             raise ValueError(f"router_aux_coef={self.router_aux_coef!r} must be a number >= 0")
 
@@ -181,7 +181,7 @@ class ModelConfig:
 
     def shared_params(self) -> int:
         """The shared expert's matrices and its gate."""
-        return 3 * self.d_model * self.shared_d_ff + (self.d_model if self.shared_gate else 0)
+        return 3 * self.d_model * self.shared_d_ff + (self.d_model if self.gated_shared_expert else 0)
 
     def expert_params(self) -> int:
         """All routed experts' parameters in one block (what expert parallelism splits)."""

@@ -123,7 +123,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_width)
         self.shared = SharedExpert(cfg.d_model, cfg.shared_d_ff) if cfg.shared_d_ff else None
-        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_gate else None
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.gated_shared_expert else None
         self.losses = losses
         self.capacity_factor: float | None = None  # None: dropless (the trainer's --capacity-factor)
         self.dispatch = local_dispatch
@@ -133,6 +133,10 @@ class MoE(nn.Module):
         # read through `replicated_input` (each rank's copy of their input gradient counted 1/t).
         self.whole_gradient = self.reduce_partial = self.replicated_input = _identity
 
+    # The routing's shapes depend on the data (rows per expert, drops) and its records on Python
+    # state: compiled, it would recompile as the routing changes; --compile compiles the rest of
+    # the block around it.
+    @torch.compiler.disable
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])

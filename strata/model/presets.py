@@ -97,7 +97,7 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2-moe-a2.7b": ModelConfig(vocab_size=151936, n_layers=24, d_model=2048, n_heads=16, d_ff=5632,
                                    max_seq_len=8192, norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True,
                                    n_experts=60, experts_per_token=4, expert_d_ff=1408, norm_topk=False,
-                                   shared_d_ff=5632, shared_gate=True, router_aux_coef=0.001,
+                                   shared_d_ff=5632, gated_shared_expert=True, router_aux_coef=0.001,
                                    **{**_LLAMA, "family": "qwen2_moe"}),
 }
 

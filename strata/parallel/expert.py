@@ -129,12 +129,12 @@ class ExpertSplit:
     """A ZeRO stage's strategy twice: over the dense parameters with the data-parallel group, over
     the experts' with the expert-data-parallel one. It answers what DataParallel asks of one strategy."""
 
-    def __init__(self, dense, experts, expert_names: set[str]):
-        self.dense, self.experts, self.expert_names = dense, experts, expert_names
-        self.parts = (dense, experts)
-        self.params = dense.params + experts.params
-        self.stage = dense.stage
-        self.reduce_every_micro_batch = dense.reduce_every_micro_batch
+    def __init__(self, dense_part, expert_part, expert_names: set[str]):
+        self.dense_part, self.expert_part, self.expert_names = dense_part, expert_part, expert_names
+        self.parts = (dense_part, expert_part)
+        self.params = dense_part.params + expert_part.params
+        self.stage = dense_part.stage
+        self.reduce_every_micro_batch = dense_part.reduce_every_micro_batch
         self.offloaded_bytes = 0
 
     @contextmanager
@@ -189,7 +189,7 @@ class ExpertSplit:
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Each parameter as its own strategy holds it (ZeRO-1/2 gather their masters)."""
-        state, experts = self.dense.full_state_dict(model), self.experts.full_state_dict(model)
+        state, experts = self.dense_part.full_state_dict(model), self.expert_part.full_state_dict(model)
         return {**state, **{name: experts[name] for name in self.expert_names}}
 
     @contextmanager

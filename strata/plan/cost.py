@@ -182,7 +182,7 @@ class _Terms:
     pp_send_s: float
     tp_collective_s: float  # 1-D: one collective of tp_message
     grid: GridCost | None  # 2-D, 2.5-D, 3-D: bytes and seconds by part (plan/tensor.py)
-    experts: AllToAll = NO_ALL_TO_ALL  # a mixture's all-to-alls per MoE layer (plan/experts.py)
+    all_to_all: AllToAll = NO_ALL_TO_ALL  # a mixture's all-to-alls per MoE layer (plan/experts.py)
     moe_tp: tuple[float, float] = (0.0, 0.0)  # (seconds, bytes) an MoE layer adds to 1-D tp's collectives
     across: float = 0.0  # the all-to-all's time split over two nodes, over its time here (explain)
 
@@ -217,7 +217,7 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
               for nbytes, n in moe_tp_collectives(cfg, b * s, act_bytes)] if t > 1 else []
     a2a = all_to_all(cfg, lay, cluster, b * s, act_bytes)
     return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1), grid=None,
-                  experts=a2a, moe_tp=(sum(x for x, _ in moe_tp), sum(y for _, y in moe_tp)),
+                  all_to_all=a2a, moe_tp=(sum(x for x, _ in moe_tp), sum(y for _, y in moe_tp)),
                   across=across_seconds(cfg, lay, cluster, b * s, act_bytes, a2a))
 
 
@@ -298,7 +298,7 @@ def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) ->
     tp_bytes += load.layers * terms.moe_tp[1]
     pp_seconds = 2 * lay.virtual_stages * terms.pp_send_s * (p > 1)
     # the all-to-alls: half in the forward, half in the backward, the forward's again when recomputed
-    a2a, full = terms.experts, lay.checkpointing == "full"
+    a2a, full = terms.all_to_all, lay.checkpointing == "full"
     ep_fwd, ep_bwd = load.layers * a2a.forward_seconds, load.layers * (a2a.seconds - a2a.forward_seconds)
     ep_again = ep_fwd if full else 0.0
     return _RankTime(fwd + (tp_seconds + pp_seconds) / 2 + ep_fwd,
@@ -373,7 +373,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                  exposed_comm_s=exposed, optimizer_s=optimizer, tier_bytes=tiers, io_s=io, exposed_io_s=exposed_io,
                  total_params=cfg.num_params(), active_params=cfg.active_params(),
                  all_to_all_s=comm_seconds.get("ep", 0.0), all_to_all_bytes=comm_bytes.get("ep", 0.0),
-                 ep_crosses_nodes=terms.experts.crosses_nodes,
+                 ep_crosses_nodes=terms.all_to_all.crosses_nodes,
                  all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across)
     e.notes += overflow
     return e

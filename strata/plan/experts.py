@@ -84,7 +84,7 @@ def activation_change(cfg: ModelConfig, tokens: int, tp: int, checkpointing: str
         return 0.0
     d, k, f = cfg.d_model, cfg.experts_per_token, cfg.expert_width
     routed = act_bytes * k * (3 * d + 4 * f / tp)
-    shared = act_bytes * (4 * cfg.shared_d_ff / tp + (d if cfg.shared_gate else 0)) if cfg.shared_d_ff else 0.0
+    shared = act_bytes * (4 * cfg.shared_d_ff / tp + (d if cfg.gated_shared_expert else 0)) if cfg.shared_d_ff else 0.0
     routing = 4 * cfg.n_experts + (8 + 4) * k + 4 + 2 * 8 * k + act_bytes * k
     dense_hidden = 16 * d / tp * act_bytes / 2
     return tokens * (routed + shared + routing - dense_hidden)
@@ -101,7 +101,7 @@ def moe_gemms(cfg: ModelConfig, tokens: float, tp: int, ep: int) -> list[tuple[f
     gemms = [(tokens, n, d)] + [(rows, f, d), (rows, f, d), (rows, d, f)] * (n // ep)
     if cfg.shared_d_ff:
         fs = cfg.shared_d_ff / tp
-        gemms += [(tokens, fs, d), (tokens, fs, d), (tokens, d, fs)] + ([(tokens, 1, d)] if cfg.shared_gate else [])
+        gemms += [(tokens, fs, d), (tokens, fs, d), (tokens, d, fs)] + ([(tokens, 1, d)] if cfg.gated_shared_expert else [])
     return gemms
 
 
@@ -119,7 +119,7 @@ def moe_elementwise(cfg: ModelConfig, tp: int, ep: int, activation_passes: int) 
     k, d = cfg.experts_per_token, cfg.d_model
     activation = k * cfg.expert_width / tp + cfg.shared_d_ff / tp
     routing = (ROUTE_PASSES + (EP_REORDER_PASSES if ep > 1 else 0)) * k * d + SOFTMAX_PASSES * cfg.n_experts + d
-    kernels = ROUTE_KERNELS + 2 * (cfg.n_experts // ep) + (2 if cfg.shared_d_ff else 0) + (3 if cfg.shared_gate else 0)
+    kernels = ROUTE_KERNELS + 2 * (cfg.n_experts // ep) + (2 if cfg.shared_d_ff else 0) + (3 if cfg.gated_shared_expert else 0)
     return activation * activation_passes, routing, kernels
 
 

@@ -1,5 +1,6 @@
-"""`strata train --parallel auto`: the planner picks dp, tp, pp, ZeRO, the micro-batch, the schedule
-and activation checkpointing for the processes at hand, and says which and why."""
+"""`strata train --parallel auto`: the planner picks dp, tp, pp, ZeRO, the micro-batch, the schedule,
+activation checkpointing and (for a mixture of experts) ep for the processes at hand, and says
+which and why."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from strata.rules.dtypes import DTYPES
 from strata.train.preflight import resume_source
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split",
-                "offload_params", "offload_activations", "tp_mode", "tp_depth")
+                "offload_params", "offload_activations", "tp_mode", "tp_depth", "ep")
 
 
 def local_cluster(processes: int) -> Cluster:
@@ -60,7 +61,8 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
         chosen = replace(cfg, parallel="manual", dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
                          micro_batch=lay.micro_batch, global_batch=global_batch, schedule=lay.schedule,
                          virtual_stages=lay.virtual_stages, checkpointing=lay.checkpointing,
-                         sequence_parallel=lay.sequence_parallel, tp_mode=lay.tp_mode, tp_depth=lay.tp_depth)
+                         sequence_parallel=lay.sequence_parallel, tp_mode=lay.tp_mode, tp_depth=lay.tp_depth,
+                         ep=lay.ep)
         try:
             validate(chosen, world_size, model)
         except ConfigError:
@@ -102,5 +104,6 @@ def as_flags(cfg: TrainConfig) -> list[str]:
     flags = ["--parallel", "manual", "--dp", str(cfg.dp), "--tp", str(cfg.tp), "--pp", str(cfg.pp),
              "--zero", str(cfg.zero), "--micro-batch", str(cfg.micro_batch), "--global-batch", str(cfg.global_batch),
              "--schedule", cfg.schedule, "--virtual-stages", str(cfg.virtual_stages),
-             "--checkpointing", cfg.checkpointing, "--tp-mode", cfg.tp_mode, "--tp-depth", str(cfg.tp_depth)]
+             "--checkpointing", cfg.checkpointing, "--tp-mode", cfg.tp_mode, "--tp-depth", str(cfg.tp_depth),
+             "--ep", str(cfg.ep)]
     return flags + (["--sequence-parallel"] if cfg.sequence_parallel else [])

@@ -12,7 +12,7 @@ TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", 
         "bubble": "perf/pipeline_bubble", "peak_mem_bytes": "memory/peak_bytes",
         "model_state_bytes": "memory/model_state_bytes", "peak_activation_bytes": "memory/peak_activation_bytes",
         "comm_bytes": "comm/bytes", "val_loss": "eval/val_loss", "val_ppl": "eval/val_ppl",
-        "compile_s": "perf/compile_s"}
+        "compile_s": "perf/compile_s", "aux_loss": "train/aux_loss", "dropped_tokens": "moe/dropped_tokens"}
 COMM_SECONDS = "comm_seconds"  # one curve per operation and group: comm_seconds/all_reduce/dp
 
 
@@ -36,6 +36,8 @@ def scalars(record: dict) -> dict[str, float]:
            if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)}
     for op_and_group, seconds in (record.get("comm_seconds_by_op") or {}).items():
         out[f"{COMM_SECONDS}/{op_and_group}"] = float(seconds)
+    for expert, tokens in enumerate(record.get("expert_load") or ()):  # a mixture of experts: one curve per expert
+        out[f"moe/expert_load/{expert}"] = float(tokens)
     return out
 
 

@@ -76,7 +76,7 @@ class Run:
     versions: list[WeightVersions] | None = None  # asynchronous schedules: per (emulated) stage
     update_s: float = 0.0  # the last optimizer step's seconds (with offload: its pass over the tiers)
     drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
-    experts: ExpertAxes | None = None  # with --ep > 1
+    expert_axes: ExpertAxes | None = None  # with --ep > 1
     routed: dict | None = None  # a mixture of experts: the last step's auxiliary loss, load and drops
 
 
@@ -120,7 +120,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
               optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
-              owns_process_group=owns_process_group, experts=experts)
+              owns_process_group=owns_process_group, expert_axes=experts)
     if cfg.dtype == "fp16":
         run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
     if SCHEDULES[cfg.schedule].asynchronous:
@@ -249,8 +249,8 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
     state = run.parallel.full_state_dict()
     if run.tp_group is not None:
         state = gather_tensor_parallel(state, shard_specs(run.model), run.tp_group)
-    if run.experts is not None:
-        state = gather_experts(state, shard_specs(run.model), run.parallel.sharding.expert_names, run.experts)
+    if run.expert_axes is not None:
+        state = gather_experts(state, shard_specs(run.model), run.parallel.sharding.expert_names, run.expert_axes)
     if run.pp_group is not None:  # every stage's layers (a tied embedding's copies are equal)
         stages = [None] * run.dims.pp
         dist.all_gather_object(stages, {k: v.cpu() for k, v in state.items()}, group=run.pp_group)

@@ -43,7 +43,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     window = sliding_window_from_hf({**hf, "layer_types": hf.get("layer_types") or layer_kinds(hf)}, where)
     return ModelConfig(**shape_from_hf(hf, where), **experts_from_hf(hf, where, "num_experts", (60, 4)),
                        expert_d_ff=hf.get("moe_intermediate_size", 1408),
-                       shared_d_ff=hf.get("shared_expert_intermediate_size", 5632), shared_gate=True,
+                       shared_d_ff=hf.get("shared_expert_intermediate_size", 5632), gated_shared_expert=True,
                        norm_topk=bool(hf.get("norm_topk_prob", False)), qkv_bias=bool(hf.get("qkv_bias", True)),
                        sliding_window=window, family=NAME)
 
