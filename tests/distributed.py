@@ -20,7 +20,31 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+
+
+def _strata_modules() -> list[str]:
+    """strata's modules, for the fork server to import once instead of every rank and every CLI run
+    importing them again (strata.parallel.tensor_comm alone pulls in torch._dynamo: over a second
+    a process). Only those that import here: one that fails is left to fail in its own test (the
+    fork server would die on it). The code run is the same; ranks started by torchrun and the
+    subprocess tests still import strata afresh."""
+    import importlib
+    import pkgutil
+
+    import strata
+    names = []
+    for module in pkgutil.walk_packages(strata.__path__, "strata."):
+        if module.name in ("strata.__main__", "strata.demo"):
+            continue
+        try:
+            importlib.import_module(module.name)
+        except Exception:  # noqa: BLE001 - reported by the tests that import it
+            continue
+        names.append(module.name)
+    return names
+
+
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy", *_strata_modules()])
 
 
 def free_port() -> int:
