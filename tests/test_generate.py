@@ -109,23 +109,27 @@ def checkpoint(tmp_path_factory):
     return root / "ck"
 
 
-def _generate(checkpoint, *extra):
+def _generate_result(checkpoint, *extra):
     prompts = [a for p in ("1,2,3", "4,5", "7", "9,8,7,6") for a in ("--prompt-ids", p)]
     result = strata("generate", "--checkpoint", checkpoint, *prompts, "--max-new-tokens", 14, *extra)
     assert result.returncode == 0, result.stderr
-    return result.stdout.splitlines()
+    return result
+
+
+def _generate(checkpoint, *extra):
+    return _generate_result(checkpoint, *extra).stdout.splitlines()
 
 
 @pytest.mark.parametrize("temperature", ["0", "0.8"])
 def test_pipeline_and_tensor_parallel_generation_equal_one_process(checkpoint, temperature):
     """Greedy and sampled: --pp 2 (two micro-batches in flight), --pp 2 with one, and
-    --tp 2 --pp 2, token for token against one process."""
+    --tp 2 --pp 2, token for token against one process. The --pp 2 run also reports --timing (on
+    stderr: the answers on stdout are the same with it)."""
     single = _generate(checkpoint, "--temperature", temperature)
     assert len(single) == 4 and all(len(line.split()) >= 14 for line in single)
-    assert _generate(checkpoint, "--temperature", temperature, "--pp", 2) == single
-    timed = strata("generate", "--checkpoint", checkpoint, "--prompt-ids", "1,2", "--max-new-tokens", 5,
-                   "--temperature", temperature, "--pp", 2, "--timing")
-    assert "1 request(s), 5 answer tokens in" in timed.stderr and "tokens/s" in timed.stderr, timed.stderr
+    timed = _generate_result(checkpoint, "--temperature", temperature, "--pp", 2, "--timing")
+    assert timed.stdout.splitlines() == single
+    assert "4 request(s), 56 answer tokens in" in timed.stderr and "tokens/s" in timed.stderr, timed.stderr
     if temperature == "0":
         assert _generate(checkpoint, "--pp", 2, "--micro-batches", 1, "--temperature", 0) == single
         assert _generate(checkpoint, "--tp", 2, "--pp", 2, "--temperature", 0) == single
