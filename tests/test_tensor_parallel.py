@@ -15,6 +15,7 @@ from strata.rules.tensor_modes import grid_of
 from strata.rules.tensor_traffic import ElementBytes, step_bytes
 from strata.train.trainer import train
 
+from cli_runner import run_strata
 from distributed import run_on_ranks
 from memory_probe import saved_bytes_of_first_block
 
@@ -34,9 +35,27 @@ def single_process(model, dtype):
     return _run(dict(model=model, dtype=dtype))
 
 
+def _runs(settings_list):
+    return [_run(settings) for settings in settings_list]
+
+
 @functools.lru_cache(maxsize=None)
+def _launch(world, keys):
+    """The runs of `keys` one after the other in one process group: {key: every rank's result}."""
+    per_rank = run_on_ranks(_runs, world, [dict(key) for key in keys], timeout=600)
+    return {key: [rank[i] for rank in per_rank] for i, key in enumerate(keys)}
+
+
 def parallel_run(world, settings_key):
-    return run_on_ranks(_run, world, dict(settings_key), timeout=300)
+    """Every rank's result of the run `settings_key`, from the launch in LAUNCHES that holds it."""
+    for launch_world, keys in LAUNCHES:
+        if launch_world == world and settings_key in keys:
+            return _launch(launch_world, keys)[settings_key]
+    return _launch(world, (settings_key,))[settings_key]
+
+
+def _key(**settings):
+    return tuple(sorted(settings.items()))
 
 
 LAYOUTS = [
@@ -52,11 +71,19 @@ LAYOUTS = [
 ]
 
 
+TRAFFIC = [dict(tp=2, sequence_parallel=sequence_parallel, model="tiny", dtype="fp32", checkpointing=checkpointing)
+           for sequence_parallel in (False, True) for checkpointing in ("none", "full")]
+# One process group per layout runs its fp64 and its fp32 run, and one runs the four traffic runs:
+# the same runs as a launch each, fewer process groups to start.
+LAUNCHES = [(world, tuple(_key(**layout, model=model, dtype=dtype) for dtype in ("fp64", "fp32")))
+            for model, world, layout in LAYOUTS] + [(2, tuple(_key(**layout) for layout in TRAFFIC))]
+
+
 @pytest.mark.parametrize("dtype,rtol", [("fp64", 1e-10), ("fp32", 1e-5)])
 @pytest.mark.parametrize("model,world,layout", LAYOUTS, ids=lambda v: str(v))
 def test_tensor_parallel_reproduces_the_single_process_run(model, world, layout, dtype, rtol):
     reference = single_process(model, dtype)
-    ranks = parallel_run(world, tuple(sorted({**layout, "model": model, "dtype": dtype}.items())))
+    ranks = parallel_run(world, _key(**layout, model=model, dtype=dtype))
     for rank in ranks:
         torch.testing.assert_close(rank["losses"], reference["losses"], rtol=rtol, atol=0)
     # The gathered parameters are the logical ones. Adam divides by the root of the squared
@@ -95,7 +122,7 @@ def test_tp_traffic_matches_the_megatron_count_and_the_planners(sequence_paralle
     planner's equal it too."""
     layout = {"tp": 2, "sequence_parallel": sequence_parallel, "model": "tiny", "dtype": "fp32",
               "checkpointing": checkpointing}
-    ranks = parallel_run(2, tuple(sorted(layout.items())))
+    ranks = parallel_run(2, _key(**layout))
     cfg, t, micro_batches = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"]), 2, 2
     recompute = checkpointing == "full"
     blocks, rest = tp_bytes_per_micro_batch(cfg, BASE["micro_batch"], BASE["seq_len"], t, sequence_parallel,
@@ -121,10 +148,7 @@ def test_tp_traffic_matches_the_megatron_count_and_the_planners(sequence_paralle
 
 
 def test_generation_with_tp_equals_single_process(tmp_path):
-    import subprocess
-    import sys
-    run = lambda *a: subprocess.run([sys.executable, "-m", "strata", *map(str, a)], capture_output=True,  # noqa: E731
-                                    text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    run = lambda *a: run_strata(*a, timeout=300)  # noqa: E731 - as a user runs it (tests/cli_runner.py)
     trained = run("train", "--model", "tiny", "--steps", 3, "--global-batch", 2, "--micro-batch", 2, "--seq-len", 32,
                   "--vocab-size", 250, "--save", tmp_path / "ck", "--no-progress", "--peak-flops", 1e10)
     assert trained.returncode == 0, trained.stderr
