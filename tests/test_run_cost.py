@@ -1,6 +1,7 @@
 """The cost of a training run (strata plan --tokens, --price-per-device-hour, --days): the
 arithmetic, the smallest cluster that finishes in time, and published device-hours."""
 
+import functools
 import json
 
 import pytest
@@ -36,6 +37,7 @@ def test_days_device_hours_and_price_follow_the_throughput():
 def test_the_smallest_cluster_is_the_first_node_count_that_finishes_in_time():
     work = workload(get_preset("llama3-8b"), 512, 4096, "bf16")
 
+    @functools.lru_cache(maxsize=None)  # the bisection tried nodes - 1 already: searched once
     def best_at(nodes):
         ranked, _ = search(work, build_cluster("H100-80G", nodes, 8, None, "ib-400", nics_per_node=8), offload=False)
         return ranked[0] if ranked else None
