@@ -185,6 +185,8 @@ def test_checkpoints_cross_expert_parallel_layouts(tmp_path):
     (["--nproc", "2", "--ep", "2", "--zero", "3"], "--zero 3: not with ep 2"),
     (["--capacity-factor", "0"], "--capacity-factor 0.0: must be a positive number"),
     (["--nproc", "4", "--tp", "4", "--tp-mode", "2d"], "--tp-mode 2d: a mixture of experts runs with tp_mode 1d"),
+    (["--nproc", "2", "--ep", "2", "--offload-params", "cpu"], "--offload-params cpu: not with ep 2"),
+    (["--schedule", "2bw", "--grad-clip", "0"], "--schedule 2bw: not with a mixture of experts"),
 ])
 def test_bad_expert_layouts_are_one_line_and_exit_code_2(args, needle):
     result = run_strata("train", "--model", "tiny-moe", *args)
@@ -208,3 +210,54 @@ def test_tensorboard_shows_the_routers_metrics():
     tags = scalars(record)
     assert tags["train/aux_loss"] == record["aux_loss"] and tags["moe/dropped_tokens"] == 0
     assert [tags[f"moe/expert_load/{e}"] for e in range(4)] == record["expert_load"]
+
+
+class _Favouring(torch.nn.Module):
+    """A router whose logits favour experts 0 and 1 (expert-parallel rank 0's of 2), whatever the token."""
+
+    def forward(self, x):
+        return torch.tensor([5.0, 4.0, 0.0, 0.0], dtype=x.dtype) + 0 * x[:, :4]
+
+
+def _idle_rank_steps(rank_steps: int):
+    """tiny-moe under ep 2 with every token routed to rank 0's experts: rank 1's experts get no rows
+    from anyone, yet its backward runs the exchanges the others wait for, and its experts get a
+    (zero) gradient, so every rank takes its optimizer steps."""
+    import torch.distributed as dist
+
+    from strata.distributed.mesh import ParallelDims, expert_axes
+    from strata.parallel.expert import ExpertAxes, apply_expert_parallel
+    rank = dist.get_rank()
+    model = build_model(get_preset("tiny-moe"), seed=None)
+    apply_expert_parallel(model, ExpertAxes(*expert_axes(ParallelDims(dp=2), 2, rank, 30)))
+    model = model.to_empty(device="cpu")
+    model.init_weights(0)
+    for name, module in model.named_modules():
+        if name.endswith("mlp.router"):
+            model.get_submodule(name.rsplit(".", 1)[0]).router = _Favouring()
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in range(rank_steps):
+        tokens = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(step * 2 + rank))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expert = dict(model.named_parameters())["blocks.0.mlp.experts.w_gate"]
+    return len(optimizer.state), len(list(model.parameters())), float(optimizer.state[expert]["step"])
+
+
+def test_a_rank_whose_experts_get_no_tokens_takes_part_in_every_exchange():
+    for states, params, steps in run_on_ranks(_idle_rank_steps, 2, 3, timeout=120, collective_timeout=30):
+        assert states == params and steps == 3.0
+
+
+def test_bf16_rows_travel_in_bf16():
+    """Under autocast the rows go to the experts in the dtype the experts compute in, both ways:
+    the counted bytes are the formula's with 2-byte elements."""
+    cfg = get_preset("tiny-moe")
+    ranks = parallel_run(2, _key(dtype="bf16", ep=2, steps=2))
+    for me, rank in enumerate(ranks):
+        record = rank["records"][-1]
+        rows = record["all_to_all_rows"]
+        expected = all_to_all_bytes(rows["sent"], rows["received"], me, cfg.d_model, 2, cfg.n_experts, 2) + \
+            (rows["dispatches"] - 1) * all_to_all_bytes([0, 0], [0, 0], me, cfg.d_model, 2, cfg.n_experts, 2)
+        assert record["comm_bytes_by_op"]["all_to_all/ep"] == expected

@@ -39,7 +39,8 @@ def test_a_config_reads_back_exactly():
     values = tomllib.loads(config_toml(cfg))
     assert values == {k: v for k, v in cfg.to_dict().items() if v is not None}
     assert make_config(values, {}) == cfg
-    assert {f.name for f in fields(TrainConfig)} - set(values) == {"vocab_size", "n_heads", "init_from", "run_dir"}  # None
+    assert {f.name for f in fields(TrainConfig)} - set(values) == {"vocab_size", "n_heads", "init_from", "run_dir",
+                                                                  "capacity_factor"}  # None
 
 
 def test_a_run_directory_leaves_out_the_paths_it_implies(tmp_path):

@@ -229,6 +229,7 @@ def _requests(args) -> Requests:
     state = store.read_state(path)
     cfg = store.model_config(state, path)
     check_tensor_parallel(cfg, args.tp)
+    check_experts(cfg, args.ep, args.ep, 0, "1d", False, None)  # the ep ranks run the same requests: dp = ep
     layout = None
     if args.pp > 1:
         layout = make_layout(cfg, args.pp, 1, cfg.max_seq_len)

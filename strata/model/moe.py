@@ -89,13 +89,15 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n, d_model, d_ff))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows sorted by expert, counts[i] of them for local expert i."""
+        """x: rows sorted by expert, counts[i] of them for local expert i. An expert without rows
+        computes on none: the output stays in the graph of x and of the weights even when every
+        expert here is idle, so that backward still runs the exchange that brought x (expert
+        parallelism: the other ranks wait for it) and the weights get their zero gradient."""
         outs = []
         for i, rows in enumerate(x.split(counts)):
-            if rows.shape[0]:
-                h = F.silu(F.linear(rows, self.w_gate[i])) * F.linear(rows, self.w_up[i])
-                outs.append(F.linear(h, self.w_down[i]))
-        return torch.cat(outs) if outs else x.new_zeros(0, self.w_down.shape[1])
+            h = F.silu(F.linear(rows, self.w_gate[i])) * F.linear(rows, self.w_up[i])
+            outs.append(F.linear(h, self.w_down[i]))
+        return torch.cat(outs)
 
 
 def local_dispatch(experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -79,11 +79,14 @@ def expert_dispatch(axes: ExpertAxes, experts: nn.Module, x: torch.Tensor, count
     counts[e] for global expert e. Returns the experts' outputs for the same rows, in the same order."""
     ep = axes.ep.size
     local = counts.numel() // ep
+    if torch.is_autocast_enabled(x.device.type):  # the experts compute in it: send the rows in it too
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     to_rank = counts.view(ep, local).contiguous()  # [j, e]: rows for rank j's local expert e
     from_rank = torch.empty_like(to_rank)  # [j, e]: rows rank j sends to this rank's expert e
     comm.all_to_all(from_rank, to_rank, axes.ep.group, GROUP)
     sent, received = to_rank.sum(1).tolist(), from_rank.sum(1).tolist()
-    routed_rows.add(sent, received)
+    if torch._C._current_graph_task_id() == -1:  # a forward, not its recomputation in backward
+        routed_rows.add(sent, received)
     rows = _AllToAll.apply(x, received, sent, axes.ep.group)  # by source rank, then by expert
     sizes = from_rank.tolist()
     # by expert, then by source rank, for the experts' loop; and back
@@ -171,6 +174,9 @@ class ExpertSplit:
     def prepare_step(self) -> None:
         self._each("prepare_step")
 
+    def separate_optimizer_targets(self) -> None:
+        self._each("separate_optimizer_targets")
+
     def after_step(self) -> None:
         self._each("after_step")
 
@@ -194,7 +200,10 @@ class ExpertSplit:
 
     @contextmanager
     def in_memory(self):
-        yield
+        with ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.in_memory())
+            yield
 
 
 def gather_experts(state: dict[str, torch.Tensor], specs: dict[str, ShardSpec], names: set[str],

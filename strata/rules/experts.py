@@ -25,16 +25,17 @@ COUNT_BYTES = 8  # the routed-row counts are exchanged as int64
 
 
 def check_experts(model: ModelConfig, ep: int, dp: int, zero: int, tp_mode: str, sequence_parallel: bool,
-                  capacity_factor: float | None) -> None:
+                  capacity_factor: float | None, offload_params: str = "none") -> None:
     """Raise ConfigError (naming the field) unless strata splits this model's experts over ep of
     the dp ranks with these options."""
-    if not isinstance(ep, int) or ep < 1:
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ConfigError("must be >= 1", "ep", ep)
     if capacity_factor is not None:
         if not model.moe:
             raise ConfigError("applies to a mixture of experts, and the model has none", "capacity_factor",
                               capacity_factor)
-        if not isinstance(capacity_factor, (int, float)) or not 0 < capacity_factor < float("inf"):
+        if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool) or \
+                not 0 < capacity_factor < float("inf"):
             raise ConfigError("must be a positive number (e.g. 1.25), or left out for dropless routing",
                               "capacity_factor", capacity_factor)
     if not model.moe:
@@ -54,7 +55,8 @@ def check_experts(model: ModelConfig, ep: int, dp: int, zero: int, tp_mode: str,
         raise ConfigError(f"is carved out of the data-parallel ranks: must divide dp {dp}", "ep", ep)
     if zero == 3:
         raise ConfigError(f"not with ep {ep}: ZeRO-3 would gather each expert over every rank; use zero 1 or 2 "
-                          f"(expert states are sharded over their own data-parallel group)", "zero", zero)
+                          f"(expert states are sharded over their own data-parallel group)",
+                          *(("offload_params", offload_params) if offload_params != "none" else ("zero", zero)))
 
 
 def expert_dp_members(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:

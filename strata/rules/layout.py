@@ -192,7 +192,7 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
         raise ConfigError(f"must be a multiple of micro_batch {layout.micro_batch} x dp {layout.dp} = "
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)
     check_experts(model, layout.ep, layout.dp, layout.zero, layout.tp_mode, layout.sequence_parallel,
-                  layout.capacity_factor)
+                  layout.capacity_factor, layout.offload_params)
     check_asynchronous(model, layout, global_batch)
     return check_pipeline(model, layout, seq_len)
 
@@ -242,7 +242,7 @@ def check_asynchronous(model: ModelConfig, layout: Layout, global_batch: int) ->
     spec = SCHEDULES.get(layout.schedule)
     if spec is None or not spec.asynchronous:
         return
-    if model.moe and layout.pp > 1:
+    if model.moe:
         raise ConfigError("not with a mixture of experts: the router's auxiliary loss is scaled per synchronous "
                           "step", "schedule", layout.schedule)
     if layout.zero > 1:
