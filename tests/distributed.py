@@ -109,3 +109,30 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, collective_
                 p.kill()
                 p.join()
     return [done[r] for r in range(world_size)]
+
+
+def _each(fn, settings_list: list) -> list:
+    return [fn(settings) for settings in settings_list]
+
+
+class SharedLaunches:
+    """fn(settings) on N ranks for many settings, grouped so that fewer process groups start:
+    each (world, keys) of `launches` runs its keys (tuples of sorted settings items) one after
+    another in one group; a key in none gets a group of its own. Every launch runs once."""
+
+    def __init__(self, fn, launches: list, timeout: float):
+        self.fn, self.launches, self.timeout = fn, launches, timeout
+        self._done: dict = {}
+
+    def _launch(self, world: int, keys: tuple) -> dict:
+        if (world, keys) not in self._done:
+            per_rank = run_on_ranks(_each, world, self.fn, [dict(key) for key in keys], timeout=self.timeout)
+            self._done[(world, keys)] = {key: [rank[i] for rank in per_rank] for i, key in enumerate(keys)}
+        return self._done[(world, keys)]
+
+    def __call__(self, world: int, key: tuple) -> list:
+        """Every rank's result of the run `key`, from the launch that holds it."""
+        for launch_world, keys in self.launches:
+            if launch_world == world and key in keys:
+                return self._launch(launch_world, keys)[key]
+        return self._launch(world, (key,))[key]

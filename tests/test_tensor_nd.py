@@ -17,7 +17,7 @@ from strata.rules.tensor_modes import grid_of
 from strata.rules.tensor_traffic import ElementBytes, step_traffic
 from strata.train.trainer import train
 
-from distributed import run_on_ranks
+from distributed import SharedLaunches, run_on_ranks
 from memory_probe import saved_bytes_of_first_block
 
 # vocabulary 251 and sequences of 31 tokens: neither a multiple of q nor of any group's size.
@@ -37,21 +37,6 @@ def single_process(dtype):
 
 def _runs(settings_list):
     return [_run(settings) for settings in settings_list]
-
-
-@functools.lru_cache(maxsize=None)
-def _launch(world, keys):
-    """The runs of `keys` one after the other in one process group: {key: every rank's result}."""
-    per_rank = run_on_ranks(_runs, world, [dict(key) for key in keys], timeout=900)
-    return {key: [rank[i] for rank in per_rank] for i, key in enumerate(keys)}
-
-
-def parallel_run(world, settings_key):
-    """Every rank's result of the run `settings_key`, from the launch in LAUNCHES that holds it."""
-    for launch_world, keys in LAUNCHES:
-        if launch_world == world and settings_key in keys:
-            return _launch(launch_world, keys)[settings_key]
-    return _launch(world, (settings_key,))[settings_key]
 
 
 def _key(**settings):
@@ -75,6 +60,7 @@ CASES = [(w, lay, "fp64", 1e-10) for w, lay in LAYOUTS] + [(w, lay, "fp32", 1e-5
 LAUNCHES = [(w, tuple(_key(dtype=dtype, **lay) for dtype in ("fp64", "fp32", "bf16")
                       if dtype == "fp64" or (dtype == "fp32" and i < 4) or (dtype == "bf16" and i in (1, 2))))
             for i, (w, lay) in enumerate(LAYOUTS)]
+parallel_run = SharedLaunches(_run, LAUNCHES, timeout=900)
 
 
 @pytest.mark.parametrize("world,layout,dtype,rtol", CASES, ids=lambda v: str(v))

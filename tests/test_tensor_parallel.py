@@ -16,7 +16,7 @@ from strata.rules.tensor_traffic import ElementBytes, step_bytes
 from strata.train.trainer import train
 
 from cli_runner import run_strata
-from distributed import run_on_ranks
+from distributed import SharedLaunches, run_on_ranks
 from memory_probe import saved_bytes_of_first_block
 
 # vocab 250 is not divisible by 4, so tp 4 pads it to 252 (the padding must not change the loss); tiny has
@@ -33,25 +33,6 @@ def _run(settings):
 @functools.lru_cache(maxsize=None)
 def single_process(model, dtype):
     return _run(dict(model=model, dtype=dtype))
-
-
-def _runs(settings_list):
-    return [_run(settings) for settings in settings_list]
-
-
-@functools.lru_cache(maxsize=None)
-def _launch(world, keys):
-    """The runs of `keys` one after the other in one process group: {key: every rank's result}."""
-    per_rank = run_on_ranks(_runs, world, [dict(key) for key in keys], timeout=600)
-    return {key: [rank[i] for rank in per_rank] for i, key in enumerate(keys)}
-
-
-def parallel_run(world, settings_key):
-    """Every rank's result of the run `settings_key`, from the launch in LAUNCHES that holds it."""
-    for launch_world, keys in LAUNCHES:
-        if launch_world == world and settings_key in keys:
-            return _launch(launch_world, keys)[settings_key]
-    return _launch(world, (settings_key,))[settings_key]
 
 
 def _key(**settings):
@@ -77,6 +58,7 @@ TRAFFIC = [dict(tp=2, sequence_parallel=sequence_parallel, model="tiny", dtype="
 # the same runs as a launch each, fewer process groups to start.
 LAUNCHES = [(world, tuple(_key(**layout, model=model, dtype=dtype) for dtype in ("fp64", "fp32")))
             for model, world, layout in LAYOUTS] + [(2, tuple(_key(**layout) for layout in TRAFFIC))]
+parallel_run = SharedLaunches(_run, LAUNCHES, timeout=600)
 
 
 @pytest.mark.parametrize("dtype,rtol", [("fp64", 1e-10), ("fp32", 1e-5)])
