@@ -148,14 +148,19 @@ def _skip_a_collective(timeout_s):
         # store's client and keep this rank's arrivals thread from posting #1
         while not store.check(["answered"]):
             time.sleep(0.1)
+        store.set("read", "1")
         return None
     try:
         comm.all_reduce(x, group, "dp")
     except RuntimeError as e:
-        return str(e)
-    finally:
-        store.set("answered", "1")
-    return "no error"
+        answer = str(e)
+    else:
+        answer = "no error"
+    store.set("answered", "1")
+    # rank 0 hosts the store: leaving before rank 1 has read "answered" would end its poll with
+    # "connection closed"
+    store.wait(["read"], timedelta(seconds=timeout_s + 30))
+    return answer
 
 
 def test_a_rank_that_skips_a_collective_gets_a_timeout_error_naming_it():

@@ -4,6 +4,7 @@ partition, and its checkpoints under other layouts."""
 
 import functools
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -246,6 +247,9 @@ def _skip_a_row_collective(timeout_s):
     else:
         answer = "no error"
     store.set("rank 0 answered", "yes")
+    # Rank 0 hosts the store: leaving before rank 1 has read the answer would end rank 1's wait
+    # with "connection closed" instead (seen in CI).
+    store.wait(["rank 1 awake"], timedelta(seconds=timeout_s + 30))
     return answer
 
 
