@@ -57,7 +57,7 @@ class TrainConfig:
     parallel: str = _key("manual", "manual: the layout flags; auto: the planner chooses dp, tp, pp, ZeRO, "
                                    "micro-batch, schedule, checkpointing")
     nproc: int = _key(1, "start N local processes (through torch.distributed.run)")
-    dp: int | None = _key(None, "data-parallel degree (default: world / (tp x pp))")
+    dp: int | None = _key(None, "data-parallel degree (default: world / (cp x tp x pp))")
     tp: int = _key(1, "tensor-parallel degree")
     tp_mode: str = _key("1d", "how --tp cuts the matrices: 1d (Megatron) | 2d (q x q grid, SUMMA) | 2.5d (q x q x "
                               "--tp-depth, Tesseract) | 3d (q x q x q); 2d/2.5d/3d split activations too")
@@ -66,6 +66,11 @@ class TrainConfig:
     ep: int = _key(1, "expert-parallel degree: a mixture's experts split over this many of the data-parallel ranks")
     capacity_factor: float | None = _key(None, "mixture of experts: each expert takes at most factor x tokens x k / "
                                                "n_experts of a micro-batch's tokens, the rest dropped (default: dropless)")
+    cp: int = _key(1, "context-parallel degree: each sequence split over this many ranks (2 x cp chunks, rank r "
+                      "holding chunks r and 2cp-1-r), for long sequences")
+    cp_mode: str = _key("ring", "how context parallelism attends: ring (K and V passed around the cp ranks, "
+                                "overlapped with attention) | ulysses (all-to-all to a split of the heads; cp must "
+                                "divide heads / tp)")
     pp: int = _key(1, "pipeline-parallel degree (stages)")
     schedule: str = _key("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1) | "
                                  "2bw (PipeDream-2BW) | pipedream | pipedream-vs (vertical sync); the last three asynchronous: "
@@ -210,6 +215,8 @@ def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
     seq_len = sequence_length(cfg, model)
     _need(world_size % (cfg.tp * cfg.pp) == 0, "tp", cfg.tp,
           f"tp x pp = {cfg.tp * cfg.pp} does not divide the world size {world_size}")
+    _need(world_size % (cfg.cp * cfg.tp * cfg.pp) == 0, "cp", cfg.cp,
+          f"cp x tp x pp = {cfg.cp * cfg.tp * cfg.pp} does not divide the world size {world_size}")
     check_layout(model, layout_of(cfg, world_size), world_size, seq_len, global_batch_size(cfg, world_size))
     _need(cfg.pp > 1 or not cfg.trace, "trace", cfg.trace, "only with pp 2 or more")
     check_asynchronous_run(cfg, model)
@@ -261,7 +268,8 @@ def check_run_settings(cfg: TrainConfig) -> None:
     _need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")), "data", cfg.data,
           f"no meta.json there; run `strata data prepare --out {cfg.data}` first, or use --data synthetic")
     check_device(cfg.device)
-    for name in ("steps", "micro_batch", "nproc", "tp", "pp", "virtual_stages", "eval_batches", "loss_scale_window"):
+    for name in ("steps", "micro_batch", "nproc", "tp", "cp", "pp", "virtual_stages", "eval_batches",
+                 "loss_scale_window"):
         _need(getattr(cfg, name) >= 1, name, getattr(cfg, name), "must be >= 1")
     for name in ("warmup_steps", "save_every", "eval_every"):
         _need(getattr(cfg, name) >= 0, name, getattr(cfg, name), "must be >= 0")
@@ -317,7 +325,7 @@ def layout_of(cfg: TrainConfig, world_size: int) -> Layout:
                   cfg.micro_batch, cfg.checkpointing, cfg.offload, cfg.sequence_parallel, cfg.schedule,
                   cfg.pp_split if cfg.emulate_stages == 1 else None,  # else the emulated stages' cut
                   cfg.reduce_dtype, cfg.gather_dtype, cfg.offload_params, cfg.offload_activations, cfg.tp_mode,
-                  cfg.tp_depth, cfg.ep, cfg.capacity_factor)
+                  cfg.tp_depth, cfg.ep, cfg.capacity_factor, cfg.cp, cfg.cp_mode)
 
 
 def zero_stage(cfg: TrainConfig) -> int:
@@ -333,7 +341,7 @@ def sequence_length(cfg: TrainConfig, model: ModelConfig) -> int:
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
-    return cfg.dp if cfg.dp is not None else world_size // (cfg.tp * cfg.pp)
+    return cfg.dp if cfg.dp is not None else world_size // (cfg.cp * cfg.tp * cfg.pp)
 
 
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:

@@ -1,7 +1,8 @@
 """ParallelDims: the one source of truth for which rank holds which slice of the work.
 
-Rank order (row-major over (pp, dp, tp)): tp innermost, so a tensor-parallel group is a run of
-adjacent ranks and stays inside one node on a real cluster; dp next; pp outermost, so pipeline
+Rank order (row-major over (pp, dp, cp, tp)): tp innermost, so a tensor-parallel group is a run of
+adjacent ranks and stays inside one node on a real cluster; cp next, so a context-parallel group,
+which exchanges keys and values in every layer, comes next closest; dp; pp outermost, so pipeline
 stages are the groups that cross nodes. Process groups come from `init_device_mesh` and are passed
 to whoever needs them; no module builds its own."""
 
@@ -34,23 +35,38 @@ class ParallelDims:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters (gradients are averaged over them): dp x cp."""
+        return self.dp * self.cp
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's position on each dimension."""
-        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+        return {"pp": rank // (self.dp * self.cp * self.tp), "dp": rank // (self.cp * self.tp) % self.dp,
+                "cp": rank // self.tp % self.cp, "tp": rank % self.tp}
 
-    def rank_at(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_at(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The named mesh ("pp", "dp", "tp"); None for a single process (no process group)."""
+        """The named mesh ("pp", "dp", "cp", "tp"); None for a single process (no process group)."""
         if self.world_size == 1:
             return None
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        return init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp),
+                                mesh_dim_names=("pp", "dp", "cp", "tp"))
+
+    def replica_group(self, mesh: DeviceMesh):
+        """The process group of the ranks that average their gradients (dp x cp, flattened as
+        torchtitan's dp_shard_cp; `_flatten` is private); None where there is one."""
+        if self.replicas == 1:
+            return None
+        return mesh["dp", "cp"]._flatten("replicas").get_group() if self.cp > 1 else mesh["dp"].get_group()
 
 
 def grid_axes(dims: ParallelDims, grid: TensorGrid, rank: int, whole_group, timeout_s: float) -> dict[str, Axis]:

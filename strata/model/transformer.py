@@ -40,6 +40,10 @@ class Transformer(nn.Module):
         # What hands the embeddings to the blocks: identity here; sequence parallelism splits the
         # sequence in its place.
         self.to_blocks = nn.Identity()
+        # What this rank keeps of each sequence (context parallelism: strata/parallel/context.py):
+        # None keeps all of it; else `.keep(ids)` cuts token ids and targets, `.positions(n, device)`
+        # gives the kept tokens' places, and attention masks by them itself.
+        self.context = None
         # what the MoE layers route and the scale of their auxiliary loss's gradient (None: dense)
         self.router_losses = RouterLosses(cfg.n_layers, cfg.router_aux_coef) if cfg.moe else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg, self.router_losses) for i in range(cfg.n_layers)})
@@ -146,16 +150,22 @@ class Transformer(nn.Module):
         returns its hidden states. cache: the KV cache of generation (strata.infer.kv_cache), or
         None."""
         start = cache.pos if cache is not None else 0
+        positions = cache.positions(tokens.shape[1]) if cache is not None else None  # per row, when rows are padded
+        if self.context is not None:  # this rank's chunks of every sequence (hidden states come cut)
+            tokens = tokens if tokens.is_floating_point() else self.context.keep(tokens)
+            targets = self.context.keep(targets) if targets is not None else None
+            positions = self.context.positions(tokens.shape[1], tokens.device)
         seq = tokens.shape[1]
-        positions = cache.positions(seq) if cache is not None else None  # per row, when rows are padded
         h = tokens if tokens.is_floating_point() else self.to_blocks(self.embed_tokens(tokens, start, positions))
         rope = None
         if self.cfg.position == "rope":  # from this position on; attention takes what it needs
             rope = (self.rope_cos[start:], self.rope_sin[start:]) if positions is None else \
+                (self.rope_cos[positions], self.rope_sin[positions]) if positions.dim() == 1 else \
                 (self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         alibi = self.alibi if self.cfg.position == "alibi" else None
-        bias = attention_bias(seq, start, cache.pad if cache is not None else None, alibi, h.dtype, h.device,
-                              self.cfg.sliding_window)
+        bias = None if self.context is not None else \
+            attention_bias(seq, start, cache.pad if cache is not None else None, alibi, h.dtype, h.device,
+                           self.cfg.sliding_window)
         for i, block in enumerate(self.blocks.values()):
             h = block(h, rope, bias, cache[i] if cache is not None else None)
         if cache is not None:

@@ -21,6 +21,7 @@ from strata.memory.checkpointing import apply_checkpointing
 from strata.memory.tiers import OffloadedActivations, Tier
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
+from strata.parallel.context import apply_context_parallel
 from strata.parallel.data import DataParallel, DataParallelSettings
 from strata.parallel.expert import ExpertAxes, ExpertSplit, apply_expert_parallel, set_capacity
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
@@ -38,16 +39,20 @@ BUCKET_STAGES = {0: Replicate, 1: ShardOptimizerStates, 2: ShardGradients}  # Ze
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
                 dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None,
                 offload_dir: str | None = None, rank: int = 0, grid: GridGroups | None = None,
-                experts: ExpertAxes | None = None) -> tuple[Transformer, DataParallel]:
+                experts: ExpertAxes | None = None, context=None) -> tuple[Transformer, DataParallel]:
     """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None.
     offload_dir, rank: where and under which rank's name offloaded parameters and activations go.
     grid: this rank's place and sub-groups under 2-D, 2.5-D or 3-D tensor parallelism.
-    experts: this rank's expert-parallel groups (with --ep > 1)."""
+    experts: this rank's expert-parallel groups (with --ep > 1).
+    context: this rank's context-parallel group (an Axis, with --cp > 1); dp_group is then the
+    dp x cp ranks, over which the gradients are averaged."""
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
     if grid is not None:
         apply_grid_parallel(model, grid)
     elif tp_group is not None:
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
+    if context is not None:
+        apply_context_parallel(model, context, cfg.cp_mode)
     set_capacity(model, cfg.capacity_factor)
     expert_names = apply_expert_parallel(model, experts) if experts is not None else set()
     if stage is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.rules.checkpointing import parse as parse_checkpointing
+from strata.rules.context import check_context
 from strata.rules.experts import check_experts
 from strata.rules.pipeline_cut import PipelineLayout, make_layout
 from strata.rules.schedules import SCHEDULES
@@ -48,6 +49,8 @@ class Layout:
     tp_depth: int = 1  # 2.5d's depth
     ep: int = 1  # expert parallelism, carved out of dp (rules/experts.py)
     capacity_factor: float | None = None  # a mixture's expert capacity (None: dropless)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (rules/context.py)
+    cp_mode: str = "ring"  # a CP_MODES name: how attention sees the whole sequence
 
     @property
     def grid(self) -> TensorGrid:
@@ -55,12 +58,20 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are averaged (and ZeRO shards):
+        the data-parallel ranks and, within each, the context-parallel ones."""
+        return self.dp * self.cp
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.ep > 1:
             parts.insert(1, f"ep={self.ep}")
+        if self.cp > 1:
+            parts.insert(1, f"cp={self.cp}" + (f",cp_mode={self.cp_mode}" if self.cp_mode != "ring" else ""))
         if self.tp_mode != "1d":
             parts.insert(2, f"tp_mode={self.tp_mode}" + (f",tp_depth={self.tp_depth}" if self.tp_depth > 1 else ""))
         if self.virtual_stages > 1:
@@ -155,17 +166,19 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
                  global_batch: int) -> PipelineLayout | None:
     """Raise ConfigError (naming the field) unless strata runs `layout` for this model, world
     size, sequence length and global batch. Returns the pipeline cut (None without a pipeline)."""
-    for field in ("dp", "tp", "pp", "micro_batch"):
+    for field in ("dp", "cp", "tp", "pp", "micro_batch"):
         if getattr(layout, field) < 1:
             raise ConfigError("must be >= 1", field, getattr(layout, field))
     if layout.world_size != world_size:
-        raise ConfigError(f"dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world_size}, but "
-                          f"the world size is {world_size}; the product must equal it", "dp", layout.dp)
+        sizes = ("dp", "cp", "tp", "pp") if layout.cp > 1 else ("dp", "tp", "pp")
+        raise ConfigError(f"{' x '.join(sizes)} = {' x '.join(str(getattr(layout, n)) for n in sizes)} = "
+                          f"{layout.world_size}, but the world size is {world_size}; the product must equal it",
+                          "dp", layout.dp)
     check_workload(model, seq_len, global_batch)
     if layout.zero not in ZERO_STAGES:
         raise ConfigError(f"valid: {', '.join(map(str, ZERO_STAGES))}", "zero", layout.zero)
     check_offload(layout)
-    if layout.zero and layout.dp == 1 and not (layout.zero == 3 and layout.offload_params != "none"):
+    if layout.zero and layout.replicas == 1 and not (layout.zero == 3 and layout.offload_params != "none"):
         raise ConfigError("ZeRO shards states across data-parallel ranks, and dp is 1; use zero 0, or more "
                           "processes with dp > 1 (or offload_params cpu|disk: ZeRO-Infinity on one process)",
                           "zero", layout.zero)
@@ -180,7 +193,7 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     if layout.sequence_parallel and seq_len % layout.tp:
         raise ConfigError(f"must be a multiple of tp {layout.tp} with sequence parallelism", "seq_len", seq_len)
     parse_checkpointing(layout.checkpointing)
-    if layout.reduce_dtype != "fp32" and layout.dp == 1:
+    if layout.reduce_dtype != "fp32" and layout.replicas == 1:
         raise ConfigError("sets the dtype of data-parallel reductions, and dp is 1", "reduce_dtype", layout.reduce_dtype)
     if layout.gather_dtype != "fp32" and layout.zero == 0:
         raise ConfigError("sets the dtype ZeRO-1/2/3 gather parameters in (the weights the layers compute with), "
@@ -193,6 +206,7 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)
     check_experts(model, layout.ep, layout.dp, layout.zero, layout.tp_mode, layout.sequence_parallel,
                   layout.capacity_factor, layout.offload_params)
+    check_context(model, layout.cp, layout.cp_mode, layout.tp, layout.tp_mode, layout.sequence_parallel, seq_len)
     check_asynchronous(model, layout, global_batch)
     return check_pipeline(model, layout, seq_len)
 

@@ -17,7 +17,7 @@ from strata.checkpoint import shards, store
 from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length, zero_stage
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
-from strata.distributed.mesh import ParallelDims, expert_axes, grid_axes, init_distributed, pick_device
+from strata.distributed.mesh import Axis, ParallelDims, expert_axes, grid_axes, init_distributed, pick_device
 from strata.errors import ConfigError
 from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
@@ -54,7 +54,7 @@ class Run:
     world_size: int
     dims: ParallelDims
     dp_rank: int
-    dp_group: object
+    dp_group: object  # the ranks gradients are averaged over: dp, and with --cp > 1 dp x cp
     tp_group: object
     model: Transformer
     parallel: DataParallel  # data parallelism / ZeRO: gradient sync, sharded states
@@ -95,8 +95,9 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     base = checked_model(cfg, world_size)
     cfg.global_batch = global_batch_size(cfg, world_size)
     cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
-    dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp)
+    dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     groups = _groups(dims, device)
+    context = Axis(groups["cp"], "cp", dims.cp, dims.coordinates(rank)["cp"]) if dims.cp > 1 else None
     experts = ExpertAxes(*expert_axes(dims, cfg.ep, rank, cfg.timeout)) if cfg.ep > 1 else None
     grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
     grid_groups = GridGroups(grid, rank % dims.tp, grid_axes(dims, grid, rank, groups["tp"], cfg.timeout)) \
@@ -114,7 +115,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
-                                  offload_dir(cfg), rank, grid_groups, experts)
+                                  offload_dir(cfg), rank, grid_groups, experts, context)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
                                 parallel.sharding.stream_units if cfg.offload_params != "none" else None)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
@@ -138,10 +139,12 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
 
 
 def _groups(dims: ParallelDims, device: torch.device) -> dict[str, object]:
-    """The process group of each mesh dimension with more than one rank (None where it has one)."""
+    """The process group of each mesh dimension with more than one rank (None where it has one);
+    "dp" is the ranks that average their gradients: with context parallelism, dp x cp."""
     mesh = dims.build_mesh(device.type)
-    return {name: mesh[name].get_group() if mesh is not None and getattr(dims, name) > 1 else None
-            for name in ("dp", "tp", "pp")}
+    groups = {name: mesh[name].get_group() if mesh is not None and getattr(dims, name) > 1 else None
+              for name in ("cp", "tp", "pp")}
+    return {"dp": dims.replica_group(mesh) if mesh is not None else None, **groups}
 
 
 def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) -> None:
@@ -149,10 +152,11 @@ def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) 
     run.pp_group, run.stage_layout = pp_group, stage_layout
     if run.model_cfg.tie_embeddings:
         run.embedding_group = embedding_group(run.dims, run.rank, cfg.timeout)
-    # what passes between stages: the hidden states, 1/tp of the sequence under sequence parallelism,
+    # what passes between stages: the hidden states of this rank's chunks of the sequence (1/cp),
+    # 1/tp of them under sequence parallelism,
     # this rank's sequences and features under multi-dimensional tensor parallelism
     grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
-    shape = (cfg.micro_batch // grid.batch_parts, seq_len // (cfg.tp if cfg.sequence_parallel else 1),
+    shape = (cfg.micro_batch // grid.batch_parts, seq_len // cfg.cp // (cfg.tp if cfg.sequence_parallel else 1),
              run.model_cfg.d_model // grid.hidden_parts)
     run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, cfg.schedule,
                                     pp_group, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
@@ -261,7 +265,8 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
 
 def layout(run: Run) -> dict:
     """The layout, as a checkpoint records it (any layout loads any checkpoint)."""
-    return {"dp": run.dims.dp, "ep": run.cfg.ep, "tp": run.dims.tp, "tp_mode": run.cfg.tp_mode, "tp_depth": run.cfg.tp_depth,
+    return {"dp": run.dims.dp, "ep": run.cfg.ep, "cp": run.dims.cp, "cp_mode": run.cfg.cp_mode, "tp": run.dims.tp,
+            "tp_mode": run.cfg.tp_mode, "tp_depth": run.cfg.tp_depth,
             "pp": run.dims.pp, "zero": run.cfg.zero, "virtual_stages": run.cfg.virtual_stages,
             "blocks_per_chunk": list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None}
 
@@ -307,7 +312,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
             versions.use_masters()
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
-        loss_sum /= run.dims.dp
+        loss_sum /= run.dims.replicas
     loss = (loss_sum / len(micro_batches)).item()
     if model.router_losses is not None:
         run.routed = m.routed(run, len(micro_batches))
@@ -395,7 +400,7 @@ def async_pipeline_step(run: Run, step: int) -> tuple[PendingMetrics, dict[str, 
     run.parallel.reduce_gradients()
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
-        loss_sum /= run.dims.dp
+        loss_sum /= run.dims.replicas
     sums = torch.stack([loss_sum, run.parallel.grad_squares()])
     work = comm.all_reduce(sums, run.pp_group, "pp", async_op=True)
     return PendingMetrics(step, sums, work, per_step), update(run)
@@ -432,7 +437,7 @@ def evaluate(run: Run) -> float:
         comm.all_reduce(total, run.pp_group, "pp")
     if run.dp_group is not None:
         comm.all_reduce(total, run.dp_group, "dp")
-        total /= run.dims.dp
+        total /= run.dims.replicas
     run.model.train()
     return (total / count).item()
 

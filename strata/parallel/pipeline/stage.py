@@ -56,14 +56,15 @@ def stage_parameters(model: Transformer, layout: PipelineLayout) -> list[list[tu
 
 
 def embedding_group(dims: ParallelDims, rank: int, timeout_s: float):
-    """The process group of the first and the last stage's ranks at this rank's (dp, tp) place,
+    """The process group of the first and the last stage's ranks at this rank's (dp, cp, tp) place,
     over which a tied embedding's gradients are summed; None on the other stages. Every rank
     creates every such group (torch.distributed requires it), in the same order."""
     mine = None
     for dp in range(dims.dp):
-        for tp in range(dims.tp):
-            ranks = [dims.rank_at(0, dp, tp), dims.rank_at(dims.pp - 1, dp, tp)]
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-            if rank in ranks:
-                mine = group
+        for cp in range(dims.cp):
+            for tp in range(dims.tp):
+                ranks = [dims.rank_at(0, dp, tp, cp), dims.rank_at(dims.pp - 1, dp, tp, cp)]
+                group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+                if rank in ranks:
+                    mine = group
     return mine

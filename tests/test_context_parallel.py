@@ -1,0 +1,191 @@
+"""Context parallelism (--cp, ring and Ulysses) against the single-process run: losses and weights
+in fp64, with a causal mask, a sliding window and ALiBi; what the ranks send against
+strata/rules/context.py; what a layer keeps for backward against 1/cp of one rank's; checkpoints
+across layouts; generation from a model trained under --cp."""
+
+import functools
+
+import pytest
+import torch
+from family_runs import NEW_TOKENS, PROMPT_IDS, fp64_losses, greedy_tokens
+from hf_cases import hf_model
+
+from strata.cli import main as strata_main
+from strata.config import TrainConfig
+from strata.memory.activations import count_saved_activations
+from strata.model.presets import get_preset
+from strata.rules.context import attention_traffic, extra_activation_elements, recomputed_traffic
+from strata.train import trainer
+from strata.train.trainer import train
+
+from cli_runner import run_strata
+from distributed import SharedLaunches, run_on_ranks
+
+# tiny: 4 query heads over 2 KV heads (cp 4 under Ulysses repeats them), rotary positions
+BASE = dict(model="tiny", seq_len=32, steps=6, progress=False, peak_flops=1e10, eval_batches=1, lr=3e-3, seed=7,
+            vocab_size=251, global_batch=4, micro_batch=2, grad_clip=0.5, dtype="fp64")
+
+
+def _run(settings):
+    s = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    return {"losses": s["losses"], "val": s["val_losses"], "state": s["state"], "record": s["records"][-1]}
+
+
+def _key(**settings):
+    return tuple(sorted(settings.items()))
+
+
+LAYOUTS = [
+    (2, dict(cp=2)),
+    (2, dict(cp=2, cp_mode="ulysses")),
+    (2, dict(cp=2, zero=2, checkpointing="full")),
+    (2, dict(cp=2, cp_mode="ulysses", checkpointing="selective")),
+    (4, dict(cp=4)),
+    (4, dict(cp=4, cp_mode="ulysses")),  # 2 KV heads over 4 ranks: repeated to one per query head
+    (4, dict(dp=2, cp=2, zero=1)),
+    (4, dict(cp=2, tp=2, sequence_parallel=True)),
+    (4, dict(cp=2, tp=2, cp_mode="ulysses")),
+    (4, dict(cp=2, pp=2)),
+    (4, dict(dp=2, cp=2, zero=3)),
+]
+LAUNCHES = [(world, tuple(_key(**layout) for w, layout in LAYOUTS if w == world)) for world in (2, 4)]
+parallel_run = SharedLaunches(_run, LAUNCHES, timeout=900)
+
+
+@functools.lru_cache(maxsize=None)
+def single_process():
+    return _run({})
+
+
+@pytest.mark.parametrize("world,layout", LAYOUTS, ids=lambda v: str(v))
+def test_context_parallel_reproduces_the_single_process_run(world, layout):
+    """fp64, 6 steps: training and validation losses within 1e-10, the final weights within 1e-8."""
+    reference = single_process()
+    for rank in parallel_run(world, _key(**layout)):
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-10, atol=0)
+        torch.testing.assert_close(rank["val"], reference["val"], rtol=1e-10, atol=0)
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(rank["state"][name], value, rtol=1e-8, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("world,layout", [lay for lay in LAYOUTS if "tp" not in lay[1]], ids=lambda v: str(v))
+def test_the_bytes_sent_over_the_context_parallel_group_are_the_rules(world, layout):
+    """The ring's sends, Ulysses' all-to-alls: per rank and step, the layers x micro-batches x the
+    (forward, backward) of rules/context.attention_traffic and what recomputation sends again
+    (rules/context.recomputed_traffic); the ring's forward is 2(cp-1)/cp of the layer's K (|K| = |V|)."""
+    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
+    cp, mode = layout["cp"], layout.get("cp_mode", "ring")
+    tokens = BASE["micro_batch"] * BASE["seq_len"]
+    forward, backward = attention_traffic(model, cp, mode, 1, tokens, 8, 8)
+    if mode == "ring":
+        keys = tokens * model.kv_heads * model.head_dim * 8
+        assert forward == 2 * (cp - 1) / cp * keys
+    layers = model.n_layers / layout.get("pp", 1)
+    micro_batches = BASE["global_batch"] // BASE["micro_batch"] // layout.get("dp", 1)
+    recomputed = recomputed_traffic(model, cp, mode, 1, tokens, 8, layout.get("checkpointing", "none"))
+    if layout.get("checkpointing") == "selective":  # Ulysses: all but the output's exchange
+        assert 0 < recomputed < forward
+    expected = layers * micro_batches * (forward + backward + recomputed)
+    key = "send/cp" if mode == "ring" else "all_to_all/cp"
+    for rank in parallel_run(world, _key(**layout)):
+        counted = rank["record"]["comm_bytes_by_op"]
+        assert counted[key] == pytest.approx(expected, rel=1e-12), counted
+        assert not [k for k in counted if k.endswith("/cp") and k != key], counted
+
+
+# --- a sliding window and ALiBi ------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def converted(case: str, root: str) -> str:
+    hf_model(case).save_pretrained(f"{root}/{case}/hf")
+    assert strata_main(["convert", "--from-hf", f"{root}/{case}/hf", "--out", f"{root}/{case}/ck"]) == 0
+    return f"{root}/{case}/ck"
+
+
+def _family_losses(jobs):
+    return [fp64_losses(checkpoint, **layout) for checkpoint, layout in jobs]
+
+
+def test_a_sliding_window_and_alibi_reproduce_the_single_process_run(tmp_path):
+    """Mistral's window of 16 over 32-token sequences (chunks of 8 under cp 2, of 4 under cp 4:
+    some blocks wholly outside the window) and BLOOM's six ALiBi heads, converted from random-weight
+    transformers models: fp64 losses within 1e-10 under ring and Ulysses."""
+    checkpoints = {case: converted(case, str(tmp_path)) for case in ("mistral", "bloom")}
+    reference = {case: fp64_losses(ck) for case, ck in checkpoints.items()}
+    two = [(case, dict(cp=2, cp_mode=mode)) for case in checkpoints for mode in ("ring", "ulysses")]
+    four = [(case, dict(cp=4)) for case in checkpoints]
+    for world, jobs in ((2, two), (4, four)):
+        got = run_on_ranks(_family_losses, world, [(checkpoints[case], layout) for case, layout in jobs], timeout=600)
+        for rank in got:
+            for (case, layout), losses in zip(jobs, rank):
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[case]), rtol=1e-10, atol=0,
+                                           msg=f"{case} {layout}")
+
+
+# --- activations --------------------------------------------------------------------------------
+def _saved_bytes_per_layer(**settings) -> float:
+    """What one block keeps for backward in one forward (micro-batch 2, 64 tokens, fp64): a 4-block
+    model's count minus a 2-block model's, over 2 (what all layers share, as the rotary tables of
+    the rank's positions, cancels)."""
+    counts = []
+    for layers in (4, 2):
+        run = trainer.setup(TrainConfig(**{**BASE, "seq_len": 64, "n_layers": layers, "global_batch": 2, **settings}))
+        inputs, targets = run.train_data.batch(0)
+        with count_saved_activations(run.model) as saved:
+            run.model(inputs, targets)
+        counts.append(saved.bytes)
+    return (counts[0] - counts[1]) / 2
+
+
+def _per_layer_jobs(layouts):
+    return [_saved_bytes_per_layer(**layout) for layout in layouts]
+
+
+def test_a_layer_keeps_one_cp_th_of_the_activations():
+    """Ring: exactly 1/cp of one rank's per-layer bytes; Ulysses: 1/cp plus its head-split output
+    and repeated K/V (rules/context.extra_activation_elements)."""
+    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
+    whole = _saved_bytes_per_layer()
+    for world in (2, 4):
+        layouts = [dict(cp=world), dict(cp=world, cp_mode="ulysses")]
+        for rank in run_on_ranks(_per_layer_jobs, world, layouts, timeout=600):
+            ring, ulysses = rank
+            assert ring == whole / world, (world, ring, whole)
+            extra = extra_activation_elements(model, world, "ulysses", 1, 2 * 64) * 8
+            assert ulysses == whole / world + extra, (world, ulysses, whole, extra)
+
+
+# --- checkpoints and generation -----------------------------------------------------------------
+def _train_jobs(jobs):
+    return [train(TrainConfig(**{**BASE, "dtype": "fp32", **job}))["losses"] for job in jobs]
+
+
+def test_checkpoints_cross_between_cp_layouts_and_one_process(tmp_path):
+    """Saved at step 3 under cp 2 (ring), resumed under one process and under cp 4 with Ulysses;
+    saved by one process, resumed under cp 2: every run continues with the uninterrupted losses (fp32)."""
+    save = dict(save_every=3)
+    reference, = _train_jobs([{"save": str(tmp_path / "one"), **save}])
+    under_cp2, from_one = run_on_ranks(_train_jobs, 2, [{"cp": 2, "save": str(tmp_path / "cp2"), **save},
+                                                        {"cp": 2, "resume": str(tmp_path / "one" / "step_000003")}],
+                                       timeout=600)[0]
+    to_one, = _train_jobs([{"resume": str(tmp_path / "cp2" / "step_000003")}])
+    to_cp4, = run_on_ranks(_train_jobs, 4, [{"cp": 4, "cp_mode": "ulysses",
+                                             "resume": str(tmp_path / "cp2" / "step_000003")}], timeout=600)[0]
+    torch.testing.assert_close(under_cp2, reference, rtol=1e-5, atol=0)
+    for name, got in (("cp2 <- one", from_one), ("one <- cp2", to_one), ("cp4 <- cp2", to_cp4)):
+        torch.testing.assert_close(got, reference[3:], rtol=1e-5, atol=0, msg=name)
+
+
+def test_a_model_trained_under_cp_generates_what_one_trained_in_one_process_does(tmp_path):
+    """`strata train --nproc 2 --cp 2` as a user types it (torchrun, two processes), then `strata
+    generate` from its checkpoint: the same greedy tokens as from the one-process run's."""
+    common = ["train", "--model", "tiny", "--steps", "4", "--seq-len", "32", "--micro-batch", "2",
+              "--global-batch", "4", "--dtype", "fp64", "--lr", "3e-3", "--no-progress", "--eval-batches", "1"]
+    one = run_strata(*common, "--save", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_strata(*common, "--nproc", "2", "--cp", "2", "--save", str(tmp_path / "cp2"))
+    assert two.returncode == 0, two.stderr[-2000:]
+    tokens = {name: greedy_tokens(str(tmp_path / name)) for name in ("one", "cp2")}
+    assert len(tokens["one"].split()) == len(PROMPT_IDS.split(",")) + NEW_TOKENS, tokens
+    assert tokens["cp2"] == tokens["one"]
+    validation = [[line for line in run.stdout.splitlines() if "validation loss" in line] for run in (one, two)]
+    assert validation[0] == validation[1] and len(validation[0]) >= 2, validation
