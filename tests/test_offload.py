@@ -75,3 +75,20 @@ def test_cpu_offload_in_training_gives_the_same_losses():
     b = train(TrainConfig(**BASE, offload="cpu"))
     assert a["losses"] == b["losses"]
     assert b["records"][-1]["model_state_breakdown"]["optimizer_on_host"] > 0
+
+
+def test_an_fp64_run_keeps_fp64_masters_and_moments_in_every_tier():
+    """fp64 is the equivalence tests' precision: the host masters of `--offload cpu` (copies
+    forced, as on an accelerator) and the moments in memory or on disk, with or without
+    ZeRO-Infinity, stay fp64 (they were fp32, or the fused kernel refused the mix), so every tier
+    trains as the in-memory run does, bit for bit."""
+    from strata.memory.offload import HostOffloadAdamW
+    twin = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    assert HostOffloadAdamW([{"params": [twin]}], 1e-2, (0.9, 0.999), copy_on_cpu=True).masters[0].dtype == torch.float64
+    common = {**BASE, "dtype": "fp64"}
+    reference = train(TrainConfig(**common), keep_state=True)
+    for tiers in (dict(offload="cpu"), dict(offload="disk"), dict(offload_params="disk", offload="disk")):
+        got = train(TrainConfig(**common, **tiers), keep_state=True)
+        assert got["losses"] == reference["losses"], tiers
+        for name, value in reference["state"].items():
+            assert torch.equal(got["state"][name], value), (tiers, name)

@@ -32,7 +32,9 @@ import torch
 
 from strata.memory import tiers
 
-ELEMENT = 4  # fp32 moments
+def state_dtype(param: torch.Tensor) -> torch.dtype:
+    """What masters and Adam's moments are kept in: fp32, or fp64 in an fp64 run."""
+    return torch.promote_types(param.dtype, torch.float32)
 
 
 class HostOffloadAdamW:
@@ -44,8 +46,8 @@ class HostOffloadAdamW:
         on_host = lambda p: p.device.type == "cpu" and not copy_on_cpu  # noqa: E731
         pin = torch.cuda.is_available()
         self.masters = [p if on_host(p) else
-                        p.detach().to("cpu", torch.float32, copy=True).pin_memory() if pin else
-                        p.detach().to("cpu", torch.float32, copy=True) for p in self.device_params]
+                        p.detach().to("cpu", state_dtype(p), copy=True).pin_memory() if pin else
+                        p.detach().to("cpu", state_dtype(p), copy=True) for p in self.device_params]
         masters = iter(self.masters)
         host_groups = [{**g, "params": [next(masters) for _ in g["params"]]} for g in groups]
         self.inner = torch.optim.AdamW(host_groups, lr=lr, betas=betas, fused=True)
@@ -55,7 +57,7 @@ class HostOffloadAdamW:
     def step(self) -> None:
         for p, master in zip(self.device_params, self.masters):
             if master is not p:
-                master.grad = p.grad.to("cpu", torch.float32, non_blocking=True) if p.grad is not None else None
+                master.grad = p.grad.to("cpu", master.dtype, non_blocking=True) if p.grad is not None else None
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the gradients have landed in host memory
         self.inner.step()
@@ -170,8 +172,8 @@ class MemoryMoments:
     def allocate(self, params) -> None:
         for p in params:  # zeros: Adam's initial moments
             where = "cpu" if self.host else p.device
-            self.tensors.append((torch.zeros(p.numel(), dtype=torch.float32, device=where),
-                                 torch.zeros(p.numel(), dtype=torch.float32, device=where)))
+            self.tensors.append((torch.zeros(p.numel(), dtype=state_dtype(p), device=where),
+                                 torch.zeros(p.numel(), dtype=state_dtype(p), device=where)))
             self.devices.append(p.device)
 
     def in_memory(self) -> dict:
@@ -216,7 +218,7 @@ class DiskMoments:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.unlink(self.path)  # the open file lives on; its space returns however the process ends
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-offload")
-        self.offsets, self.numels, self.file_bytes = [], [], 0
+        self.offsets, self.numels, self.dtypes, self.file_bytes = [], [], [], 0
         self.writes = []  # queued on the reader thread, not known to be done
 
     def allocate(self, params) -> None:
@@ -224,7 +226,8 @@ class DiskMoments:
         for p in params:
             self.offsets.append(self.file_bytes)
             self.numels.append(p.numel())
-            self.file_bytes += 2 * p.numel() * ELEMENT
+            self.dtypes.append(state_dtype(p))
+            self.file_bytes += 2 * p.numel() * self.dtypes[-1].itemsize
         os.ftruncate(self.fd, self.file_bytes)  # zeros: Adam's initial moments
 
     @staticmethod
@@ -235,15 +238,15 @@ class DiskMoments:
         return [(i, s, min(self.chunk, numel - s)) for s in range(0, numel, self.chunk)]
 
     def _read(self, index: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        base, numel = self.offsets[index], self.numels[index]
-        avg = torch.empty(length, dtype=torch.float32)
-        avg_sq = torch.empty(length, dtype=torch.float32)
-        os.preadv(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
-        os.preadv(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
+        base, numel, dtype = self.offsets[index], self.numels[index], self.dtypes[index]
+        avg = torch.empty(length, dtype=dtype)
+        avg_sq = torch.empty(length, dtype=dtype)
+        os.preadv(self.fd, [memoryview(avg.numpy())], base + start * dtype.itemsize)
+        os.preadv(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * dtype.itemsize)
         return avg, avg_sq
 
     def read(self, i: int, start: int, length: int):
-        tiers.io.record("read", "disk", 2 * length * ELEMENT)
+        tiers.io.record("read", "disk", 2 * length * self.dtypes[i].itemsize)
         return self.reader.submit(self._read, i, start, length)
 
     @staticmethod
@@ -252,13 +255,13 @@ class DiskMoments:
         return pending.result()
 
     def _write(self, index: int, start: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
-        base, numel = self.offsets[index], self.numels[index]
-        os.pwritev(self.fd, [memoryview(avg.numpy())], base + start * ELEMENT)
-        os.pwritev(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * ELEMENT)
+        base, numel, element = self.offsets[index], self.numels[index], self.dtypes[index].itemsize
+        os.pwritev(self.fd, [memoryview(avg.numpy())], base + start * element)
+        os.pwritev(self.fd, [memoryview(avg_sq.numpy())], base + (numel + start) * element)
 
     def write(self, index: int, start: int, avg: torch.Tensor, avg_sq: torch.Tensor) -> None:
         """In the background, after the reads queued before it; at most two chunks wait."""
-        tiers.io.record("written", "disk", 2 * avg.numel() * ELEMENT)
+        tiers.io.record("written", "disk", 2 * avg.numel() * avg.element_size())
         self.writes = [w for w in self.writes if not w.done()]
         self.writes.append(self.reader.submit(self._write, index, start, avg.cpu(), avg_sq.cpu()))
         while len(self.writes) > 2:
