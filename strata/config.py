@@ -31,6 +31,8 @@ class TrainConfig:
     model: str = _key("tiny", "model preset (tiny, small, gpt2-124m, llama-7b, ...)")
     n_layers: int | None = _key(None, "override the preset's number of transformer blocks")
     n_heads: int | None = _key(None, "override the preset's attention heads (as many KV heads; each d_model / heads wide)")
+    max_seq_len: int | None = _key(None, "override the model's context, its longest sequence (rotary and ALiBi models: "
+                                         "with --init-from too, to train on longer sequences than it was trained on)")
     data: str = _key("synthetic", "directory written by `strata data prepare`, or 'synthetic'")
     vocab_size: int | None = _key(None, "synthetic data: vocabulary size (default: the preset's)")
     seq_len: int | None = _key(None, "tokens per sequence (default: the model's max_seq_len)")
@@ -255,6 +257,7 @@ def check_run_settings(cfg: TrainConfig) -> None:
     """Every setting on its own (ranges, names), and the ones that only make sense together."""
     _need(cfg.model in PRESETS, "model", cfg.model, f"unknown preset; valid: {', '.join(PRESETS)}")
     _need(cfg.n_layers is None or cfg.n_layers >= 1, "n_layers", cfg.n_layers, "must be >= 1")
+    _need(cfg.max_seq_len is None or cfg.max_seq_len >= 1, "max_seq_len", cfg.max_seq_len, "must be >= 1")
     if cfg.n_heads is not None and cfg.model in PRESETS:
         width = PRESETS[cfg.model].d_model
         _need(cfg.n_heads >= 1 and width % cfg.n_heads == 0, "n_heads", cfg.n_heads,

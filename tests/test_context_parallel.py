@@ -40,6 +40,7 @@ LAYOUTS = [
     (2, dict(cp=2, cp_mode="ulysses")),
     (2, dict(cp=2, zero=2, checkpointing="full")),
     (2, dict(cp=2, cp_mode="ulysses", checkpointing="selective")),
+    (2, dict(cp=2, compile=True)),  # the blocks compiled around the eager ring
     (4, dict(cp=4)),
     (4, dict(cp=4, cp_mode="ulysses")),  # 2 KV heads over 4 ranks: repeated to one per query head
     (4, dict(dp=2, cp=2, zero=1)),
@@ -48,7 +49,9 @@ LAYOUTS = [
     (4, dict(cp=2, pp=2)),
     (4, dict(dp=2, cp=2, zero=3)),
 ]
-LAUNCHES = [(world, tuple(_key(**layout) for w, layout in LAYOUTS if w == world)) for world in (2, 4)]
+ASYNCHRONOUS = dict(schedule="2bw", grad_clip=0.0)  # PipeDream-2BW: its own single-process rule (--pp 1)
+LAUNCHES = [(world, tuple(_key(**layout) for w, layout in LAYOUTS if w == world)
+             + ((_key(cp=2, pp=2, **ASYNCHRONOUS),) if world == 4 else ())) for world in (2, 4)]
 parallel_run = SharedLaunches(_run, LAUNCHES, timeout=900)
 
 
@@ -68,7 +71,16 @@ def test_context_parallel_reproduces_the_single_process_run(world, layout):
             torch.testing.assert_close(rank["state"][name], value, rtol=1e-8, atol=1e-10, msg=name)
 
 
-@pytest.mark.parametrize("world,layout", [lay for lay in LAYOUTS if "tp" not in lay[1]], ids=lambda v: str(v))
+def test_an_asynchronous_pipeline_over_context_parallel_ranks_follows_its_rule():
+    """PipeDream-2BW on pp 2 x cp 2 equals one process running 2BW's version rule (fp64, 1e-10)."""
+    reference = _run(ASYNCHRONOUS)
+    for rank in parallel_run(4, _key(cp=2, pp=2, **ASYNCHRONOUS)):
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-10, atol=0)
+    assert reference["losses"] != single_process()["losses"]  # a rule of its own
+
+
+@pytest.mark.parametrize("world,layout", [lay for lay in LAYOUTS if "tp" not in lay[1] and "compile" not in lay[1]],
+                         ids=lambda v: str(v))
 def test_the_bytes_sent_over_the_context_parallel_group_are_the_rules(world, layout):
     """The ring's sends, Ulysses' all-to-alls: per rank and step, the layers x micro-batches x the
     (forward, backward) of rules/context.attention_traffic and what recomputation sends again
@@ -189,3 +201,18 @@ def test_a_model_trained_under_cp_generates_what_one_trained_in_one_process_does
     assert tokens["cp2"] == tokens["one"]
     validation = [[line for line in run.stdout.splitlines() if "validation loss" in line] for run in (one, two)]
     assert validation[0] == validation[1] and len(validation[0]) >= 2, validation
+
+
+def test_a_rotary_model_goes_on_training_with_a_longer_context(tmp_path):
+    """--max-seq-len lengthens the context of a rotary model (its weights do not depend on it),
+    also from --init-from a checkpoint trained shorter; a learned position table cannot grow."""
+    short = dict(model="tiny", steps=2, progress=False, eval_batches=1, micro_batch=1, global_batch=2, seq_len=64,
+                 peak_flops=1e10)
+    train(TrainConfig(**short, save=str(tmp_path / "short")))
+    longer = train(TrainConfig(**{**short, "seq_len": 128}, max_seq_len=128, init_from=str(tmp_path / "short")))
+    assert longer["model"].cfg.max_seq_len == 128 and len(longer["losses"]) == 2
+    train(TrainConfig(**{**short, "model": "tiny-gpt2"}, save=str(tmp_path / "learned")))
+    result = run_strata("train", "--init-from", str(tmp_path / "learned"), "--max-seq-len", "128", "--steps", "1")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("strata: error: --max-seq-len 128: not with --init-from a model with learned "
+                                     "positions: its position table has 64 rows"), result.stderr

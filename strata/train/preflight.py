@@ -43,13 +43,17 @@ def steps_to_save(cfg: TrainConfig, start_step: int) -> list[int]:
 
 
 def model_shape(cfg: TrainConfig) -> ModelConfig:
-    """The model's shape: the preset, or --init-from's checkpoint; --n-layers and --n-heads applied."""
+    """The model's shape: the preset, or --init-from's checkpoint; --n-layers, --n-heads and
+    --max-seq-len applied."""
     base = PRESETS[cfg.model]
     if cfg.init_from:
         base = store.model_config(store.read_state(cfg.init_from), store.resolve(cfg.init_from))
     if cfg.n_heads:  # as many KV heads, d_model / heads wide
         base = replace(base, n_heads=cfg.n_heads, n_kv_heads=None, d_head=None)
-    return base.with_overrides(n_layers=cfg.n_layers or base.n_layers)
+    if cfg.max_seq_len and base.position == "learned" and cfg.init_from:
+        raise ConfigError(f"not with --init-from a model with learned positions: its position table has "
+                          f"{base.max_seq_len} rows", "max_seq_len", cfg.max_seq_len)
+    return base.with_overrides(n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len)
 
 
 def checked_model(cfg: TrainConfig, world_size: int) -> ModelConfig:
@@ -124,7 +128,10 @@ def preflight(cfg: TrainConfig) -> list[str]:
 
 
 def check_same_model(saved, model, path: str) -> None:
-    """A checkpoint's model shape must be the run's."""
+    """A checkpoint's model shape must be the run's. The context (max_seq_len) sizes no weight but
+    a learned position table: a rotary or ALiBi model may go on with a longer or shorter one."""
+    if model.position != "learned":
+        saved = replace(saved, max_seq_len=model.max_seq_len)
     if saved != model:
         diff = [f"{k} (saved {v}, now {getattr(model, k)})" for k, v in saved.to_dict().items()
                 if getattr(model, k) != v]
