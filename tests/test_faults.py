@@ -19,6 +19,7 @@ import torch.distributed as dist
 from strata.checkpoint import shards, store
 from strata.cli import main as strata_main
 from strata.distributed import comm
+from strata.errors import CollectiveError
 
 from distributed import run_on_ranks
 from listeners import kill_tree, process_tree
@@ -169,6 +170,33 @@ def test_a_rank_that_skips_a_collective_gets_a_timeout_error_naming_it():
     assert "collective all_reduce #2 on process group 'dp' (ranks [0, 1])" in message, message
     assert "ranks that did not arrive: 1 (last entered #1 all_reduce)" in message, message
     assert "Timed out" in message, message  # the timeout fired, not the peer's exit
+
+
+def _skip_a_receive(timeout_s):
+    """Rank 0 sends to rank 1, which never posts the receive (context parallelism's ring and the
+    pipeline exchange by point-to-point sends: a failure there names the peer)."""
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:
+        store.wait(["answered"], timedelta(seconds=timeout_s + 30))
+        store.set("read", "1")
+        return None
+    try:
+        for handle in comm.send_recv([(torch.ones(4), 1, 0)], [], None, "cp"):
+            handle.wait()
+    except CollectiveError as e:
+        answer = (str(e), e.missing)
+    else:
+        answer = ("no error", [])
+    store.set("answered", "1")
+    store.wait(["read"], timedelta(seconds=timeout_s + 30))
+    return answer
+
+
+def test_a_send_nobody_receives_times_out_naming_the_peer():
+    message, missing = run_on_ranks(_skip_a_receive, 2, 3, collective_timeout=3, timeout=120)[0]
+    assert message.startswith("collective send on process group 'cp' (with rank 1, which never posted its side)"), \
+        message
+    assert missing == [1]
 
 
 def test_a_non_finite_gradient_stops_before_the_update_with_one_line(tmp_path, capsys):

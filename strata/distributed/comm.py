@@ -157,20 +157,23 @@ def _store():
 
 
 class _Pending:
-    """An async collective: wait() re-raises a failure with the operation, group and missing ranks."""
+    """An async collective: wait() re-raises a failure with the operation, group and missing ranks
+    (a point-to-point operation's: its peer)."""
 
-    def __init__(self, work, op: str, group_name: str, group=None, seq: int | None = None, timed: bool = False):
+    def __init__(self, work, op: str, group_name: str, group=None, seq: int | None = None, timed: bool = False,
+                 peer: int | None = None):
         self.work, self.op, self.group_name, self.group, self.seq = work, op, group_name, group, seq
         self.timed = timed  # counted in flight until the first wait() returns
+        self.peer = peer
 
     def wait(self) -> None:
-        _run(self.op, self.group_name, self.work.wait, self.group, self.seq)
+        _run(self.op, self.group_name, self.work.wait, self.group, self.seq, self.peer)
         if self.timed:
             counter.finished(self.op, self.group_name)
             self.timed = False
 
 
-def _run(op: str, group_name: str, call, group=None, seq: int | None = None):
+def _run(op: str, group_name: str, call, group=None, seq: int | None = None, peer: int | None = None):
     try:
         return call()
     except CollectiveError:
@@ -178,7 +181,10 @@ def _run(op: str, group_name: str, call, group=None, seq: int | None = None):
     except RuntimeError as e:
         where = f"collective {op}" + (f" #{seq}" if seq is not None else "") + f" on process group {group_name!r}"
         text, missing = where, []
-        if seq is not None:
+        if peer is not None:  # a send or receive waits for one rank: its peer, which never matched it
+            text += f" (with rank {peer}, which never posted its side)"
+            missing = [peer]
+        elif seq is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
             words, missing = arrivals.missing(op, group_name, seq, group)
             text += f" (ranks {ranks}); ranks that did not arrive: {words}"
@@ -265,4 +271,6 @@ def send_recv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torc
     for t, _, _ in sends:
         counter.add("send", group_name, _nbytes(t))
     works = _run("send_recv", group_name, lambda: dist.batch_isend_irecv(ops))
-    return [_Pending(w, "send" if i < len(sends) else "recv", group_name) for i, w in enumerate(works)]
+    peers = [peer for _, peer, _ in sends] + [peer for _, peer, _ in recvs]
+    return [_Pending(w, "send" if i < len(sends) else "recv", group_name, peer=peer)
+            for i, (w, peer) in enumerate(zip(works, peers))]
