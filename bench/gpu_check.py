@@ -8,7 +8,9 @@ Parts, in order (each timed; when the --budget-s budget is spent the rest are sk
   environment   torch, CUDA, the device, which optional modules were missing
   correctness   `tiny` trained 6 steps on the device equals the CPU run (fp64 within 1e-9, fp32 within
                 1e-4: losses and final weights); ZeRO-Infinity with everything in pinned host memory
-                equals the run kept on the device bit for bit; greedy generation gives the CPU's tokens
+                equals the run kept on the device bit for bit; greedy generation gives the CPU's tokens;
+                context parallelism's ring attention, its blocks computed by the device's kernel and
+                merged, equals one attention over the whole sequence (fp32, bf16; causal, a window)
   mfu           bf16 training of the ~1B LLaMA-shaped preset at 2048 tokens and of gpt2-124m: MFU
                 against the device table's peak, and the measured matmul peak beside it; eager
                 and --compile, with the compile time
@@ -195,8 +197,11 @@ def _report_correctness(p: dict) -> list[str]:
     train = ", ".join(f"{d} |Δloss| {t['max_loss_diff']:.1e} |Δw| {t['max_param_diff']:.1e} (tol {t['tolerance']:g})"
                       for d, t in p["training"].items())
     greedy = ", ".join(f"{d} {'equal' if g['passed'] else 'DIFFER'}" for d, g in p["generation"].items())
+    ring = ", ".join(f"{name} {max(r['relative_error_out'], r['relative_error_dq']):.1e} (tol {r['tolerance']:g})"
+                     for name, r in p.get("ring attention", {}).items())
     verdict = "PASS" if p["passed"] else "FAIL"
-    return [f"correctness: {verdict}: {p['device']} vs cpu, tiny {p['steps']} steps: {train}; greedy tokens {greedy}"]
+    return [f"correctness: {verdict}: {p['device']} vs cpu, tiny {p['steps']} steps: {train}; greedy tokens {greedy}; "
+            f"ring attention's blocks vs one attention {ring}"]
 
 
 def _mfu_line(run: dict) -> str:

@@ -21,8 +21,10 @@ import torch
 
 from strata.config import TrainConfig
 from strata.infer.generate import generate
+from strata.model.layers import attention_bias
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
+from strata.parallel.ring_attention import blocks_in_one_process
 from strata.plan.hardware import DEVICES
 from strata.rules.pipeline_cut import unit_costs
 from strata.tools.bench_generate import Run, time_strata
@@ -221,6 +223,26 @@ def generation_matches_cpu(check: Check, dtype: torch.dtype) -> dict:
     return {"tokens_cpu": reference, "tokens_device": on_device, "passed": reference == on_device}
 
 
+def ring_blocks_match_attention(check: Check, dtype: torch.dtype, window: int | None) -> dict:
+    """Context parallelism's ring on the device: rank 1 of cp 4's blocks, computed by the kernel the
+    ring uses there (matrix products over tiles of queries on a GPU), merged by log-sum-exp, against
+    one attention over the whole sequence on the device (output and the queries' gradient, relative
+    to the largest value); 8 heads of 64, 512 tokens."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 512, 64, dtype=dtype, device=check.device, requires_grad=True) for _ in range(3))
+    mask = attention_bias(512, 0, None, None, dtype, check.device, window)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    grad = torch.randn_like(reference)
+    reference.backward(grad)
+    out, dq = blocks_in_one_process(q.detach(), k.detach(), v.detach(), grad, 4, 1, window, None)
+    mine = lambda t: torch.cat([t[:, :, 64:128], t[:, :, 384:448]], dim=2).float()  # noqa: E731
+    errors = [((a.float() - mine(b)).abs().max() / mine(b).abs().max()).item()
+              for a, b in ((out, reference.detach()), (dq, q.grad))]
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    return {"window": window, "relative_error_out": errors[0], "relative_error_dq": errors[1],
+            "tolerance": tolerance, "passed": max(errors) <= tolerance}
+
+
 def correctness(check: Check) -> dict:
     out = {"model": "tiny", "steps": CORRECTNESS_STEPS, "reference": "cpu", "device": str(check.device),
            "training": {**{dtype: training_matches_cpu(check, dtype) for dtype in ("fp64", "fp32")},
@@ -228,8 +250,11 @@ def correctness(check: Check) -> dict:
                         "fp64 tiny-moe (router, experts, auxiliary loss)": training_matches_cpu(check, "fp64",
                                                                                                 "tiny-moe")},
            "generation": {name: generation_matches_cpu(check, dtype)
-                          for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32))}}
-    out["passed"] = all(r["passed"] for kind in ("training", "generation") for r in out[kind].values())
+                          for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32))},
+           "ring attention": {f"{name} window {window}": ring_blocks_match_attention(check, dtype, window)
+                              for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+                              for window in (None, 100)}}
+    out["passed"] = all(r["passed"] for kind in ("training", "generation", "ring attention") for r in out[kind].values())
     return out
 
 

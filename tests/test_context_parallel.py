@@ -4,7 +4,6 @@ strata/rules/context.py; what a layer keeps for backward against 1/cp of one ran
 across layouts; generation from a model trained under --cp."""
 
 import functools
-import math
 
 import pytest
 import torch
@@ -223,49 +222,24 @@ def test_a_rotary_model_goes_on_training_with_a_longer_context(tmp_path):
 @pytest.mark.parametrize("window,alibi", [(None, False), (5, False), (None, True), (11, True)])
 @pytest.mark.parametrize("kernel", ["fused", "blockwise"])
 def test_a_rows_blocks_merge_to_attention_over_the_whole_sequence(kernel, window, alibi):
-    """A rank's two chunks (positions 4-7 and 24-27 of 32) against the K/V blocks of the four
+    """Rank 1's two chunks (positions 4-7 and 24-27 of 32) against the K/V blocks of the four
     ranks of cp 4, block by block as the ring computes them (either kernel: the fused CPU one, and
-    the blockwise one other devices use), merged by log-sum-exp: the output and the gradients of
-    q, k and v equal one attention over the whole sequence's keys (fp64); with a window some blocks
-    are wholly outside it and some rows of a block see none of its keys."""
+    the blockwise one other devices use), merged by log-sum-exp: the output and the queries'
+    gradient equal one attention over the whole sequence's keys (fp64); with a window some blocks
+    are wholly outside it and some rows of a block see none of its keys (window 11: positions
+    24-27 against 12-15)."""
     from strata.model.layers import alibi_slopes, attention_bias
     from strata.parallel import ring_attention as ring
     torch.manual_seed(0)
-    kind = {"fused": ring._Fused, "blockwise": ring._Blockwise}[kernel]
-    heads, d, cp, seq = 4, 8, 4, 32
+    heads, seq = 4, 32
     slopes = alibi_slopes(heads) if alibi else None
-    chunks = lambda rank: ((rank * 4, rank * 4 + 4), ((7 - rank) * 4, (8 - rank) * 4))  # noqa: E731
-    keep = lambda t, rank: torch.cat([t[:, :, a:b] for a, b in chunks(rank)], dim=2)  # noqa: E731
-    q, k, v = (torch.randn(2, heads, seq, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, heads, seq, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = attention_bias(seq, 0, None, slopes, torch.float64, "cpu", window)
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
     grad = torch.randn_like(reference)
     reference.backward(grad)
-    me, scale = 1, 1 / math.sqrt(d)
-    q_mine = keep(q, me).detach()
-    out = torch.zeros(2, heads, 8, d, dtype=torch.float64)
-    lse = torch.full((2, heads, 8), float("-inf"), dtype=torch.float64)
-    sources = []
-    for rank in range(cp):
-        k_block, v_block = keep(k, rank).detach(), keep(v, rank).detach()
-        found = ring.blocks(chunks(me), chunks(rank), window, slopes, torch.float64, "cpu")
-        sources.append((rank, k_block, v_block, found))
-        for block in found:
-            block_out, block_lse = kind.forward(q_mine, k_block, v_block, block, scale)
-            if block.empty is not None:
-                block_lse = block_lse.masked_fill(block.empty, float("-inf"))
-            out[:, :, block.q], lse[:, :, block.q] = ring._merge(out[:, :, block.q], lse[:, :, block.q], block_out,
-                                                                 block_lse)
-    torch.testing.assert_close(out, keep(reference, me).detach(), rtol=1e-12, atol=1e-12)
-    dq = torch.zeros_like(q_mine)
-    for rank, k_block, v_block, found in sources:
-        dk, dv = torch.zeros_like(k_block), torch.zeros_like(v_block)
-        for block in found:
-            dq_block, dk_block, dv_block = kind.backward(keep(grad, me), q_mine, k_block, v_block, out, lse, block,
-                                                         scale)
-            dq[:, :, block.q] += dq_block
-            dk[:, :, block.k] += dk_block
-            dv[:, :, block.k] += dv_block
-        if rank == me:  # only this rank's queries' part of the keys' gradients: checked through dq below
-            assert dk.abs().sum() > 0
-    torch.testing.assert_close(dq, keep(q.grad, me), rtol=1e-10, atol=1e-12)
+    kind = {"fused": ring._Fused, "blockwise": ring._Blockwise}[kernel]
+    out, dq = ring.blocks_in_one_process(q.detach(), k.detach(), v.detach(), grad, 4, 1, window, slopes, kind)
+    mine = lambda t: torch.cat([t[:, :, 4:8], t[:, :, 24:28]], dim=2)  # noqa: E731
+    torch.testing.assert_close(out, mine(reference).detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dq, mine(q.grad), rtol=1e-10, atol=1e-12)

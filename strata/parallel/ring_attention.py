@@ -273,3 +273,41 @@ class _Ring(torch.autograd.Function):
         _wait(travelling[1])  # the last hop: this rank's own block, every rank's part summed
         dkv = travelling[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def blocks_in_one_process(q, k, v, grad, cp: int, rank: int, window: int | None, slopes, kernel=None):
+    """What the ring computes for rank `rank`'s queries, without a ring: q, k, v, grad (b, heads,
+    s, d) over the whole sequence; its two chunks' queries against every rank's K/V blocks, block
+    by block with `kernel` (default: the device's), merged by log-sum-exp, then the backward's
+    query gradient from the merged output and log-sum-exp. Returns (output, dq) of its chunks:
+    the reference the tests and the GPU check hold to one attention over the whole sequence."""
+    kernel = kernel or kernel_for(q.device)
+    seq, heads, d = q.shape[2], q.shape[1], q.shape[3]
+    chunk = seq // (2 * cp)
+
+    def ranges(r):
+        return (r * chunk, (r + 1) * chunk), ((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)
+
+    def keep(t, r):
+        return torch.cat([t[:, :, a:b] for a, b in ranges(r)], dim=2)
+
+    acc, scale = torch.promote_types(q.dtype, torch.float32), 1.0 / math.sqrt(d)
+    mine = keep(q, rank)
+    out = torch.zeros(mine.shape, dtype=acc, device=q.device)
+    lse = torch.full(mine.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    sources = [(keep(k, r), keep(v, r), blocks(ranges(rank), ranges(r), window, slopes, q.dtype, q.device))
+               for r in range(cp)]
+    for keys, values, found in sources:
+        for block in found:
+            block_out, block_lse = kernel.forward(mine, keys, values, block, scale)
+            block_lse = block_lse.to(acc)
+            if block.empty is not None:
+                block_lse = block_lse.masked_fill(block.empty, float("-inf"))
+            rows = (slice(None), slice(None), block.q)
+            out[rows], lse[rows] = _merge(out[rows], lse[rows], block_out.to(acc), block_lse)
+    out = out.to(q.dtype)
+    dq = torch.zeros(mine.shape, dtype=acc, device=q.device)
+    for keys, values, found in sources:
+        for block in found:
+            dq[:, :, block.q] += kernel.backward(keep(grad, rank), mine, keys, values, out, lse, block, scale)[0].to(acc)
+    return out, dq.to(q.dtype)
