@@ -179,6 +179,18 @@ def _merge(out, lse, block_out, block_lse):
     return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], merged
 
 
+def _attend(q, keys, values, found: list[Block], out, lse, kernel, scale: float) -> None:
+    """Attend q to one K/V block's `found` pairs and merge each into the running (out, lse), both
+    in the accumulation dtype, in place."""
+    for block in found:
+        block_out, block_lse = kernel.forward(q, keys, values, block, scale)
+        block_lse = block_lse.to(lse.dtype)
+        if block.empty is not None:
+            block_lse = block_lse.masked_fill(block.empty, float("-inf"))
+        rows = (slice(None), slice(None), block.q)
+        out[rows], lse[rows] = _merge(out[rows], lse[rows], block_out.to(out.dtype), block_lse)
+
+
 def _exchange(tensor: torch.Tensor, settings, tag: int):
     """Send `tensor` to the next rank on the ring and receive the previous rank's into a new
     buffer; returns (buffer, handles)."""
@@ -219,13 +231,7 @@ class _Ring(torch.autograd.Function):
             if step < n - 1:  # the next block travels while this one is attended to
                 incoming, handles = _exchange(kv, settings, step)
             keys, values = (_per_query_head(t, heads) for t in kv)
-            for block in _step_blocks(settings, length, step, q.dtype, q.device):
-                block_out, block_lse = kernel.forward(q, keys, values, block, scale)
-                block_lse = block_lse.to(acc)
-                if block.empty is not None:
-                    block_lse = block_lse.masked_fill(block.empty, float("-inf"))
-                rows = (slice(None), slice(None), block.q)
-                out[rows], lse[rows] = _merge(out[rows], lse[rows], block_out.to(acc), block_lse)
+            _attend(q, keys, values, _step_blocks(settings, length, step, q.dtype, q.device), out, lse, kernel, scale)
             _wait(handles)
             if step < n - 1:
                 kv = incoming
@@ -298,13 +304,7 @@ def blocks_in_one_process(q, k, v, grad, cp: int, rank: int, window: int | None,
     sources = [(keep(k, r), keep(v, r), blocks(ranges(rank), ranges(r), window, slopes, q.dtype, q.device))
                for r in range(cp)]
     for keys, values, found in sources:
-        for block in found:
-            block_out, block_lse = kernel.forward(mine, keys, values, block, scale)
-            block_lse = block_lse.to(acc)
-            if block.empty is not None:
-                block_lse = block_lse.masked_fill(block.empty, float("-inf"))
-            rows = (slice(None), slice(None), block.q)
-            out[rows], lse[rows] = _merge(out[rows], lse[rows], block_out.to(acc), block_lse)
+        _attend(mine, keys, values, found, out, lse, kernel, scale)
     out = out.to(q.dtype)
     dq = torch.zeros(mine.shape, dtype=acc, device=q.device)
     for keys, values, found in sources:
