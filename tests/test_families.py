@@ -121,8 +121,8 @@ def test_llama3_rope_frequencies_are_transformers():
     assert (ours[0] == plain[0]) and (ours[-1] == plain[-1] / 8)  # the fastest kept, the slowest / factor
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3.1-405b", "qwen2.5-7b", "qwen2.5-72b",
-                                  "mistral-7b", "gemma-7b", "llama-7b", "gpt2-124m"])
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3.1-8b", "llama3-70b", "llama3.1-405b", "qwen2.5-7b",
+                                  "qwen2.5-72b", "mistral-7b", "gemma-7b", "llama-7b", "gpt2-124m"])
 def test_preset_counts_equal_transformers_on_the_meta_device(name):
     cfg = PRESETS[name]
     hf = hf_config_from_model(cfg, None)
@@ -133,7 +133,8 @@ def test_preset_counts_equal_transformers_on_the_meta_device(name):
     assert cfg.num_params() == sum(p.numel() for p in build_model(cfg, seed=None).parameters())
 
 
-PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
+PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3.1-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+             "llama3.1-405b": 405_853_388_800,
              "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648, "mistral-7b": 7_241_732_096,
              "gemma-7b": 8_537_680_896}
 

@@ -93,5 +93,5 @@ def test_every_layout_the_search_proposes_is_one_train_runs(name, world):
         cfg = TrainConfig(model=name, nproc=world, dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages,
                           zero=lay.zero, micro_batch=lay.micro_batch, checkpointing=lay.checkpointing,
                           offload=lay.offload, sequence_parallel=lay.sequence_parallel, schedule=lay.schedule,
-                          tp_mode=lay.tp_mode, tp_depth=lay.tp_depth, global_batch=16)
+                          tp_mode=lay.tp_mode, tp_depth=lay.tp_depth, cp=lay.cp, cp_mode=lay.cp_mode, global_batch=16)
         checked_model(cfg, world)

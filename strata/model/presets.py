@@ -63,6 +63,10 @@ PRESETS: dict[str, ModelConfig] = {
                              max_seq_len=8192, rope_theta=500000.0, **_LLAMA),
     "llama3-70b": ModelConfig(vocab_size=128256, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
                               max_seq_len=8192, rope_theta=500000.0, **_LLAMA),
+    # Meta-Llama-3.1-8B's config.json: Llama 3 8B's shape, 131,072 positions through llama3 RoPE
+    # scaling (the long-context planning examples, docs/cost-model.md); 8,030,261,248 parameters.
+    "llama3.1-8b": ModelConfig(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                               max_seq_len=131072, **_LLAMA31_ROPE, **_LLAMA),
     # Meta-Llama-3.1-405B's config.json: 126 layers, hidden 16384, 128 heads (8 KV), 131,072 positions
     # through llama3 RoPE scaling; 405,853,388,800 parameters.
     "llama3.1-405b": ModelConfig(vocab_size=128256, n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,

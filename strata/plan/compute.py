@@ -59,6 +59,14 @@ class UnitSeconds:
     backward: float
     attention_forward: float  # what selective recomputation runs again
 
+    @property
+    def attention_backward(self) -> float:
+        """The attention's backward, inside `backward`: twice the forward's FLOPs at its rate."""
+        return ATTENTION_BACKWARD * self.attention_forward
+
+
+ATTENTION_BACKWARD = 2  # the attention's backward over its forward (scores again, dQ, dK, dV)
+
 
 def block_gemms(w: StepWork) -> list[tuple[float, float, float]]:
     """The (m, n, k) of each GEMM of a block's forward on one tensor-parallel rank (q, k, v and
@@ -134,8 +142,8 @@ def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tupl
         return elements * eb / elementwise_rate + kernels * k.kernel_overhead_s
 
     if w.fused_attention:
-        attention_fwd = attention_flops(w) / (peak * k.attention_fraction)  # its backward: twice the FLOPs
-        attention_bwd = 2 * attention_fwd
+        attention_fwd = attention_flops(w) / (peak * k.attention_fraction)
+        attention_bwd = ATTENTION_BACKWARD * attention_fwd
     else:  # scores and values as batched GEMMs (heads x micro-batch of them), softmax and dropout between
         s, heads = w.seq_len, w.micro_batch * cfg.n_heads / w.tp
         window = cfg.attended_positions(s)
@@ -144,7 +152,7 @@ def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tupl
         # scale-mask-softmax reads and writes the scores; dropout reads them, writes them and a mask
         scores = heads * s * window
         attention_fwd = bmm + (4 * eb + 1) * scores / elementwise_rate + 2 * k.kernel_overhead_s
-        attention_bwd = 2 * attention_fwd
+        attention_bwd = ATTENTION_BACKWARD * attention_fwd
     elements, kernels = block_elementwise(w)
     block_gemm = gemms(block_gemms(w))
     block = UnitSeconds(block_gemm + attention_fwd + elementwise(elements, kernels),

@@ -1,9 +1,10 @@
 """The cost model: memory, communication, compute and pipeline bubble of one layout, per device and
 per optimizer step. Every term and its source is in docs/cost-model.md.
 
-A layout's process groups follow strata's mesh order (tp innermost, then dp, then pp): rank
-(pp·dp_size + dp)·tp_size + tp. So a tensor-parallel group is a run of adjacent devices, inside a
-node when tp divides the devices per node; a data-parallel group spans tp·dp devices; pipeline
+A layout's process groups follow strata's mesh order (tp innermost, then cp, then dp, then pp):
+rank ((pp·dp_size + dp)·cp_size + cp)·tp_size + tp. So a tensor-parallel group is a run of adjacent
+devices, inside a node when tp divides the devices per node; a context-parallel group is cp ranks
+tp apart; the gradients' group (dp x cp ranks, plan/context.py) spans tp·dp·cp devices; pipeline
 stages are the farthest apart. Each group's collectives run on the slowest link they cross."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
+from strata.plan.context import NO_CONTEXT, ContextComm, context_comm, extra_activation_bytes
 from strata.plan.experts import (
     NO_ALL_TO_ALL,
     AllToAll,
@@ -28,7 +30,7 @@ from strata.plan.experts import (
 )
 from strata.plan.hardware import Device
 from strata.plan.links import Cluster, collective_seconds
-from strata.plan.memory import activation_bytes_per_layer
+from strata.plan.memory import ModelStates, activation_bytes_per_layer
 from strata.plan.offload import offload_cost, offloads
 from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
 from strata.rules.constants import BUCKET_MB
@@ -72,7 +74,7 @@ class Estimate:
     layout: Layout
     fits: bool
     memory_breakdown: dict[str, float]  # bytes per device: weights, gradients, optimizer states, activations, buffers
-    comm_seconds: dict[str, float]  # per step, by group: tp, dp, pp (exposed and hidden together)
+    comm_seconds: dict[str, float]  # per step, by group: tp, dp, pp, cp (exposed and hidden together)
     comm_bytes: dict[str, float]  # per device per step, by group
     compute_s: float
     bubble: float  # idle fraction of the step from the pipeline schedule
@@ -93,6 +95,7 @@ class Estimate:
     all_to_all_bytes: float = 0.0  # what a rank sends in them per step
     ep_crosses_nodes: bool = False  # the expert-parallel group spans nodes
     all_to_all_across_s: float = 0.0  # a group inside a node: the all-to-alls split over two nodes (explain)
+    seq_len: int = 0  # tokens per sequence, which context parallelism splits (explain)
 
     def shares(self) -> dict[str, float]:
         """The step split into parts that add up to it: compute, each group's exposed
@@ -156,7 +159,7 @@ def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     number of processes busy at once, found by a few rounds of fixed-point iteration."""
     e = _estimate(work, cluster, layout, 1.0)
     if cluster.shared_cores:
-        world = layout.dp * layout.tp * layout.pp
+        world = layout.world_size
         all_busy = min(1.0, cluster.shared_cores / world)
         for _ in range(4):  # a process that communicates keeps its core busy; one that waits does not
             busy = e.compute_s + sum(e.comm_seconds.values())
@@ -171,7 +174,7 @@ class _Terms:
     act_bytes: int  # bytes per activation element
     precision: str  # mixed | fp32: how the model states are counted
     micro_batches: int  # per pipeline per step
-    tokens: int  # per micro-batch
+    tokens: int  # per micro-batch on one rank: micro-batch x sequence / cp
     d_model: int
     peak: float  # FLOP/s of the device in the run's precision
     units: tuple[UnitSeconds, UnitSeconds, UnitSeconds]  # embedding, block, head: one micro-batch on one rank
@@ -185,6 +188,7 @@ class _Terms:
     all_to_all: AllToAll = NO_ALL_TO_ALL  # a mixture's all-to-alls per MoE layer (plan/experts.py)
     moe_tp: tuple[float, float] = (0.0, 0.0)  # (seconds, bytes) an MoE layer adds to 1-D tp's collectives
     across: float = 0.0  # the all-to-all's time split over two nodes, over its time here (explain)
+    context: ContextComm = NO_CONTEXT  # context parallelism's traffic per attention layer (plan/context.py)
 
 
 def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> _Terms:
@@ -193,32 +197,40 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
     peak = cluster.device.peak_flops.get(work.precision, max(cluster.device.peak_flops.values()))
     grid = lay.grid if lay.tp_mode != "1d" else None
     split = lay.sequence_parallel or grid is not None  # every activation between layers split t ways
-    tp_message = b * s * cfg.d_model * act_bytes
-    pp_message = b * s * cfg.d_model * act_bytes / (t if split else 1)
-    step_work = StepWork(cfg, b * s, b, s, t, split, work.fused_attention, act_bytes, grid, lay.ep)
+    tokens = b * s // lay.cp  # a rank's part of the micro-batch: its 2 of 2·cp chunks of every sequence
+    # context parallelism attends block by block (ring) or in one kernel per head group (Ulysses): fused
+    fused = work.fused_attention or lay.cp > 1
+    tp_message = tokens * cfg.d_model * act_bytes
+    pp_message = tokens * cfg.d_model * act_bytes / (t if split else 1)
+    step_work = StepWork(cfg, tokens, b, s, t, split, fused, act_bytes, grid, lay.ep)
     units, ceiling = _unit_seconds(step_work, cluster, peak)
     # processes sharing cores (cpu-local): every kernel runs at the share of the cores it gets
     units = tuple(UnitSeconds(u.forward / rate_scale, u.backward / rate_scale, u.attention_forward / rate_scale)
                   for u in units)
     terms = dict(act_bytes=act_bytes, precision="mixed" if act_bytes == 2 else "fp32",
-                 micro_batches=work.global_batch // (lay.dp * b), tokens=b * s, d_model=cfg.d_model, peak=peak, units=units,
-                 kernel_ceiling=ceiling,
-                 activation_per_layer=activation_bytes_per_layer(s, b, cfg.d_model, cfg.n_heads, t, split,
-                                                                 lay.checkpointing,
-                                                                 fused_attention=work.fused_attention) * act_bytes / 2
-                 + activation_change(cfg, b * s, t, lay.checkpointing, act_bytes),
+                 micro_batches=work.global_batch // (lay.dp * b), tokens=tokens, d_model=cfg.d_model, peak=peak,
+                 units=units, kernel_ceiling=ceiling,
+                 activation_per_layer=activation_bytes_per_layer(s // lay.cp, b, cfg.d_model, cfg.n_heads, t, split,
+                                                                 lay.checkpointing, fused_attention=fused)
+                 * act_bytes / 2
+                 + activation_change(cfg, tokens, t, lay.checkpointing, act_bytes)
+                 + extra_activation_bytes(cfg, lay, b * s, act_bytes),
                  tp_message=tp_message, pp_message=pp_message,
-                 pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.dp) if lay.pp > 1 else 0.0)
+                 pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.replicas)
+                 if lay.pp > 1 else 0.0)
     if grid is not None:
         e = element_bytes(lay, act_bytes, BYTES[lay.gather_dtype])
-        return _Terms(**terms, tp_collective_s=0.0, grid=grid_cost(cfg, grid, b * s, e, cluster))
+        return _Terms(**terms, tp_collective_s=0.0, grid=grid_cost(cfg, grid, tokens, e, cluster))
     op = "all_gather" if lay.sequence_parallel else "all_reduce"
     moe_tp = [(n * collective_seconds(cluster, "all_reduce", nbytes, t, 1), n * 2 * (t - 1) / t * nbytes)
-              for nbytes, n in moe_tp_collectives(cfg, b * s, act_bytes)] if t > 1 else []
-    a2a = all_to_all(cfg, lay, cluster, b * s, act_bytes)
+              for nbytes, n in moe_tp_collectives(cfg, tokens, act_bytes)] if t > 1 else []
+    a2a = all_to_all(cfg, lay, cluster, tokens, act_bytes)
+    block = units[1]
     return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1), grid=None,
                   all_to_all=a2a, moe_tp=(sum(x for x, _ in moe_tp), sum(y for _, y in moe_tp)),
-                  across=across_seconds(cfg, lay, cluster, b * s, act_bytes, a2a))
+                  across=across_seconds(cfg, lay, cluster, tokens, act_bytes, a2a),
+                  context=context_comm(cfg, lay, cluster, b * s, act_bytes, block.attention_forward,
+                                       block.attention_backward))
 
 
 def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[UnitSeconds, ...], float]:
@@ -238,8 +250,7 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[Uni
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
-    states = held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.layers,
-                         terms.precision, work.optimizer)
+    states = _held_states(cfg, lay, load, terms.precision, work.optimizer)
     activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
     split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
     activations += (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
@@ -251,7 +262,7 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
         memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
         memory["weights"] = memory["gradients"] = 0.0  # is read in ahead of its gather (two at once)
-        memory["buffers"] += 2 * 4 * max(cfg.unit_params()) / t / lay.dp
+        memory["buffers"] += 2 * 4 * max(cfg.unit_params()) / t / lay.replicas
     if lay.offload_activations != "none":  # only the block being recomputed has its input back
         memory["activations"] -= terms.activation_per_layer * (load.layers - 1)
     spec = SCHEDULES[lay.schedule]
@@ -262,6 +273,13 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
         compute_bytes = 2 if lay.gather_dtype == "bf16" else 4
         memory["weight_versions"] = spec.versions(lay.pp, rank) * load.params / t * compute_bytes
     return memory
+
+
+@lru_cache(maxsize=4096)
+def _held_states(cfg: ModelConfig, lay: Layout, load: StageLoad, precision: str, optimizer: str) -> ModelStates:
+    """The model states of a stage's rank (the same for every rank of equal stages)."""
+    return held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.layers,
+                       precision, optimizer)
 
 
 @dataclass(frozen=True)
@@ -278,6 +296,9 @@ class _RankTime:
     load: StageLoad
     ep_seconds: float = 0.0  # a mixture's all-to-alls (plan/experts.py), on the critical path
     ep_bytes: float = 0.0
+    cp_seconds: float = 0.0  # context parallelism's traffic (plan/context.py), hidden or not
+    cp_exposed: float = 0.0  # of it, what the attention does not hide (in forward and backward)
+    cp_bytes: float = 0.0
 
     @property
     def total(self) -> float:
@@ -301,10 +322,13 @@ def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) ->
     a2a, full = terms.all_to_all, lay.checkpointing == "full"
     ep_fwd, ep_bwd = load.layers * a2a.forward_seconds, load.layers * (a2a.seconds - a2a.forward_seconds)
     ep_again = ep_fwd if full else 0.0
-    return _RankTime(fwd + (tp_seconds + pp_seconds) / 2 + ep_fwd,
-                     bwd + recompute + (tp_seconds + pp_seconds) / 2 + ep_bwd + ep_again,
+    cp = terms.context  # per attention layer, recomputation's included
+    return _RankTime(fwd + (tp_seconds + pp_seconds) / 2 + ep_fwd + load.layers * cp.forward_exposed,
+                     bwd + recompute + (tp_seconds + pp_seconds) / 2 + ep_bwd + ep_again
+                     + load.layers * cp.backward_exposed,
                      fwd + bwd + recompute, tp_seconds, tp_bytes, step_seconds, step_bytes, load,
-                     ep_fwd + ep_bwd + ep_again, load.layers * a2a.bytes * (1.5 if full else 1.0))
+                     ep_fwd + ep_bwd + ep_again, load.layers * a2a.bytes * (1.5 if full else 1.0),
+                     load.layers * cp.seconds, load.layers * cp.exposed, load.layers * cp.bytes)
 
 
 def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
@@ -315,11 +339,13 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     loads = stage_loads(cfg, lay.pp, lay.virtual_stages, s)
     memory = max((_rank_memory(work, lay, terms, rank, load) for rank, load in enumerate(loads)),
                  key=lambda kinds: sum(kinds.values()))
-    ranks = [_rank_time(cluster, lay, terms, load) for load in loads]
-    slowest = max(ranks, key=lambda rank: rank.total)
+    times = {load: _rank_time(cluster, lay, terms, load) for load in set(loads)}  # equal stages, equal times
+    ranks = [times[load] for load in loads]
+    slowest_rank = max(range(len(ranks)), key=lambda rank: ranks[rank].total)
+    slowest = ranks[slowest_rank]
     m, t, p, v = terms.micro_batches, lay.tp, lay.pp, lay.virtual_stages
     # the step's sums of partial gradients: under ZeRO-1/2 each rank sums its data-parallel shard
-    shards = lay.dp if lay.zero in (1, 2) else 1
+    shards = lay.replicas if lay.zero in (1, 2) else 1
     sums_bytes, sums_seconds = slowest.tp_step_bytes / shards, slowest.tp_step_seconds / shards
     comm_bytes = {"tp": slowest.tp_bytes * m + sums_bytes, "pp": 2 * v * m * terms.pp_message * (p > 1)}
     comm_seconds = {"tp": slowest.tp_seconds * m + sums_seconds, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
@@ -328,6 +354,9 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, dense, m, slowest.forward,
                                                                       slowest.backward, slowest.load.layers)
     exposed = {"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]}
+    if lay.cp > 1:  # the K/V ring or Ulysses' all-to-alls; what the attention hides counts in the total only
+        comm_seconds["cp"], exposed["cp"] = slowest.cp_seconds * m, slowest.cp_exposed * m
+        comm_bytes["cp"] = slowest.cp_bytes * m
     if cfg.moe:  # the all-to-alls, exposed; the experts' gradients over their own group, after the dense ones
         comm_seconds["ep"] = exposed["ep"] = slowest.ep_seconds * m
         comm_bytes["ep"] = slowest.ep_bytes * m
@@ -338,7 +367,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     held = dense + experts  # what the rank holds, its experts included
     # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's
     # micro-batch; with unequal ones, the others' (the slowest stage's own is all in m x its time)
-    others = [r.total for r in ranks if r is not slowest] or [slowest.total]
+    others = [r.total for rank, r in enumerate(ranks) if rank != slowest_rank] or [slowest.total]
     bubble_time = _bubble_time(lay, m, sum(others) / len(others))
     optimizer = _optimizer_seconds(cluster, lay, updated)
     gradient_passes = _gradient_pass_seconds(cluster, lay, held, m, work.fused_accumulation) / rate_scale
@@ -362,7 +391,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     params, attention = cfg.matmul_params(), cfg.n_layers * 4 * cfg.attended_positions(s) * cfg.q_dim
     recomputed = {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
-    world = lay.dp * t * p
+    world = lay.world_size
     overflow = _tier_overflow(cluster.device, tiers)
     e = Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes and not overflow, memory, comm_seconds,
                  comm_bytes, compute_s=m * slowest.compute + gradient_passes, bubble=bubble_time / step,
@@ -374,7 +403,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                  total_params=cfg.num_params(), active_params=cfg.active_params(),
                  all_to_all_s=comm_seconds.get("ep", 0.0), all_to_all_bytes=comm_bytes.get("ep", 0.0),
                  ep_crosses_nodes=terms.all_to_all.crosses_nodes,
-                 all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across)
+                 all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across, seq_len=s)
     e.notes += overflow
     return e
 
@@ -419,11 +448,12 @@ def _buffers(cfg: ModelConfig, lay: Layout, t: int) -> float:
 
 def _data_parallel(cluster: Cluster, lay: Layout, params_local: float, m: int, t_fwd: float, t_bwd: float,
                    layers_local: float, group: tuple[int, int] | None = None):
-    """(total seconds, seconds not hidden behind compute, bytes per device) of the dp group (or
-    `group`: (size, stride), a mixture's expert-data-parallel one), each collective priced in the
+    """(total seconds, seconds not hidden behind compute, bytes per device) of the ranks holding the
+    same parameters, dp x cp of them tp apart (or `group`: (size, stride), a mixture's
+    expert-data-parallel one), each collective priced in the
     dtype the runtime moves: gradients in the reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's
     of the updated shards) in the gather dtype."""
-    d, stride = group or (lay.dp, lay.tp)
+    d, stride = group or (lay.replicas, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
@@ -470,7 +500,7 @@ def _gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m
     add the reduced shard to the accumulated one."""
     full = 3 * params_local * 4
     if lay.zero >= 2:
-        passes = m * full + max(0, m - 1) * full / lay.dp
+        passes = m * full + max(0, m - 1) * full / lay.replicas
     else:
         passes = 0.0 if fused else max(0, m - 1) * full
     return passes / cluster.device.memory_bandwidth

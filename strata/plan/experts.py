@@ -47,11 +47,12 @@ def local_params(cfg: ModelConfig, lay: Layout, held: float, layers: float) -> f
 
 def held_states(cfg: ModelConfig, lay: Layout, held: float, layers: float, precision: str,
                 optimizer: str) -> ModelStates:
-    """Model-state bytes of one rank: the dense parameters' under ZeRO over dp (as for a dense
-    model), the experts' over their own data-parallel group of dp / ep ranks (the runtime's
-    ExpertSplit: a group of one rank shards nothing, so its experts keep ZeRO-0's states)."""
+    """Model-state bytes of one rank: the dense parameters' under ZeRO over the dp x cp ranks that
+    hold them (as for a dense model), the experts' over their own data-parallel group of dp / ep
+    ranks (the runtime's ExpertSplit: a group of one rank shards nothing, so its experts keep
+    ZeRO-0's states; a mixture has no context parallelism)."""
     dense, experts = expert_share(cfg, lay, held, layers)
-    states = held_state_bytes(dense, lay.zero, lay.dp, precision, optimizer, lay.gather_dtype)
+    states = held_state_bytes(dense, lay.zero, lay.replicas, precision, optimizer, lay.gather_dtype)
     if not experts:
         return states
     edp, _ = expert_group(lay)
@@ -62,11 +63,11 @@ def held_states(cfg: ModelConfig, lay: Layout, held: float, layers: float, preci
 
 def updated_params(cfg: ModelConfig, lay: Layout, held: float, layers: float) -> float:
     """The parameters this rank's optimizer step updates: everything it holds, or under ZeRO its
-    shards (the dense parameters' 1/dp, the experts' 1/(dp/ep))."""
+    shards (the dense parameters' 1/(dp·cp), the experts' 1/(dp/ep))."""
     dense, experts = expert_share(cfg, lay, held, layers)
     if lay.zero < 1:
         return dense + experts
-    return dense / lay.dp + experts / expert_group(lay)[0]
+    return dense / lay.replicas + experts / expert_group(lay)[0]
 
 
 # --- what an MoE layer keeps for backward ---------------------------------------------------------

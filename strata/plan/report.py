@@ -13,14 +13,16 @@ LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("v
                "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool),
                "reduce": ("reduce_dtype", str), "gather": ("gather_dtype", str),
                "offload_params": ("offload_params", str), "offload_activations": ("offload_activations", str),
-               "tp_mode": ("tp_mode", str), "tp_depth": ("tp_depth", int), "ep": ("ep", int)}
+               "tp_mode": ("tp_mode", str), "tp_depth": ("tp_depth", int), "ep": ("ep", int),
+               "cp": ("cp", int), "cp_mode": ("cp_mode", str)}
 KEY_OF_FIELD = {field: key for key, (field, _) in LAYOUT_KEYS.items()}
 
 
 def parse_layout(text: str, work: Workload, world: int) -> Layout:
     """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp,reduce=bf16' (a mixture's
-    expert parallelism: ep=8, carved out of dp), checked by
-    the trainer's own layout check: the planner evaluates exactly the layouts `strata train` runs."""
+    expert parallelism: ep=8, carved out of dp; context parallelism: cp=4,cp_mode=ulysses), checked by
+    the trainer's own layout check: the planner evaluates exactly the layouts `strata train` runs.
+    Without dp=, dp is what the world leaves: world / (cp x tp x pp)."""
     values = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = part.partition("=")
@@ -32,13 +34,14 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
         except ValueError:
             raise ConfigError(f"--layout {text}: {key}={value} is not a number") from None
     values.setdefault("schedule", "interleaved" if values.get("virtual_stages", 1) > 1 else "1f1b")
-    tp, pp = values.get("tp", 1), values.get("pp", 1)
-    for field in ("tp", "pp"):
+    cp, tp, pp = values.get("cp", 1), values.get("tp", 1), values.get("pp", 1)
+    for field in ("cp", "tp", "pp"):
         if values.get(field, 1) < 1:
             raise ConfigError(f"--layout {text}: {field}={values[field]}: must be >= 1")
-    if "dp" not in values and world % (tp * pp):
-        raise ConfigError(f"--layout {text}: tp x pp = {tp * pp} does not divide the cluster's {world} devices")
-    layout = Layout(**{"dp": world // (tp * pp), **values})
+    if "dp" not in values and world % (cp * tp * pp):
+        named = "cp x tp x pp" if "cp" in values else "tp x pp"
+        raise ConfigError(f"--layout {text}: {named} = {cp * tp * pp} does not divide the cluster's {world} devices")
+    layout = Layout(**{"dp": world // (cp * tp * pp), **values})
     if layout.checkpointing not in PLANNED_MODES:
         raise ConfigError(f"--layout {text}: ckpt={layout.checkpointing}: the planner prices {', '.join(PLANNED_MODES)}")
     try:
@@ -53,8 +56,9 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
 def table(estimates: list[Estimate], costs: list | None = None) -> str:
     """One row per layout; with costs (strata/plan/run_cost.RunCost, one per layout) the run's days,
     device-hours and price too. A mixture of experts adds its all-to-all (ep) and its experts'
-    gradient reduction (edp) to the communication."""
-    groups = ("tp", "dp", "pp") + (("ep", "edp") if any("ep" in e.comm_seconds for e in estimates) else ())
+    gradient reduction (edp) to the communication, context parallelism its K/V ring or all-to-alls (cp)."""
+    groups = ("tp", "dp", "pp") + (("ep", "edp") if any("ep" in e.comm_seconds for e in estimates) else ()) + \
+        (("cp",) if any("cp" in e.comm_seconds for e in estimates) else ())
     head = (f"| layout | fits | GB/device: weights + grads + optimizer + activations + buffers | comm s/step: "
             f"{', '.join(groups)} | bubble | step s | tokens/s | TFLOP/s/device | MFU |")
     extra = [] if not costs else ["days", "device-hours"] + (["price"] if costs[0].price is not None else [])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from strata.errors import ConfigError
+from strata.plan.context import context_degrees, context_lines, data_parallel_twin, searched_micro_batches
 from strata.plan.cost import Cluster, Estimate, Workload, estimate
 from strata.plan.experts import expert_degrees, moe_lines
 from strata.rules.checkpointing import PLANNED_MODES
@@ -44,22 +45,25 @@ def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[s
 
 def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str],
                 allow_async: bool) -> Iterator[Layout]:
-    """The search space: every split of the world into tp x pp x dp, the schedules worth trying for
-    each pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP, and for a
+    """The search space: every split of the world into tp x pp x cp x dp (cp: plan/context.py's
+    degrees, ring and Ulysses, with micro-batches of 1), the schedules worth trying for each
+    pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP, and for a
     mixture of experts each expert-parallel degree (divisors of its experts that divide dp)."""
     for t in divisors(world):
         for p in divisors(world // t):
-            d = world // (t * p)
-            for v, schedule in _schedules(work.model.n_layers, p, allow_async):
-                for zero in ZERO_STAGES:
-                    for b in MICRO_BATCHES:
-                        for checkpointing in PLANNED_MODES:
-                            for place in ("none", "cpu") if offload else ("none",):
-                                for sp, mode, depth in _tensor_modes(t):
-                                    for ep in expert_degrees(work.model, d):
-                                        yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
-                                                     reduce_dtype=transfers[0], gather_dtype=transfers[1],
-                                                     tp_mode=mode, tp_depth=depth, ep=ep)
+            for c, cp_mode in context_degrees(work.model, world // (t * p)):
+                d = world // (t * p * c)
+                modes = _tensor_modes(t) if c == 1 else [m for m in _tensor_modes(t) if m[1] == "1d"]
+                for v, schedule in _schedules(work.model.n_layers, p, allow_async):
+                    for zero in ZERO_STAGES:
+                        for b in searched_micro_batches(c, MICRO_BATCHES):
+                            for checkpointing in PLANNED_MODES:
+                                for place in ("none", "cpu") if offload else ("none",):
+                                    for sp, mode, depth in modes:
+                                        for ep in expert_degrees(work.model, d):
+                                            yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
+                                                         reduce_dtype=transfers[0], gather_dtype=transfers[1],
+                                                         tp_mode=mode, tp_depth=depth, ep=ep, cp=c, cp_mode=cp_mode)
 
 
 def _tensor_modes(t: int) -> list[tuple[bool, str, int]]:
@@ -135,25 +139,40 @@ def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tu
 
 
 def _estimates(work: Workload, cluster: Cluster, candidates) -> tuple[list[Estimate], list[Estimate]]:
-    ranked, rejected = [], []
+    """Every candidate estimated, but a context-parallel one whose data-parallel twin runs
+    (plan/context.data_parallel_twin: as fast or faster wherever it fits), which is set aside
+    unpriced: the layouts with cp > 1 go last, once the others' verdicts are in."""
+    ranked, rejected, held_back = [], [], []
     for layout in candidates:
-        e = estimate(work, cluster, layout)
-        reason = refusal(e)
-        if reason:
-            e.notes.append(f"refused: {reason}")
-        (ranked if e.fits and not reason else rejected).append(e)
+        if layout.cp > 1:
+            held_back.append(layout)
+            continue
+        _add(estimate(work, cluster, layout), ranked, rejected)
+    runs = {e.layout for e in ranked}
+    for layout in held_back:
+        if data_parallel_twin(layout) not in runs:
+            _add(estimate(work, cluster, layout), ranked, rejected)
     ranked.sort(key=lambda e: (e.step_time_s, e.memory_bytes_per_device))
     rejected.sort(key=lambda e: e.memory_bytes_per_device)
     return ranked, rejected
 
 
+def _add(e: Estimate, ranked: list[Estimate], rejected: list[Estimate]) -> None:
+    reason = refusal(e)
+    if reason:
+        e.notes.append(f"refused: {reason}")
+    (ranked if e.fits and not reason else rejected).append(e)
+
+
 def distinct(estimates: list[Estimate]) -> list[Estimate]:
-    """The best of each shape (degrees, expert parallelism, ZeRO stage, schedule, tensor-parallel mode): variants that
-    differ only in a knob that does not matter there (sequence parallelism, a checkpointing mode) would crowd a table."""
+    """The best of each shape (degrees, expert and context parallelism, ZeRO stage, schedule, tensor-parallel mode):
+    variants that differ only in a knob that does not matter there (sequence parallelism, a checkpointing mode) would
+    crowd a table."""
     seen, kept = set(), []
     for e in estimates:
         lay = e.layout
-        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth, lay.ep)
+        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth, lay.ep,
+               lay.cp, lay.cp_mode)
         if key not in seen:
             seen.add(key)
             kept.append(e)
@@ -177,7 +196,8 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
     alternatives = {
         "without tensor parallelism (tp=1)": lambda lay: lay.tp == 1,
         "without pipeline parallelism (pp=1)": lambda lay: lay.pp == 1,
-        "data parallelism alone (tp=1, pp=1, ZeRO-0)": lambda lay: lay.tp == 1 and lay.pp == 1 and lay.zero == 0,
+        "data parallelism alone (tp=1, pp=1, ZeRO-0)": lambda lay: lay.tp == 1 and lay.pp == 1 and lay.zero == 0
+        and lay.cp == 1,
         "with ZeRO-3": lambda lay: lay.zero == 3,
         f"with tensor parallelism over {link} (tp>1)": lambda lay: lay.tp > 1,
         "with tensor parallelism across nodes": lambda lay: lay.tp > cluster.devices_per_node,
@@ -190,6 +210,7 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         alternatives["with expert parallelism (ep>1)"] = lambda lay: lay.ep > 1
         alternatives["with the expert-parallel group across nodes"] = \
             lambda lay: lay.ep > 1 and lay.ep * lay.tp > cluster.devices_per_node
+    lines += context_lines(best, ranked, rejected, cluster)
     if best.layout.offload_params != "none":
         lines.append(_offload_line(best, rejected))
     spec = SCHEDULES[best.layout.schedule]

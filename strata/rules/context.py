@@ -131,19 +131,3 @@ def extra_activation_elements(model: ModelConfig, cp: int, cp_mode: str, tp: int
     repeated = exchanged_kv_heads(model, tp, cp) - local_kv_heads(model, tp)
     return tokens / cp * (model.n_heads // tp + 2 * repeated) * model.head_dim
 
-
-def recomputed_traffic(model: ModelConfig, cp: int, cp_mode: str, tp: int, tokens: int, act_bytes: float,
-                       checkpointing: str) -> float:
-    """Bytes one rank sends again per attention layer and micro-batch when the backward recomputes
-    a block checkpointed `checkpointing` ("none", "selective" or "full"; rules/checkpointing.py).
-    Full recomputation runs the block's forward again and its attention's traffic with it.
-    Selective recomputes the core attention: the ring's forward whole (its sends happen inside
-    the core), but of Ulysses' four all-to-alls only those of q, k and v: recomputation stops at
-    the last tensor backward needs, the core's output, before its all-to-all back."""
-    if cp == 1 or checkpointing == "none":
-        return 0.0
-    forward, _ = attention_traffic(model, cp, cp_mode, tp, tokens, act_bytes, act_bytes)
-    if checkpointing == "full" or cp_mode == "ring":
-        return forward
-    output = (cp - 1) / cp ** 2 * tokens * model.n_heads // tp * model.head_dim * act_bytes
-    return forward - output

@@ -1,6 +1,6 @@
 """`strata train --parallel auto`: the planner picks dp, tp, pp, ZeRO, the micro-batch, the schedule,
-activation checkpointing and (for a mixture of experts) ep for the processes at hand, and says
-which and why."""
+activation checkpointing, context parallelism (cp and its mode) and (for a mixture of experts) ep for
+the processes at hand, and says which and why."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from strata.rules.dtypes import DTYPES
 from strata.train.preflight import resume_source
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split",
-                "offload_params", "offload_activations", "tp_mode", "tp_depth", "ep")
+                "offload_params", "offload_activations", "tp_mode", "tp_depth", "ep", "cp", "cp_mode")
 
 
 def local_cluster(processes: int) -> Cluster:
@@ -62,7 +62,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
                          micro_batch=lay.micro_batch, global_batch=global_batch, schedule=lay.schedule,
                          virtual_stages=lay.virtual_stages, checkpointing=lay.checkpointing,
                          sequence_parallel=lay.sequence_parallel, tp_mode=lay.tp_mode, tp_depth=lay.tp_depth,
-                         ep=lay.ep)
+                         ep=lay.ep, cp=lay.cp, cp_mode=lay.cp_mode)
         try:
             validate(chosen, world_size, model)
         except ConfigError:
@@ -85,7 +85,8 @@ def resumed_run(cfg: TrainConfig) -> dict | None:
     layout, position, saved = manifest["layout"], manifest["data_position"], manifest["config"]
     global_batch = position["sequences"] // position["step"] if position["step"] else \
         saved["global_batch"] or saved["micro_batch"] * layout["dp"]
-    return {"world": layout["dp"] * layout["tp"] * layout["pp"], "global_batch": global_batch}
+    world = layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]  # written before cp: 1
+    return {"world": world, "global_batch": global_batch}
 
 
 def replanned(resumed: dict | None, chosen: TrainConfig, world_size: int) -> list[str]:
@@ -105,5 +106,5 @@ def as_flags(cfg: TrainConfig) -> list[str]:
              "--zero", str(cfg.zero), "--micro-batch", str(cfg.micro_batch), "--global-batch", str(cfg.global_batch),
              "--schedule", cfg.schedule, "--virtual-stages", str(cfg.virtual_stages),
              "--checkpointing", cfg.checkpointing, "--tp-mode", cfg.tp_mode, "--tp-depth", str(cfg.tp_depth),
-             "--ep", str(cfg.ep)]
+             "--ep", str(cfg.ep), "--cp", str(cfg.cp), "--cp-mode", cfg.cp_mode]
     return flags + (["--sequence-parallel"] if cfg.sequence_parallel else [])
