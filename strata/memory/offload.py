@@ -32,6 +32,7 @@ import torch
 
 from strata.memory import tiers
 
+
 def state_dtype(param: torch.Tensor) -> torch.dtype:
     """What masters and Adam's moments are kept in: fp32, or fp64 in an fp64 run."""
     return torch.promote_types(param.dtype, torch.float32)

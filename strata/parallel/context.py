@@ -27,7 +27,6 @@ from strata.parallel.tensor_comm import conjugate
 from strata.rules.context import chunk_bounds
 
 
-
 @dataclass(frozen=True)
 class SequenceChunks:
     """What one rank of the context-parallel group keeps of each sequence: the model's
@@ -61,6 +60,7 @@ def apply_context_parallel(model, axis: Axis, mode: str) -> None:
 
 @dataclass(frozen=True)
 class AttentionSettings:
+    """What the blocks' attention needs of the layout, made once and shared by the blocks."""
     axis: Axis
     chunks: SequenceChunks
     window: int | None  # sliding window: a query sees the keys less than W positions back

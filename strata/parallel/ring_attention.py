@@ -288,7 +288,7 @@ def blocks_in_one_process(q, k, v, grad, cp: int, rank: int, window: int | None,
     query gradient from the merged output and log-sum-exp. Returns (output, dq) of its chunks:
     the reference the tests and the GPU check hold to one attention over the whole sequence."""
     kernel = kernel or kernel_for(q.device)
-    seq, heads, d = q.shape[2], q.shape[1], q.shape[3]
+    seq, d = q.shape[2], q.shape[3]
     chunk = seq // (2 * cp)
 
     def ranges(r):
