@@ -197,7 +197,7 @@ def _report_correctness(p: dict) -> list[str]:
     train = ", ".join(f"{d} |Δloss| {t['max_loss_diff']:.1e} |Δw| {t['max_param_diff']:.1e} (tol {t['tolerance']:g})"
                       for d, t in p["training"].items())
     greedy = ", ".join(f"{d} {'equal' if g['passed'] else 'DIFFER'}" for d, g in p["generation"].items())
-    ring = ", ".join(f"{name} {max(r['relative_error_out'], r['relative_error_dq']):.1e} (tol {r['tolerance']:g})"
+    ring = ", ".join(f"{name} {max(r['relative_errors'].values()):.1e} (tol {r['tolerance']:g})"
                      for name, r in p.get("ring attention", {}).items())
     verdict = "PASS" if p["passed"] else "FAIL"
     return [f"correctness: {verdict}: {p['device']} vs cpu, tiny {p['steps']} steps: {train}; greedy tokens {greedy}; "

@@ -48,10 +48,13 @@ LAYOUTS = [
     (4, dict(cp=2, tp=2, cp_mode="ulysses")),
     (4, dict(cp=2, pp=2)),
     (4, dict(dp=2, cp=2, zero=3)),
+    (8, dict(cp=2, tp=2, pp=2, sequence_parallel=True)),  # later stages get a tp-th of the rank's tokens
 ]
+# bf16 autocast: what attention exchanges is what it computes with (q and k leave rotary in fp32)
+BF16 = [(2, dict(cp=2, dtype="bf16")), (2, dict(cp=2, cp_mode="ulysses", dtype="bf16"))]
 ASYNCHRONOUS = dict(schedule="2bw", grad_clip=0.0)  # PipeDream-2BW: its own single-process rule (--pp 1)
-LAUNCHES = [(world, tuple(_key(**layout) for w, layout in LAYOUTS if w == world)
-             + ((_key(cp=2, pp=2, **ASYNCHRONOUS),) if world == 4 else ())) for world in (2, 4)]
+LAUNCHES = [(world, tuple(_key(**layout) for w, layout in LAYOUTS + BF16 if w == world)
+             + ((_key(cp=2, pp=2, **ASYNCHRONOUS),) if world == 4 else ())) for world in (2, 4, 8)]
 parallel_run = SharedLaunches(_run, LAUNCHES, timeout=900)
 
 
@@ -77,6 +80,22 @@ def test_an_asynchronous_pipeline_over_context_parallel_ranks_follows_its_rule()
     for rank in parallel_run(4, _key(cp=2, pp=2, **ASYNCHRONOUS)):
         torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-10, atol=0)
     assert reference["losses"] != single_process()["losses"]  # a rule of its own
+
+
+def test_under_bf16_attention_exchanges_bf16_and_follows_one_process():
+    """Under bf16 autocast the ring sends K and V in bf16 (their gradients in fp32, as they
+    accumulate) and Ulysses exchanges q, k, v and the output in bf16: the rule's bytes with
+    2-byte activations; the losses within bf16's reach of one process's."""
+    model = get_preset("tiny").with_overrides(vocab_size=BASE["vocab_size"])
+    reference = _run(dict(dtype="bf16"))
+    tokens, micro_batches = BASE["micro_batch"] * BASE["seq_len"], BASE["global_batch"] // BASE["micro_batch"]
+    for world, layout in BF16:
+        mode = layout.get("cp_mode", "ring")
+        forward, backward = attention_traffic(model, 2, mode, 1, tokens, 2, 4)
+        for rank in parallel_run(world, _key(**layout)):
+            torch.testing.assert_close(rank["losses"], reference["losses"], rtol=2e-3, atol=0)
+            key = "send/cp" if mode == "ring" else "all_to_all/cp"
+            assert rank["record"]["comm_bytes_by_op"][key] == model.n_layers * micro_batches * (forward + backward)
 
 
 @pytest.mark.parametrize("world,layout", [lay for lay in LAYOUTS if "tp" not in lay[1] and "compile" not in lay[1]],
@@ -219,27 +238,28 @@ def test_a_rotary_model_goes_on_training_with_a_longer_context(tmp_path):
 
 
 # --- the ring's block kernels ---------------------------------------------------------------------
-@pytest.mark.parametrize("window,alibi", [(None, False), (5, False), (None, True), (11, True)])
+@pytest.mark.parametrize("window,alibi,kv_heads", [(None, False, 4), (5, False, 2), (None, True, 4), (11, True, 4)])
 @pytest.mark.parametrize("kernel", ["fused", "blockwise"])
-def test_a_rows_blocks_merge_to_attention_over_the_whole_sequence(kernel, window, alibi):
-    """Rank 1's two chunks (positions 4-7 and 24-27 of 32) against the K/V blocks of the four
-    ranks of cp 4, block by block as the ring computes them (either kernel: the fused CPU one, and
-    the blockwise one other devices use), merged by log-sum-exp: the output and the queries'
-    gradient equal one attention over the whole sequence's keys (fp64); with a window some blocks
-    are wholly outside it and some rows of a block see none of its keys (window 11: positions
-    24-27 against 12-15)."""
+def test_the_rings_blocks_merge_to_attention_over_the_whole_sequence(kernel, window, alibi, kv_heads):
+    """Every rank's two chunks of queries (cp 4, 32 positions: chunks of 4) against every rank's
+    K/V blocks, block by block as the ring computes them (either kernel: the fused CPU one, and the
+    blockwise one other devices use), merged by log-sum-exp: the output and the gradients of q, k
+    and v equal one attention over the whole sequence (fp64); with a window some blocks are wholly
+    outside it and some rows of a block see none of its keys (window 11: positions 24-27 against
+    12-15); grouped-query attention's K/V gradients summed over the query heads reading them."""
     from strata.model.layers import alibi_slopes, attention_bias
     from strata.parallel import ring_attention as ring
     torch.manual_seed(0)
     heads, seq = 4, 32
     slopes = alibi_slopes(heads) if alibi else None
-    q, k, v = (torch.randn(2, heads, seq, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q = torch.randn(2, heads, seq, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     mask = attention_bias(seq, 0, None, slopes, torch.float64, "cpu", window)
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                                 enable_gqa=kv_heads != heads)
     grad = torch.randn_like(reference)
     reference.backward(grad)
     kind = {"fused": ring._Fused, "blockwise": ring._Blockwise}[kernel]
-    out, dq = ring.blocks_in_one_process(q.detach(), k.detach(), v.detach(), grad, 4, 1, window, slopes, kind)
-    mine = lambda t: torch.cat([t[:, :, 4:8], t[:, :, 24:28]], dim=2)  # noqa: E731
-    torch.testing.assert_close(out, mine(reference).detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dq, mine(q.grad), rtol=1e-10, atol=1e-12)
+    got = ring.blocks_in_one_process(q.detach(), k.detach(), v.detach(), grad, 4, window, slopes, kind)
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), got, (reference, q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-10, atol=1e-12, msg=name)

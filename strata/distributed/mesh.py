@@ -61,12 +61,18 @@ class ParallelDims:
         return init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp),
                                 mesh_dim_names=("pp", "dp", "cp", "tp"))
 
-    def replica_group(self, mesh: DeviceMesh):
-        """The process group of the ranks that average their gradients (dp x cp, flattened as
-        torchtitan's dp_shard_cp; `_flatten` is private); None where there is one."""
+    def replica_group(self, mesh: DeviceMesh, timeout_s: float):
+        """The process group of the ranks that average their gradients: the mesh's dp group, or with
+        context parallelism the dp x cp ranks at this rank's (pp, tp) place (torchtitan's
+        dp_shard_cp), with the run's collective timeout; None where there is one rank."""
         if self.replicas == 1:
             return None
-        return mesh["dp", "cp"]._flatten("replicas").get_group() if self.cp > 1 else mesh["dp"].get_group()
+        if self.cp == 1:
+            return mesh["dp"].get_group()
+        everywhere = [[self.rank_at(pp, dp, tp, cp) for dp in range(self.dp) for cp in range(self.cp)]
+                      for pp in range(self.pp) for tp in range(self.tp)]
+        mine, _ = dist.new_subgroups_by_enumeration(everywhere, timeout=timedelta(seconds=timeout_s))
+        return mine
 
 
 def grid_axes(dims: ParallelDims, grid: TensorGrid, rank: int, whole_group, timeout_s: float) -> dict[str, Axis]:

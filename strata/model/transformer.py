@@ -41,7 +41,7 @@ class Transformer(nn.Module):
         # sequence in its place.
         self.to_blocks = nn.Identity()
         # What this rank keeps of each sequence (context parallelism: strata/parallel/context.py):
-        # None keeps all of it; else `.keep(ids)` cuts token ids and targets, `.positions(n, device)`
+        # None keeps all of it; else `.keep(ids)` cuts token ids and targets, `.positions(device)`
         # gives the kept tokens' places, and attention masks by them itself.
         self.context = None
         # what the MoE layers route and the scale of their auxiliary loss's gradient (None: dense)
@@ -154,7 +154,7 @@ class Transformer(nn.Module):
         if self.context is not None:  # this rank's chunks of every sequence (hidden states come cut)
             tokens = tokens if tokens.is_floating_point() else self.context.keep(tokens)
             targets = self.context.keep(targets) if targets is not None else None
-            positions = self.context.positions(tokens.shape[1], tokens.device)
+            positions = self.context.positions(tokens.device)
         seq = tokens.shape[1]
         h = tokens if tokens.is_floating_point() else self.to_blocks(self.embed_tokens(tokens, start, positions))
         rope = None

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from strata.config import TrainConfig
+from strata.config import TrainConfig, sequence_length
 from strata.memory.checkpointing import apply_checkpointing
 from strata.memory.tiers import OffloadedActivations, Tier
 from strata.model.config import ModelConfig
@@ -52,7 +52,7 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     elif tp_group is not None:
         apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
     if context is not None:
-        apply_context_parallel(model, context, cfg.cp_mode)
+        apply_context_parallel(model, context, cfg.cp_mode, sequence_length(cfg, model_cfg))
     set_capacity(model, cfg.capacity_factor)
     expert_names = apply_expert_parallel(model, experts) if experts is not None else set()
     if stage is not None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from strata.distributed import comm
 from strata.distributed.mesh import Axis
 from strata.model.layers import attention_bias
-from strata.parallel.ring_attention import GROUP, RingAttention
+from strata.parallel.ring_attention import GROUP, RingAttention, as_attention_computes
 from strata.parallel.tensor_comm import conjugate
 from strata.rules.context import chunk_bounds
 
@@ -30,29 +30,33 @@ from strata.rules.context import chunk_bounds
 @dataclass(frozen=True)
 class SequenceChunks:
     """What one rank of the context-parallel group keeps of each sequence: the model's
-    `context` (None on one rank). Positions are the tokens' places in the whole sequence."""
+    `context` (None on one rank). Positions are the tokens' places in the whole sequence, of the
+    run's length (every batch's, training and evaluation): a later pipeline stage, handed hidden
+    states (under sequence parallelism a tp-th of the rank's), cannot tell it from them."""
     cp: int
     rank: int
+    seq_len: int
 
-    def bounds(self, local_len: int, rank: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The two ranges of the whole sequence a rank holds, given its local length."""
-        return chunk_bounds(local_len * self.cp, self.cp, self.rank if rank is None else rank)
+    def bounds(self, rank: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The two ranges of the sequence a rank (this one by default) holds."""
+        return chunk_bounds(self.seq_len, self.cp, self.rank if rank is None else rank)
 
     def keep(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's two chunks of (batch, seq, ...) token ids or targets, along dim 1."""
         (a, b), (c, d) = chunk_bounds(x.shape[1], self.cp, self.rank)
         return torch.cat([x[:, a:b], x[:, c:d]], dim=1)
 
-    def positions(self, local_len: int, device, rank: int | None = None) -> torch.Tensor:
-        (a, b), (c, d) = self.bounds(local_len, rank)
+    def positions(self, device, rank: int | None = None) -> torch.Tensor:
+        (a, b), (c, d) = self.bounds(rank)
         return torch.cat([torch.arange(a, b, device=device), torch.arange(c, d, device=device)])
 
 
-def apply_context_parallel(model, axis: Axis, mode: str) -> None:
-    """Split the model's sequences over `axis` (the context-parallel group): the model keeps its
-    chunks, each block attends by `mode` (ring | ulysses). On the meta-device model, before the
-    pipeline split, compilation and checkpointing (which wraps the core this puts in place)."""
-    model.context = SequenceChunks(axis.size, axis.rank)
+def apply_context_parallel(model, axis: Axis, mode: str, seq_len: int) -> None:
+    """Split the model's sequences (of seq_len tokens) over `axis` (the context-parallel group):
+    the model keeps its chunks, each block attends by `mode` (ring | ulysses). On the meta-device
+    model, before the pipeline split, compilation and checkpointing (which wraps the core this puts
+    in place)."""
+    model.context = SequenceChunks(axis.size, axis.rank, seq_len)
     settings = AttentionSettings(axis, model.context, model.cfg.sliding_window, model)  # shared by the blocks
     for block in model.layers().values():
         block.attn.core = torch.compiler.disable((RingAttention if mode == "ring" else UlyssesAttention)(settings))
@@ -67,12 +71,12 @@ class AttentionSettings:
     model: object  # read at call time: ALiBi's slopes for this rank's heads (model.alibi), if any
     _orders: dict = field(default_factory=dict, compare=False)
 
-    def order(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def order(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Ulysses: the positions of every rank's tokens in rank order, and the permutation that
         sorts them; made once (every layer reads the same, and keeps it for backward once)."""
-        key = (length, str(device))
+        key = str(device)
         if key not in self._orders:
-            order = torch.cat([self.chunks.positions(length, device, rank) for rank in range(self.axis.size)])
+            order = torch.cat([self.chunks.positions(device, rank) for rank in range(self.axis.size)])
             self._orders[key] = order, torch.argsort(order)
         return self._orders[key]
 
@@ -123,10 +127,11 @@ class UlyssesAttention:
 
     def __call__(self, q, k, v, bias=None):
         s, axis = self.settings, self.settings.axis
-        heads, kv_heads, length = q.shape[1], k.shape[1], q.shape[2]
+        q, k, v = as_attention_computes(q, k, v)  # what travels: what SDPA would compute with
+        heads, kv_heads = q.shape[1], k.shape[1]
         if kv_heads % axis.size:
             k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        order, natural = s.order(length, q.device)  # every rank's tokens in rank order; sorted
+        order, natural = s.order(q.device)  # every rank's tokens in rank order; sorted
         q, k, v = (seq_to_heads(t, axis)[:, :, natural] for t in (q, k, v))
         slopes = s.slopes()
         if slopes is not None:  # this rank's heads of the tensor-parallel rank's

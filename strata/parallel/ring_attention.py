@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.distributed import comm
+from strata.rules.context import chunk_bounds
 
 GROUP = "cp"
 TILE_ELEMENTS = 1 << 24  # the blockwise kernel's scores per tile of queries (64 MB in fp32)
@@ -40,7 +41,20 @@ class RingAttention:
         self.settings = settings
 
     def __call__(self, q, k, v, bias=None):
-        return _Ring.apply(q, k, v, self.settings)
+        q, k, v = as_attention_computes(q, k, v)
+        with torch.autocast(q.device.type, enabled=False):  # the blocks' arithmetic is chosen here
+            return _Ring.apply(q, k, v, self.settings)
+
+
+def as_attention_computes(q, k, v):
+    """q, k and v in the dtype attention computes in: under autocast its dtype, as
+    scaled_dot_product_attention casts them (rotary tables in fp32 leave q and k in fp32, v comes
+    out of its projection in the autocast dtype); else as they are."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 # --- the blocks a step computes ------------------------------------------------------------------
@@ -205,10 +219,10 @@ def _wait(handles) -> None:
         handle.wait()
 
 
-def _step_blocks(settings, length: int, step: int, dtype, device) -> list[Block]:
+def _step_blocks(settings, step: int, dtype, device) -> list[Block]:
     source = (settings.axis.rank - step) % settings.axis.size
-    return blocks(settings.chunks.bounds(length), settings.chunks.bounds(length, source), settings.window,
-                  settings.slopes(), dtype, device)
+    return blocks(settings.chunks.bounds(), settings.chunks.bounds(source), settings.window, settings.slopes(), dtype,
+                  device)
 
 
 def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -231,7 +245,7 @@ class _Ring(torch.autograd.Function):
             if step < n - 1:  # the next block travels while this one is attended to
                 incoming, handles = _exchange(kv, settings, step)
             keys, values = (_per_query_head(t, heads) for t in kv)
-            _attend(q, keys, values, _step_blocks(settings, length, step, q.dtype, q.device), out, lse, kernel, scale)
+            _attend(q, keys, values, _step_blocks(settings, step, q.dtype, q.device), out, lse, kernel, scale)
             _wait(handles)
             if step < n - 1:
                 kv = incoming
@@ -246,6 +260,12 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # backward runs where loss.backward() was called, under autocast in strata's loop
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _Ring._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         settings = ctx.settings
         b, heads, length, d = q.shape
@@ -262,7 +282,7 @@ class _Ring(torch.autograd.Function):
                 incoming, handles = _exchange(kv, settings, 2 * step)
             keys, values = (_per_query_head(t, heads) for t in kv)
             dkv = torch.zeros((2, b, heads, length, d), dtype=acc, device=q.device)
-            for block in _step_blocks(settings, length, step, q.dtype, q.device):
+            for block in _step_blocks(settings, step, q.dtype, q.device):
                 dq_block, dk_block, dv_block = kernel.backward(dout, q, keys, values, out, lse, block, scale)
                 dq[:, :, block.q] += dq_block.to(acc)
                 dkv[0][:, :, block.k] += dk_block.to(acc)
@@ -281,33 +301,51 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def blocks_in_one_process(q, k, v, grad, cp: int, rank: int, window: int | None, slopes, kernel=None):
-    """What the ring computes for rank `rank`'s queries, without a ring: q, k, v, grad (b, heads,
-    s, d) over the whole sequence; its two chunks' queries against every rank's K/V blocks, block
-    by block with `kernel` (default: the device's), merged by log-sum-exp, then the backward's
-    query gradient from the merged output and log-sum-exp. Returns (output, dq) of its chunks:
-    the reference the tests and the GPU check hold to one attention over the whole sequence."""
+def blocks_in_one_process(q, k, v, grad, cp: int, window: int | None, slopes, kernel=None):
+    """What the ring computes, without a ring: q (b, heads, s, d), k and v (b, kv_heads, s, d) and
+    the output's gradient over the whole sequence; every rank's two chunks of queries against every
+    rank's K/V blocks, block by block with `kernel` (default: the device's), merged by log-sum-exp,
+    then the backward's gradients from the merged output and log-sum-exp, K's and V's summed over
+    the query heads that read them. Returns (output, dq, dk, dv) over the whole sequence: the
+    reference the tests and the GPU check hold to one attention over it."""
     kernel = kernel or kernel_for(q.device)
-    seq, d = q.shape[2], q.shape[3]
-    chunk = seq // (2 * cp)
-
-    def ranges(r):
-        return (r * chunk, (r + 1) * chunk), ((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)
+    seq, heads, d = q.shape[2], q.shape[1], q.shape[3]
+    acc, scale = torch.promote_types(q.dtype, torch.float32), 1.0 / math.sqrt(d)
+    ranges = [chunk_bounds(seq, cp, r) for r in range(cp)]
 
     def keep(t, r):
-        return torch.cat([t[:, :, a:b] for a, b in ranges(r)], dim=2)
+        return torch.cat([t[:, :, a:b] for a, b in ranges[r]], dim=2)
 
-    acc, scale = torch.promote_types(q.dtype, torch.float32), 1.0 / math.sqrt(d)
-    mine = keep(q, rank)
-    out = torch.zeros(mine.shape, dtype=acc, device=q.device)
-    lse = torch.full(mine.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    sources = [(keep(k, r), keep(v, r), blocks(ranges(rank), ranges(r), window, slopes, q.dtype, q.device))
-               for r in range(cp)]
-    for keys, values, found in sources:
-        _attend(mine, keys, values, found, out, lse, kernel, scale)
-    out = out.to(q.dtype)
-    dq = torch.zeros(mine.shape, dtype=acc, device=q.device)
-    for keys, values, found in sources:
-        for block in found:
-            dq[:, :, block.q] += kernel.backward(keep(grad, rank), mine, keys, values, out, lse, block, scale)[0].to(acc)
-    return out, dq.to(q.dtype)
+    def put(whole, part, r):  # a rank's two chunks back at their places in the sequence
+        half = part.shape[2] // 2
+        for i, (a, b) in enumerate(ranges[r]):
+            whole[:, :, a:b] += part[:, :, i * half:(i + 1) * half]
+
+    keys = [_per_query_head(keep(k, r), heads) for r in range(cp)]
+    values = [_per_query_head(keep(v, r), heads) for r in range(cp)]
+    out_all, dq_all, dk_all, dv_all = (torch.zeros(q.shape, dtype=acc, device=q.device) for _ in range(4))
+    for r in range(cp):
+        mine = keep(q, r)
+        found = [blocks(ranges[r], ranges[source], window, slopes, q.dtype, q.device) for source in range(cp)]
+        out = torch.zeros(mine.shape, dtype=acc, device=q.device)
+        lse = torch.full(mine.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        for source in range(cp):
+            _attend(mine, keys[source], values[source], found[source], out, lse, kernel, scale)
+        out = out.to(q.dtype)
+        put(out_all, out.to(acc), r)
+        dq = torch.zeros(mine.shape, dtype=acc, device=q.device)
+        for source in range(cp):
+            dk, dv = (torch.zeros(keys[source].shape, dtype=acc, device=q.device) for _ in range(2))
+            for block in found[source]:
+                dq_block, dk_block, dv_block = kernel.backward(keep(grad, r), mine, keys[source], values[source], out,
+                                                               lse, block, scale)
+                dq[:, :, block.q] += dq_block.to(acc)
+                dk[:, :, block.k] += dk_block.to(acc)
+                dv[:, :, block.k] += dv_block.to(acc)
+            put(dk_all, dk, source)
+            put(dv_all, dv, source)
+        put(dq_all, dq, r)
+    kv_heads = k.shape[1]
+    if kv_heads != heads:  # each KV head's gradient: the sum over the query heads that read it
+        dk_all, dv_all = (t.view(t.shape[0], kv_heads, heads // kv_heads, seq, d).sum(dim=2) for t in (dk_all, dv_all))
+    return out_all.to(q.dtype), dq_all.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from strata.model.config import ModelConfig
 from strata.plan.experts import link_name
 from strata.plan.links import Cluster, all_to_all_seconds, collective_seconds, group_link
-from strata.rules.context import attention_traffic, extra_activation_elements, recomputed_traffic
+from strata.rules.context import attention_traffic, extra_activation_elements, recomputed_traffic, ring_gradient_bytes
 from strata.rules.layout import Layout
 
 SEARCHED_DEGREES = (2, 4, 8)  # the cp values the search tries (any other through --layout)
@@ -129,7 +129,7 @@ def context_comm(cfg: ModelConfig, lay: Layout, cluster: Cluster, tokens: int, a
     cp = lay.cp
     if cp == 1:
         return NO_CONTEXT
-    grad_bytes = max(act_bytes, 4)  # the ring's dK/dV accumulate in fp32 (or wider), as they travel
+    grad_bytes = ring_gradient_bytes(act_bytes)
     forward, backward = attention_traffic(cfg, cp, lay.cp_mode, lay.tp, tokens, act_bytes, grad_bytes)
     again = recomputed_traffic(cfg, cp, lay.cp_mode, lay.tp, tokens, act_bytes, lay.checkpointing)
     if lay.cp_mode == "ulysses":

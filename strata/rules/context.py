@@ -25,7 +25,7 @@ same) and |Q| the queries' (b·s·heads/tp·head_dim):
            sends (cp-1)/cp of what the rank holds, 1/cp of the layer's; the backward the same again
 So the ring moves K and V cp-1 times over whatever cp, and Ulysses 1/cp of all four tensors, less
 per rank as cp grows (Jacobs et al.'s point), but on the critical path, with nothing to overlap.
-(with full recomputation the forward's runs again in the backward). Ulysses needs the heads each
+What recomputation sends again: `recomputed_traffic`. Ulysses needs the heads each
 tensor-parallel rank holds to divide by cp; KV heads that do not (grouped-query attention with
 fewer KV heads than cp) are repeated to one per query head before the exchange, |K| = |Q|."""
 
@@ -102,15 +102,25 @@ def attention_traffic(model: ModelConfig, cp: int, cp_mode: str, tp: int, tokens
     return forward, forward
 
 
+def ring_gradient_bytes(act_bytes: float) -> float:
+    """Bytes per element of the K and V gradients the ring sends: they accumulate in at least fp32
+    as they travel (the activations' dtype when wider: fp64)."""
+    return max(act_bytes, 4)
+
+
 def recomputed_traffic(model: ModelConfig, cp: int, cp_mode: str, tp: int, tokens: int, act_bytes: float,
                        checkpointing: str) -> float:
-    """Bytes the backward's recomputation sends again per attention layer and micro-batch: the
-    forward's under full checkpointing (the block is rerun up to its last saved tensor, past
-    attention); under selective (the core attention rerun) the ring's forward, and Ulysses' but
-    the output's all-to-all: torch's checkpoint stops recomputing once the tensors backward needs
-    are back, and attention's output is kept before that last exchange."""
+    """Bytes the backward's recomputation sends again per attention layer and micro-batch, for the
+    layer's own checkpointing ("none", "selective", "full"; under every:K the first K blocks of a
+    chunk are "full", the rest "none"): the forward's under full checkpointing (the block is rerun
+    up to its last saved tensor, past attention); under selective (the core attention rerun) the
+    ring's forward, and Ulysses' but the output's all-to-all: torch's checkpoint stops recomputing
+    once the tensors backward needs are back, and attention's output is kept before that last
+    exchange."""
+    if checkpointing not in ("none", "selective", "full"):
+        raise ValueError(f"a layer's checkpointing is none, selective or full, not {checkpointing!r}")
     forward, _ = attention_traffic(model, cp, cp_mode, tp, tokens, act_bytes, act_bytes)
-    if checkpointing in ("none",) or cp == 1:
+    if checkpointing == "none" or cp == 1:
         return 0.0
     if checkpointing == "selective" and cp_mode == "ulysses":
         q = tokens * model.n_heads // tp * model.head_dim

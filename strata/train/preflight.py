@@ -50,7 +50,7 @@ def model_shape(cfg: TrainConfig) -> ModelConfig:
         base = store.model_config(store.read_state(cfg.init_from), store.resolve(cfg.init_from))
     if cfg.n_heads:  # as many KV heads, d_model / heads wide
         base = replace(base, n_heads=cfg.n_heads, n_kv_heads=None, d_head=None)
-    if cfg.max_seq_len and base.position == "learned" and cfg.init_from:
+    if cfg.max_seq_len and cfg.max_seq_len != base.max_seq_len and base.position == "learned" and cfg.init_from:
         raise ConfigError(f"not with --init-from a model with learned positions: its position table has "
                           f"{base.max_seq_len} rows", "max_seq_len", cfg.max_seq_len)
     return base.with_overrides(n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len)

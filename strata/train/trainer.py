@@ -96,7 +96,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     cfg.global_batch = global_batch_size(cfg, world_size)
     cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
-    groups = _groups(dims, device)
+    groups = _groups(dims, device, cfg.timeout)
     context = Axis(groups["cp"], "cp", dims.cp, dims.coordinates(rank)["cp"]) if dims.cp > 1 else None
     experts = ExpertAxes(*expert_axes(dims, cfg.ep, rank, cfg.timeout)) if cfg.ep > 1 else None
     grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
@@ -138,13 +138,13 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     return run
 
 
-def _groups(dims: ParallelDims, device: torch.device) -> dict[str, object]:
+def _groups(dims: ParallelDims, device: torch.device, timeout_s: float) -> dict[str, object]:
     """The process group of each mesh dimension with more than one rank (None where it has one);
     "dp" is the ranks that average their gradients: with context parallelism, dp x cp."""
     mesh = dims.build_mesh(device.type)
     groups = {name: mesh[name].get_group() if mesh is not None and getattr(dims, name) > 1 else None
               for name in ("cp", "tp", "pp")}
-    return {"dp": dims.replica_group(mesh) if mesh is not None else None, **groups}
+    return {"dp": dims.replica_group(mesh, timeout_s) if mesh is not None else None, **groups}
 
 
 def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) -> None:
