@@ -28,10 +28,12 @@ def test_toml_values_read_back_exactly(value):
 
 def test_a_config_reads_back_exactly():
     """Every field set away from its default, of every type TrainConfig holds."""
-    cfg = TrainConfig(model="small", n_layers=3, data="data/it's \"here\"", seq_len=128, seed=2**40, dtype="bf16",
+    cfg = TrainConfig(model="small", n_layers=3, max_seq_len=512, data="data/it's \"here\"", seq_len=128, seed=2**40,
+                      dtype="bf16",
                       steps=7, micro_batch=3, global_batch=12, lr=3e-4, min_lr=1e-5, warmup_steps=2,
                       weight_decay=0.0, beta2=0.999, grad_clip=0.5, loss_scale=1024.0, parallel="manual", nproc=4,
-                      dp=2, tp=2, sequence_parallel=True, pp=1, checkpointing="every:2", offload="disk",
+                      dp=2, tp=2, sequence_parallel=True, pp=1, cp=2, cp_mode="ulysses", checkpointing="every:2",
+                      offload="disk",
                       offload_dir="/tmp/o", reduce_dtype="bf16", bucket_mb=12.5, device="cpu", timeout=60.0,
                       eval_every=5, metrics="m.jsonl", tensorboard="tb", save="ck", save_every=2, keep=3,
                       async_save=True, resume="auto", max_restarts=1, progress=False, trace="t.json",

@@ -58,8 +58,9 @@ def apply_context_parallel(model, axis: Axis, mode: str, seq_len: int) -> None:
     in place)."""
     model.context = SequenceChunks(axis.size, axis.rank, seq_len)
     settings = AttentionSettings(axis, model.context, model.cfg.sliding_window, model)  # shared by the blocks
+    core = torch.compiler.disable((RingAttention if mode == "ring" else UlyssesAttention)(settings))
     for block in model.layers().values():
-        block.attn.core = torch.compiler.disable((RingAttention if mode == "ring" else UlyssesAttention)(settings))
+        block.wrap_core_attention(lambda one_device_core: core)  # in its place
 
 
 @dataclass(frozen=True)
