@@ -125,9 +125,21 @@ def test_the_bytes_sent_over_the_context_parallel_group_are_the_rules(world, lay
 
 
 # --- a sliding window and ALiBi ------------------------------------------------------------------
+def _narrow_window_mistral():
+    """A Mistral whose 4 heads (2 KV heads) split every way the layouts need, with a window of 6:
+    under cp 2 (chunks of 8) and cp 4 (chunks of 4) some blocks lie wholly outside it, some
+    partly, and some rows of a block see none of its keys."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=251, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=6)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
 @functools.lru_cache(maxsize=None)
 def converted(case: str, root: str) -> str:
-    hf_model(case).save_pretrained(f"{root}/{case}/hf")
+    (_narrow_window_mistral() if case == "mistral-window-6" else hf_model(case)).save_pretrained(f"{root}/{case}/hf")
     assert strata_main(["convert", "--from-hf", f"{root}/{case}/hf", "--out", f"{root}/{case}/ck"]) == 0
     return f"{root}/{case}/ck"
 
@@ -136,18 +148,26 @@ def _family_losses(jobs):
     return [fp64_losses(checkpoint, **layout) for checkpoint, layout in jobs]
 
 
+WINDOWED = [(2, dict(cp=2)), (2, dict(cp=2, cp_mode="ulysses")), (4, dict(cp=4)), (4, dict(cp=4, cp_mode="ulysses")),
+            (4, dict(dp=2, cp=2, zero=1)), (4, dict(cp=2, tp=2, sequence_parallel=True)), (4, dict(cp=2, pp=2))]
+
+
 def test_a_sliding_window_and_alibi_reproduce_the_single_process_run(tmp_path):
-    """Mistral's window of 16 over 32-token sequences (chunks of 8 under cp 2, of 4 under cp 4:
-    some blocks wholly outside the window) and BLOOM's six ALiBi heads, converted from random-weight
-    transformers models: fp64 losses within 1e-10 under ring and Ulysses."""
-    checkpoints = {case: converted(case, str(tmp_path)) for case in ("mistral", "bloom")}
+    """Converted from random-weight transformers models: a Mistral with a window of 6 under every
+    layout of the causal test above (cp 2 and 4 by ring and Ulysses, dp2 x cp2, tp2 x cp2,
+    cp2 x pp2); Mistral's window of 16 (chunks of 8 under cp 2, of 4 under cp 4) and BLOOM's six
+    ALiBi heads under ring and Ulysses: fp64 losses within 1e-10 of one process."""
+    cases = ("mistral-window-6", "mistral", "bloom")
+    checkpoints = {case: converted(case, str(tmp_path)) for case in cases}
     reference = {case: fp64_losses(ck) for case, ck in checkpoints.items()}
-    two = [(case, dict(cp=2, cp_mode=mode)) for case in checkpoints for mode in ("ring", "ulysses")]
-    four = [(case, dict(cp=4)) for case in checkpoints]
-    for world, jobs in ((2, two), (4, four)):
-        got = run_on_ranks(_family_losses, world, [(checkpoints[case], layout) for case, layout in jobs], timeout=600)
+    jobs = [(world, "mistral-window-6", layout) for world, layout in WINDOWED]
+    jobs += [(world, case, layout) for case in ("mistral", "bloom")
+             for world, layout in ((2, dict(cp=2)), (2, dict(cp=2, cp_mode="ulysses")), (4, dict(cp=4)))]
+    for world in (2, 4):
+        mine = [(case, layout) for w, case, layout in jobs if w == world]
+        got = run_on_ranks(_family_losses, world, [(checkpoints[case], layout) for case, layout in mine], timeout=600)
         for rank in got:
-            for (case, layout), losses in zip(jobs, rank):
+            for (case, layout), losses in zip(mine, rank):
                 torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[case]), rtol=1e-10, atol=0,
                                            msg=f"{case} {layout}")
 
