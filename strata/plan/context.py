@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from strata.model.config import ModelConfig
 from strata.plan.experts import link_name
-from strata.plan.links import Cluster, all_to_all_seconds, collective_seconds, group_link
+from strata.plan.links import Cluster, all_to_all_seconds, collective_seconds, group_link, members_per_node
 from strata.rules.context import attention_traffic, extra_activation_elements, recomputed_traffic, ring_gradient_bytes
 from strata.rules.layout import Layout
 
@@ -103,14 +103,6 @@ class ContextComm:
 NO_CONTEXT = ContextComm(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-def members_per_node(cluster: Cluster, lay: Layout) -> int:
-    """How many of a context-parallel group's cp members (tp ranks apart) share a node."""
-    per_node = cluster.devices_per_node
-    if lay.cp * lay.tp <= per_node:
-        return lay.cp
-    return max(1, per_node // lay.tp) if lay.tp < per_node else 1
-
-
 def context_comm(cfg: ModelConfig, lay: Layout, cluster: Cluster, tokens: int, act_bytes: int,
                  attention_forward_s: float, attention_backward_s: float) -> ContextComm:
     """A layer's traffic (rules/context.attention_traffic for the micro-batch's whole `tokens`, b·s,
@@ -133,7 +125,7 @@ def context_comm(cfg: ModelConfig, lay: Layout, cluster: Cluster, tokens: int, a
     forward, backward = attention_traffic(cfg, cp, lay.cp_mode, lay.tp, tokens, act_bytes, grad_bytes)
     again = recomputed_traffic(cfg, cp, lay.cp_mode, lay.tp, tokens, act_bytes, lay.checkpointing)
     if lay.cp_mode == "ulysses":
-        inside = members_per_node(cluster, lay)
+        inside = members_per_node(cluster, cp, lay.tp)  # the group's members, tp ranks apart
         # four exchanges each way (q's and the output's larger than k's and v's under grouped-query
         # attention): all_to_all_seconds is affine in the bytes, so four of the mean size take as
         # long as the four; what recomputation sends again, at the forward's rate

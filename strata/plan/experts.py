@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
 from strata.plan.links import Cluster, all_to_all_seconds, group_link
+from strata.plan.links import members_per_node as members_on_a_node
 from strata.plan.memory import ModelStates, held_state_bytes
 from strata.rules.experts import COUNT_BYTES, uniform_all_to_all_bytes
 from strata.rules.layout import Layout
@@ -137,14 +138,6 @@ class AllToAll:
 NO_ALL_TO_ALL = AllToAll(0.0, 0.0, 0.0, False)
 
 
-def ep_members_per_node(cluster: Cluster, lay: Layout) -> int:
-    """How many of an expert-parallel group's ep members (tp ranks apart) share a node."""
-    per_node = cluster.devices_per_node
-    if lay.ep * lay.tp <= per_node:
-        return lay.ep
-    return max(1, per_node // lay.tp) if lay.tp < per_node else 1
-
-
 def all_to_all(cfg: ModelConfig, lay: Layout, cluster: Cluster, tokens: int, act_bytes: int,
                members_per_node: int | None = None) -> AllToAll:
     """The dispatch and the combine forward, the same two backward, each rank sending (ep-1)/ep of its
@@ -155,7 +148,7 @@ def all_to_all(cfg: ModelConfig, lay: Layout, cluster: Cluster, tokens: int, act
     if not cfg.moe or lay.ep == 1:
         return NO_ALL_TO_ALL
     ep = lay.ep
-    inside = members_per_node or ep_members_per_node(cluster, lay)
+    inside = members_per_node or members_on_a_node(cluster, ep, lay.tp)
     total = uniform_all_to_all_bytes(tokens, cfg.experts_per_token, cfg.d_model, act_bytes, ep)
     one = all_to_all_seconds(cluster, total / 4, ep, inside)
     counts = all_to_all_seconds(cluster, (ep - 1) * (cfg.n_experts // ep) * COUNT_BYTES, ep, inside)

@@ -33,6 +33,14 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
 
+def members_per_node(cluster: Cluster, size: int, stride: int) -> int:
+    """How many of a group's `size` members, `stride` ranks apart, share a node."""
+    per_node = cluster.devices_per_node
+    if size * stride <= per_node:
+        return size
+    return max(1, per_node // stride) if stride < per_node else 1
+
+
 def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, bool]:
     """(bandwidth per direction each member gets, latency per step, crosses nodes) for a group of
     `size` devices `stride` ranks apart, when every group of its kind communicates at once."""
@@ -41,10 +49,10 @@ def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, 
     per_node = cluster.devices_per_node
     if size * stride <= per_node:
         return cluster.intra_bandwidth, cluster.intra_latency, False
-    members_per_node = max(1, per_node // stride) if stride < per_node else 1
-    groups_per_node = per_node // members_per_node  # rings that leave each node at once
+    members = members_per_node(cluster, size, stride)
+    groups_per_node = per_node // members  # rings that leave each node at once
     across = cluster.inter_bandwidth / groups_per_node
-    inside = cluster.intra_bandwidth if members_per_node > 1 else float("inf")
+    inside = cluster.intra_bandwidth if members > 1 else float("inf")
     return min(across, inside), cluster.inter_latency, True
 
 
