@@ -259,14 +259,14 @@ def test_gradient_passes_are_priced_per_micro_batch_as_the_runtime_makes_them():
     micro-batch's full gradients and add the reduced shard."""
     from dataclasses import replace
 
-    from strata.plan.cost import _gradient_pass_seconds
+    from strata.plan.data_parallel import gradient_pass_seconds
     cluster = _selene(1)
     params, bandwidth = 1e9, cluster.device.memory_bandwidth
     for m in (1, 8):
-        assert _gradient_pass_seconds(cluster, Layout(dp=8), params, m, False) == \
+        assert gradient_pass_seconds(cluster, Layout(dp=8), params, m, False) == \
             pytest.approx((m - 1) * 12 * params / bandwidth)
-        assert _gradient_pass_seconds(cluster, Layout(dp=8), params, m, True) == 0
-        assert _gradient_pass_seconds(cluster, Layout(dp=8, zero=2), params, m, True) == \
+        assert gradient_pass_seconds(cluster, Layout(dp=8), params, m, True) == 0
+        assert gradient_pass_seconds(cluster, Layout(dp=8, zero=2), params, m, True) == \
             pytest.approx((m * 12 * params + (m - 1) * 12 * params / 8) / bandwidth)
     work = workload(get_preset("llama3-8b"), 64, 2048, "bf16")
     one, eight = (estimate(work, cluster, Layout(dp=8, zero=1, micro_batch=mb, checkpointing="full"))

@@ -16,6 +16,7 @@ from functools import lru_cache
 from strata.model.config import ModelConfig
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
 from strata.plan.context import NO_CONTEXT, ContextComm, context_comm, extra_activation_bytes
+from strata.plan.data_parallel import BYTES, data_parallel_seconds, gradient_pass_seconds, optimizer_seconds
 from strata.plan.experts import (
     NO_ALL_TO_ALL,
     AllToAll,
@@ -33,13 +34,9 @@ from strata.plan.links import Cluster, collective_seconds
 from strata.plan.memory import ModelStates, activation_bytes_per_layer
 from strata.plan.offload import offload_cost, offloads
 from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
-from strata.rules.constants import BUCKET_MB
-from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import make_layout, unit_costs
 from strata.rules.schedules import SCHEDULES, profile
-
-BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the training precisions priced
 
 
 def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
@@ -351,7 +348,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     comm_seconds = {"tp": slowest.tp_seconds * m + sums_seconds, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
     held = params_held(cfg, lay, slowest.load.params, slowest.load.layers, slowest.load.first, slowest.load.last)
     dense, experts = expert_share(cfg, lay, held, slowest.load.layers)
-    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = _data_parallel(cluster, lay, dense, m, slowest.forward,
+    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = data_parallel_seconds(cluster, lay, dense, m, slowest.forward,
                                                                       slowest.backward, slowest.load.layers)
     exposed = {"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]}
     if lay.cp > 1:  # the K/V ring or Ulysses' all-to-alls; what the attention hides counts in the total only
@@ -360,7 +357,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     if cfg.moe:  # the all-to-alls, exposed; the experts' gradients over their own group, after the dense ones
         comm_seconds["ep"] = exposed["ep"] = slowest.ep_seconds * m
         comm_bytes["ep"] = slowest.ep_bytes * m
-        comm_seconds["edp"], exposed["edp"], comm_bytes["edp"] = _data_parallel(
+        comm_seconds["edp"], exposed["edp"], comm_bytes["edp"] = data_parallel_seconds(
             cluster, lay, experts, m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]),
             slowest.load.layers, expert_group(lay))
     updated = updated_params(cfg, lay, held, slowest.load.layers)  # by this rank's optimizer step
@@ -369,8 +366,8 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     # micro-batch; with unequal ones, the others' (the slowest stage's own is all in m x its time)
     others = [r.total for rank, r in enumerate(ranks) if rank != slowest_rank] or [slowest.total]
     bubble_time = _bubble_time(lay, m, sum(others) / len(others))
-    optimizer = _optimizer_seconds(cluster, lay, updated)
-    gradient_passes = _gradient_pass_seconds(cluster, lay, held, m, work.fused_accumulation) / rate_scale
+    optimizer = optimizer_seconds(cluster, lay, updated)
+    gradient_passes = gradient_pass_seconds(cluster, lay, held, m, work.fused_accumulation) / rate_scale
     # the partial gradients' sums run after the last backward, before the update
     step = m * slowest.total + sums_seconds + gradient_passes + bubble_time + dp_exposed + optimizer + exposed.get("edp", 0.0)
     io = exposed_io = 0.0
@@ -444,77 +441,3 @@ def _buffers(cfg: ModelConfig, lay: Layout, t: int) -> float:
     largest = max(embedding, block, head) / t
     tied = embedding / t * BYTES[lay.gather_dtype] if cfg.tie_embeddings else 0.0
     return largest * (2 * BYTES[lay.gather_dtype] + BYTES[lay.reduce_dtype]) + tied
-
-
-def _data_parallel(cluster: Cluster, lay: Layout, params_local: float, m: int, t_fwd: float, t_bwd: float,
-                   layers_local: float, group: tuple[int, int] | None = None):
-    """(total seconds, seconds not hidden behind compute, bytes per device) of the ranks holding the
-    same parameters, dp x cp of them tp apart (or `group`: (size, stride), a mixture's
-    expert-data-parallel one), each collective priced in the
-    dtype the runtime moves: gradients in the reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's
-    of the updated shards) in the gather dtype."""
-    d, stride = group or (lay.replicas, lay.tp)
-    if d == 1:
-        return 0.0, 0.0, 0.0
-    if not cluster.overlap:  # nothing runs beside compute: every second is exposed
-        t_fwd = t_bwd = 0.0
-    ring = (d - 1) / d
-    grad_bytes = params_local * BYTES[lay.reduce_dtype]
-    if lay.zero == 3:  # all-gather forward, all-gather backward, reduce-scatter: every micro-batch,
-        # one collective per unit (a block; the embedding; the head), each paying its latency
-        units = max(1, round(layers_local)) + 2
-        gather_bytes = params_local * BYTES[lay.gather_dtype]
-        gather = collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride)
-        scatter = collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride)
-        per_mb = units * (2 * gather + scatter)
-        # prefetch hides the rest behind compute, but the first unit's gather comes before any
-        # compute and the last unit's reduce-scatter after it
-        ends = gather + scatter
-        exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
-        return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
-    buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # gradients reduce in --bucket-mb buckets
-    if lay.zero == 0:  # one all-reduce per bucket
-        total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride)
-        # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
-        # ready only when the backward ends; after a pipeline schedule, all of them at the end
-        exposed = total if lay.pp > 1 else max(total / buckets, total - t_bwd)
-        return total, exposed, 2 * ring * grad_bytes
-    # ZeRO-1: one reduce-scatter per step (overlapping the last backward unless a pipeline schedule
-    # ran), ZeRO-2: one every micro-batch, the last bucket of each exposed; then an all-gather of the
-    # updated shards
-    reductions = m if lay.zero == 2 else 1
-    gather_bytes = params_local * BYTES[lay.gather_dtype]
-    rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride)
-    ag = collective_seconds(cluster, "all_gather", gather_bytes, d, stride)
-    hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
-    exposed = max(rs / buckets if hidden else rs, rs - hidden) * reductions + ag
-    return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
-
-
-def _gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m: int, fused: bool) -> float:
-    """What a step does to its gradients outside the GEMMs, in passes over fp32 memory at the
-    memory's bandwidth (as the optimizer step): ZeRO-0/1 add each micro-batch's gradients after the
-    first to the accumulated ones (both read, the sum written: 3 passes; none when the GEMM sums
-    them itself, as Megatron-LM's gradient-accumulation fusion does); ZeRO-2/3 stage every
-    micro-batch's full gradients for its reduce-scatter (a zeroed buffer, the copy into it) and
-    add the reduced shard to the accumulated one."""
-    full = 3 * params_local * 4
-    if lay.zero >= 2:
-        passes = m * full + max(0, m - 1) * full / lay.replicas
-    else:
-        passes = 0.0 if fused else max(0, m - 1) * full
-    return passes / cluster.device.memory_bandwidth
-
-
-def _optimizer_seconds(cluster: Cluster, lay: Layout, updated: float) -> float:
-    """Adam is memory-bound: it reads and writes its states and the weights once (about 16 bytes
-    read + 16 written per parameter it updates: all a rank holds, or under ZeRO its shards,
-    plan/experts.updated_params). Offloaded, the gradients go to the host and the weights come back
-    over PCIe, and the host does the update."""
-    if lay.offload == "cpu":
-        return updated * 4 / PCIE_BYTES_PER_S + updated * 32 / HOST_MEMORY_BYTES_PER_S
-    return updated * 32 / cluster.device.memory_bandwidth
-
-
-PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, achieved
-HOST_MEMORY_BYTES_PER_S = 50e9  # one socket's DRAM bandwidth, achieved

@@ -1,0 +1,87 @@
+"""What a step does with the gradients and states of the ranks holding the same parameters (dp,
+and with context parallelism dp x cp): the data-parallel and ZeRO collectives and what of them
+compute hides, the passes over the gradients outside the GEMMs, and the optimizer step. Terms and
+sources: docs/cost-model.md; the estimate that adds them up: plan/cost.py."""
+
+from __future__ import annotations
+
+from strata.plan.links import Cluster, collective_seconds
+from strata.rules.constants import BUCKET_MB
+from strata.rules.dtypes import DTYPES
+from strata.rules.layout import Layout
+
+BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the training precisions priced
+
+
+def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m: int, t_fwd: float, t_bwd: float,
+                   layers_local: float, group: tuple[int, int] | None = None):
+    """(total seconds, seconds not hidden behind compute, bytes per device) of the ranks holding the
+    same parameters, dp x cp of them tp apart (or `group`: (size, stride), a mixture's
+    expert-data-parallel one), each collective priced in the
+    dtype the runtime moves: gradients in the reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's
+    of the updated shards) in the gather dtype."""
+    d, stride = group or (lay.replicas, lay.tp)
+    if d == 1:
+        return 0.0, 0.0, 0.0
+    if not cluster.overlap:  # nothing runs beside compute: every second is exposed
+        t_fwd = t_bwd = 0.0
+    ring = (d - 1) / d
+    grad_bytes = params_local * BYTES[lay.reduce_dtype]
+    if lay.zero == 3:  # all-gather forward, all-gather backward, reduce-scatter: every micro-batch,
+        # one collective per unit (a block; the embedding; the head), each paying its latency
+        units = max(1, round(layers_local)) + 2
+        gather_bytes = params_local * BYTES[lay.gather_dtype]
+        gather = collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride)
+        scatter = collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride)
+        per_mb = units * (2 * gather + scatter)
+        # prefetch hides the rest behind compute, but the first unit's gather comes before any
+        # compute and the last unit's reduce-scatter after it
+        ends = gather + scatter
+        exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
+        return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
+    buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # gradients reduce in --bucket-mb buckets
+    if lay.zero == 0:  # one all-reduce per bucket
+        total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride)
+        # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
+        # ready only when the backward ends; after a pipeline schedule, all of them at the end
+        exposed = total if lay.pp > 1 else max(total / buckets, total - t_bwd)
+        return total, exposed, 2 * ring * grad_bytes
+    # ZeRO-1: one reduce-scatter per step (overlapping the last backward unless a pipeline schedule
+    # ran), ZeRO-2: one every micro-batch, the last bucket of each exposed; then an all-gather of the
+    # updated shards
+    reductions = m if lay.zero == 2 else 1
+    gather_bytes = params_local * BYTES[lay.gather_dtype]
+    rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride)
+    ag = collective_seconds(cluster, "all_gather", gather_bytes, d, stride)
+    hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
+    exposed = max(rs / buckets if hidden else rs, rs - hidden) * reductions + ag
+    return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
+
+
+def gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m: int, fused: bool) -> float:
+    """What a step does to its gradients outside the GEMMs, in passes over fp32 memory at the
+    memory's bandwidth (as the optimizer step): ZeRO-0/1 add each micro-batch's gradients after the
+    first to the accumulated ones (both read, the sum written: 3 passes; none when the GEMM sums
+    them itself, as Megatron-LM's gradient-accumulation fusion does); ZeRO-2/3 stage every
+    micro-batch's full gradients for its reduce-scatter (a zeroed buffer, the copy into it) and
+    add the reduced shard to the accumulated one."""
+    full = 3 * params_local * 4
+    if lay.zero >= 2:
+        passes = m * full + max(0, m - 1) * full / lay.replicas
+    else:
+        passes = 0.0 if fused else max(0, m - 1) * full
+    return passes / cluster.device.memory_bandwidth
+
+
+def optimizer_seconds(cluster: Cluster, lay: Layout, updated: float) -> float:
+    """Adam is memory-bound: it reads and writes its states and the weights once (about 16 bytes
+    read + 16 written per parameter it updates: all a rank holds, or under ZeRO its shards,
+    plan/experts.updated_params). Offloaded, the gradients go to the host and the weights come back
+    over PCIe, and the host does the update."""
+    if lay.offload == "cpu":
+        return updated * 4 / PCIE_BYTES_PER_S + updated * 32 / HOST_MEMORY_BYTES_PER_S
+    return updated * 32 / cluster.device.memory_bandwidth
+
+
+PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, achieved
+HOST_MEMORY_BYTES_PER_S = 50e9  # one socket's DRAM bandwidth, achieved
