@@ -9,7 +9,11 @@ from the saved-tensor hooks, ZeRO-3's gathered units and staged gradients at the
 what max_memory_allocated measures on a GPU; the process's
 resident set adds the interpreter and the allocator's caches, shown for reference.
 
-  python bench/planner.py [--steps 6] [--profile FILE]
+The measured step time is the median of every step after the first, pooled over --passes sweeps
+of all the layouts: the same layout measured in two sweeps ten minutes apart differed by up to 15%
+on this shared machine, and one slow spell in one sweep should not make a layout's number.
+
+  python bench/planner.py [--steps 6] [--passes 2] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
     subprocess.run(list(map(str, cmd)), check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     records = [json.loads(line) for line in open(metrics) if '"train"' in line]
     last = records[-1]
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
+    return {"step_times": [r["step_time_s"] for r in records[1:]],
             "memory": last["model_state_bytes"] + last["peak_activation_bytes"] + last.get("buffer_bytes", 0),
             "rss": last["peak_mem_bytes"]}
 
@@ -67,33 +71,40 @@ def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--passes", type=int, default=2, help="sweeps of every layout, their steps pooled")
     p.add_argument("--profile", help="calibration profile (default: the one `strata calibrate` wrote)")
     args = p.parse_args()
     profile = load_profile(args.profile)
     work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
-    rows, worst_time, worst_memory = [], 0.0, 0.0
+    measured: dict[tuple[int, Layout], dict] = {}
     with tempfile.TemporaryDirectory() as out_dir:
-        for nproc, layouts in LAYOUTS.items():
-            cluster = cpu_local_cluster(nproc, profile)
-            results = []
-            for layout in layouts:
-                predicted = estimate(work, cluster, layout)
-                measured = measure(layout, nproc, args.steps, out_dir)
-                results.append((layout, predicted, measured))
-                time_err = predicted.step_time_s / measured["step_time_s"] - 1
-                mem_pred = predicted.memory_bytes_per_device
-                mem_err = mem_pred / measured["memory"] - 1
-                worst_time, worst_memory = max(worst_time, abs(time_err)), max(worst_memory, abs(mem_err))
-                rows.append(f"| {nproc} | {layout.describe()} | {predicted.step_time_s:.3f} | {measured['step_time_s']:.3f} "
-                            f"| {time_err:+.0%} | {mem_pred / 2**20:.1f} | {measured['memory'] / 2**20:.1f} "
-                            f"| {mem_err:+.0%} | {measured['rss'] / 2**20:.0f} |")
-                print(rows[-1], flush=True)
-            top = min(results, key=lambda r: r[1].step_time_s)
-            fastest = min(results, key=lambda r: r[2]["step_time_s"])
-            gap = top[2]["step_time_s"] / fastest[2]["step_time_s"] - 1
-            rows.append(f"| {nproc} | planner's choice {top[0].describe()}: measured {gap:+.0%} against the fastest "
-                        f"measured, {fastest[0].describe()} | | | | | | | |")
-            print(rows[-1], flush=True)
+        for sweep in range(args.passes):
+            for nproc, layouts in LAYOUTS.items():
+                for layout in layouts:
+                    run = measure(layout, nproc, args.steps, out_dir)
+                    kept = measured.setdefault((nproc, layout), {**run, "step_times": []})
+                    kept["step_times"] += run["step_times"]
+                    print(f"pass {sweep + 1}: {nproc} ranks {layout.describe()}: "
+                          f"{statistics.median(run['step_times']):.3f} s", flush=True)
+    rows, worst_time, worst_memory = [], 0.0, 0.0
+    for nproc, layouts in LAYOUTS.items():
+        cluster = cpu_local_cluster(nproc, profile)
+        results = []
+        for layout in layouts:
+            predicted, run = estimate(work, cluster, layout), measured[(nproc, layout)]
+            step = statistics.median(run["step_times"])
+            results.append((layout, predicted, step))
+            time_err = predicted.step_time_s / step - 1
+            mem_pred = predicted.memory_bytes_per_device
+            mem_err = mem_pred / run["memory"] - 1
+            worst_time, worst_memory = max(worst_time, abs(time_err)), max(worst_memory, abs(mem_err))
+            rows.append(f"| {nproc} | {layout.describe()} | {predicted.step_time_s:.3f} | {step:.3f} "
+                        f"| {time_err:+.0%} | {mem_pred / 2**20:.1f} | {run['memory'] / 2**20:.1f} "
+                        f"| {mem_err:+.0%} | {run['rss'] / 2**20:.0f} |")
+        top = min(results, key=lambda r: r[1].step_time_s)
+        fastest = min(results, key=lambda r: r[2])
+        rows.append(f"| {nproc} | planner's choice {top[0].describe()}: measured {top[2] / fastest[2] - 1:+.0%} against "
+                    f"the fastest measured, {fastest[0].describe()} | | | | | | | |")
     print("\n| ranks | layout | predicted step s | measured step s | error | predicted MiB | measured MiB | error "
           "| measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -158,8 +158,8 @@ def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     if cluster.shared_cores:
         world = layout.world_size
         all_busy = min(1.0, cluster.shared_cores / world)
-        for _ in range(4):  # a process that communicates keeps its core busy; one that waits does not
-            busy = e.compute_s + sum(e.comm_seconds.values())
+        for _ in range(4):  # computing, updating and communicating keep a core busy; waiting does not
+            busy = e.compute_s + e.optimizer_s + sum(e.comm_seconds.values())
             active = max(1.0, world * min(1.0, busy / e.step_time_s))
             e = _estimate(work, cluster, layout, min(1.0, cluster.shared_cores / active) / all_busy)
     return e

@@ -4,11 +4,12 @@ For 1, 2, 4, ... up to --nproc processes running at once (through torchrun, as t
 - the matmul rate, the memory bandwidth and the time of a forward and backward of --model each
   process gets while all of them compute (they share the cores and the memory);
 - for every collective the planner uses (all-reduce, all-gather, reduce-scatter, send/recv) on a
-  group of that size, the time of messages from 64 KiB to 16 MiB, fitted as latency + bytes /
-  bandwidth (bytes of the whole tensor, so the fit holds the ring's factors);
+  group of that size, the time and the CPU time of messages from 16 KiB to 16 MiB (bytes of the
+  whole tensor, so the points hold the ring's factors);
 then, on one process, the memory bandwidth (a large copy) and how this CPU runs a training step's
-kernels (strata/plan/compute.py): --model's GEMMs and attention timed alone, and the rest of its
-real training steps fitted as elementwise traffic and a cost per kernel; and the disk under
+kernels (strata/plan/compute.py): --model's GEMMs, attention and an elementwise add timed alone,
+and a cost per kernel fitted to its real training steps over a grid of micro-batch sizes and
+counts; and the disk under
 --disk-dir (where offloaded files go): its write rate (data synced), its read rate with the file
 out of the page cache, and with it in. The profile is JSON, by default in
 ~/.cache/strata/calibration.json.
@@ -61,10 +62,14 @@ def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
     return done * 2 * n**3 / (time.perf_counter() - started)
 
 
-def _time_op(op: str, nbytes: int, repeats: int, group) -> float:
-    """Seconds one collective adds between bursts of compute, as in training: each rank computes,
-    then communicates. Timed after a barrier instead, a collective looks several times cheaper
-    than it is, since in a real step the ranks arrive a little apart."""
+def _time_op(op: str, nbytes: int, repeats: int, group) -> tuple[float, float]:
+    """(seconds, CPU seconds) of one collective between bursts of compute, as in training: each
+    rank computes for about as long as a layer's work between two collectives, then communicates.
+    The seconds run from the call to its return; the CPU seconds are what the process (its
+    communication threads included) spent in that time. Timed after a barrier instead, a
+    collective looks several times cheaper than it is, since in a real step the ranks arrive a
+    little apart. The rest of the seconds is waiting: on a machine with more processes than
+    cores, waiting for a peer that is off its core while others use it."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = dist.get_global_rank(group, 1 - rank) if rank < 2 else None
     elements = nbytes // 4
@@ -72,8 +77,8 @@ def _time_op(op: str, nbytes: int, repeats: int, group) -> float:
     shard = torch.ones(full.numel() // world)
     a = torch.randn(256, 256)
 
-    def burst():
-        for _ in range(8):
+    def burst():  # about 10 ms on one core of this machine
+        for _ in range(32):
             torch.mm(a, a)
 
     def run():
@@ -90,29 +95,27 @@ def _time_op(op: str, nbytes: int, repeats: int, group) -> float:
 
     run()
     dist.barrier()
-    started = time.perf_counter()
+    seconds, cpu_seconds = [], []
     for _ in range(repeats):
         burst()
+        started, cpu_started = time.perf_counter(), time.process_time()
         run()
-    both = time.perf_counter() - started
-    dist.barrier()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        burst()
-    alone = time.perf_counter() - started
-    spent = torch.tensor([max(both - alone, 0.0) / repeats], dtype=torch.float64)
-    dist.all_reduce(spent)  # the mean over every process
-    return spent.item() / dist.get_world_size()
+        seconds.append(time.perf_counter() - started)
+        cpu_seconds.append(time.process_time() - cpu_started)
+    # medians (one slow repeat, the machine busy elsewhere, does not move them), averaged over the
+    # processes that took part (a send's pair in each group)
+    takes_part = op != "send" or rank < 2
+    spent = torch.tensor([statistics.median(seconds), statistics.median(cpu_seconds), 1.0] if takes_part else [0.0] * 3,
+                         dtype=torch.float64)
+    dist.all_reduce(spent)
+    return (spent[0] / spent[2]).item(), (spent[1] / spent[2]).item()
 
 
 def fit(points: list[tuple[float, float]]) -> dict:
     """Least squares time = latency + bytes / bandwidth over all sizes (what the summary prints;
     the planner reads the points themselves, alpha-beta between neighbouring sizes)."""
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    slope = max(slope, 1e-15)
-    return {"latency_s": max(0.0, my - slope * mx), "bandwidth": 1 / slope}
+    slope, intercept, _ = least_squares([x for x, _ in points], [y for _, y in points])
+    return {"latency_s": max(0.0, intercept), "bandwidth": 1 / max(slope, 1e-15)}
 
 
 def model_step_seconds(model: str, micro_batch: int = 4, seq_len: int = 128, seconds: float = 2.0) -> float:
@@ -153,8 +156,8 @@ def worker(out: str, model: str) -> None:
             groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
             group = groups[dist.get_rank() // size]
             for op in OPS:
-                points = [(nbytes, _time_op(op, nbytes, 10, group)) for nbytes in MESSAGE_BYTES]
-                collectives[op][str(size)] = {**fit(points), "points": points}
+                points = [(nbytes, *_time_op(op, nbytes, 16, group)) for nbytes in MESSAGE_BYTES]
+                collectives[op][str(size)] = {**fit([p[:2] for p in points]), "points": points}
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"matmul_flops": rate.item(), "memory_bandwidth": bandwidth.item(), "step_seconds": step.item(),
@@ -176,10 +179,11 @@ def memory_bandwidth(seconds: float = 1.0) -> float:
     return done * 2 * src.numel() * 4 / (time.perf_counter() - started)
 
 
-def step_time(model: str, micro_batch: int, seq_len: int = 128) -> float:
-    """Median seconds of a real fp32 training step of `model`: one process, one micro-batch."""
-    cfg = TrainConfig(model=model, seq_len=seq_len, micro_batch=micro_batch, steps=5, progress=False,
-                      peak_flops=1e12, eval_batches=1)
+def step_time(model: str, micro_batch: int, micro_batches: int = 1, seq_len: int = 128, steps: int = 7) -> float:
+    """Median seconds of a real fp32 training step of `model` on one process: `micro_batches`
+    micro-batches of `micro_batch` sequences (the first step, which warms up, left out)."""
+    cfg = TrainConfig(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch=micro_batch * micro_batches,
+                      steps=steps, progress=False, peak_flops=1e12, eval_batches=1)
     return statistics.median(train(cfg)["step_times"][1:])
 
 
@@ -198,11 +202,12 @@ MICRO_BATCHES = (1, 2, 4, 8)
 
 def gemm_curve(cfg, rate: float, bandwidth: float, seq_len: int) -> tuple[float, float]:
     """(the largest GEMMs' fraction of `rate`, the fixed cost per GEMM), fitted to fp32 GEMMs of the
-    model's own shapes (each block's and the head's, at every calibrated micro-batch) with the
+    model's own shapes (each block's and the head's, at every calibrated micro-batch, whole and
+    split two ways as tensor parallelism splits them) with the
     planner's formula: max(FLOPs at the fraction, bytes at the bandwidth) + the fixed cost."""
     measured = []
-    for b in MICRO_BATCHES:
-        work = StepWork(cfg, b * seq_len, b, seq_len, 1, False, True, 4)
+    for b, tp in itertools.product(MICRO_BATCHES, (1, 2)):
+        work = StepWork(cfg, b * seq_len, b, seq_len, tp, False, True, 4)
         for m, n, k in sorted(set(block_gemms(work) + [head_gemm(work)])):
             x, w = torch.randn(int(m), int(k)), torch.randn(int(k), int(n))
             measured.append(((m, n, k), _median_seconds(lambda: torch.mm(x, w))))
@@ -228,39 +233,56 @@ def attention_fraction(cfg, rate: float, seq_len: int, micro_batch: int = 4) -> 
     return flops / _median_seconds(step) / rate
 
 
+def elementwise_fraction(cfg, bandwidth: float, seq_len: int) -> float:
+    """The rate of an elementwise kernel on tensors of the model's activations (b x s x d_model and
+    b x s x d_ff, b over the calibrated micro-batches), over `bandwidth` (a large copy's): the slope
+    of time against bytes moved (an add reads two and writes one), fitted over those sizes, so a
+    kernel's fixed cost does not count against its rate. Tensors this size stay in the caches on a
+    CPU, so the fraction can exceed 1."""
+    moved, seconds = [], []
+    for b, width in itertools.product(MICRO_BATCHES, (cfg.d_model, cfg.d_ff)):
+        x, y = torch.randn(b * seq_len, width), torch.randn(b * seq_len, width)
+        out = torch.empty_like(x)
+        moved.append(3 * x.numel() * x.element_size())
+        seconds.append(_median_seconds(lambda: torch.add(x, y, out=out), repeats=31))
+    slope, _, _ = least_squares(moved, seconds)
+    return 1 / slope / bandwidth if slope > 0 else 1e3
+
+
+# (micro-batch, micro-batches) of the real training steps the cost per kernel is fitted to: how a
+# step grows with the sequences in a micro-batch, and with the micro-batches of a step
+STEP_GRID = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 2))
+
+
 def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) -> dict:
-    """This CPU's `Kernels` (strata/plan/compute.py): the GEMM curve and attention measured alone;
-    then real training steps of `model` at micro-batches 1-8, and what they take beyond the
-    planner's GEMMs, attention and optimizer step fitted as elementwise bytes at a fraction of the
-    memory bandwidth plus a cost per kernel (least squares over the micro-batches)."""
+    """This CPU's `Kernels` (strata/plan/compute.py): the GEMM curve, attention and the elementwise
+    rate, each measured alone; then real training steps of `model` over STEP_GRID, and the cost
+    per kernel that brings the planner's step time closest to them (least squares in relative
+    error, one parameter: what each kernel launched adds beyond its work: the dispatch, autograd's
+    bookkeeping, the Python between kernels)."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
     gemm_fraction, gemm_overhead = gemm_curve(cfg, rate, bandwidth, seq_len)
     attention = attention_fraction(cfg, rate, seq_len)
     device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None)
-    work = workload(cfg, 8, seq_len, "fp32")
+    element_fraction = elementwise_fraction(cfg, bandwidth, seq_len)
 
-    def predicted(b: int, bandwidth_fraction: float, kernel_overhead: float) -> float:
-        kernels = Kernels(gemm_fraction, gemm_overhead, attention, bandwidth_fraction, kernel_overhead)
+    def predicted(b: int, m: int, kernel_overhead: float) -> float:
+        kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, kernel_overhead)
         cluster = Cluster(replace(device, kernels=kernels), 1, 1, overlap=False)
-        return estimate(replace(work, global_batch=b), cluster, Layout(micro_batch=b)).step_time_s
+        return estimate(workload(cfg, b * m, seq_len, "fp32"), cluster, Layout(micro_batch=b)).step_time_s
 
+    # the step is linear in the cost per kernel: predicted = without + per_kernel x overhead
     rows = []
-    for b in MICRO_BATCHES:
-        base = predicted(b, 1e12, 0.0)  # the GEMMs, attention and optimizer step alone
-        rows.append((step_time(model, b, seq_len) - base, predicted(b, 1.0, 0.0) - base, predicted(b, 1e12, 1.0) - base))
-    # residual = bytes_term / bandwidth_fraction + kernels x kernel_overhead, for x = 1/fraction, y = overhead
-    sxx = sum(a * a for _, a, _ in rows)
-    sxy = sum(a * k for _, a, k in rows)
-    syy = sum(k * k for _, _, k in rows)
-    srx = sum(r * a for r, a, _ in rows)
-    sry = sum(r * k for r, _, k in rows)
-    det = sxx * syy - sxy * sxy
-    inverse_fraction = max((srx * syy - sry * sxy) / det, 1e-3)
-    overhead = max((sry * sxx - srx * sxy) / det, 0.0)
-    kernels = Kernels(gemm_fraction, gemm_overhead, attention, min(1 / inverse_fraction, 1e3), overhead)
+    for b, m in STEP_GRID:
+        without = predicted(b, m, 0.0)
+        rows.append((step_time(model, b, m, seq_len), without, predicted(b, m, 1.0) - without))
+    weight = [(k / t, 1 - base / t) for t, base, k in rows]  # relative error: (base + x k) / t - 1
+    overhead = max(sum(a * r for a, r in weight) / sum(a * a for a, _ in weight), 0.0)
+    kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead)
     return {"kernels": asdict(kernels), "kernels_model": model,
-            "measured_steps": {str(b): round(r + predicted(b, 1e12, 0.0), 6) for b, (r, _, _) in zip(MICRO_BATCHES, rows)}}
+            "measured_steps": {f"{b}x{m}": {"measured_s": round(t, 6), "predicted_s": round(base + overhead * k, 6)}
+                               for (b, m), (t, base, k) in zip(STEP_GRID, rows)}}
 
 
 def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> dict:
@@ -296,10 +318,13 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None)
     profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": _total_memory(),
                "matmul_flops": {}, "memory_bandwidth_per_process": {}, "step_seconds_per_process": {},
                "collectives": {op: {} for op in OPS}}
-    sizes = [1] + [n for n in (2, 4, 8, 16) if n <= max_procs]
+    # One process is the reference every share is taken against, so it is measured first and again
+    # last, and the faster of the two kept: a spell of the machine being busy elsewhere (seen here:
+    # 52 GFLOP/s for one process, then 96 each for two) would otherwise scale every prediction.
+    sizes = [1] + [n for n in (2, 4, 8, 16) if n <= max_procs] + [1]
     with tempfile.TemporaryDirectory() as tmp:
-        for n in sizes:
-            part = os.path.join(tmp, f"{n}.json")
+        for i, n in enumerate(sizes):
+            part = os.path.join(tmp, f"{i}.json")
             if n == 1:
                 worker(part, model)
             else:
@@ -308,6 +333,11 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None)
                     raise RuntimeError(f"calibration on {n} processes failed (exit code {code})")
             with open(part) as f:
                 measured = json.load(f)
+            if i > 0 and n == 1:
+                measured["matmul_flops"] = max(measured["matmul_flops"], profile["matmul_flops"]["1"])
+                measured["memory_bandwidth"] = max(measured["memory_bandwidth"],
+                                                   profile["memory_bandwidth_per_process"]["1"])
+                measured["step_seconds"] = min(measured["step_seconds"], profile["step_seconds_per_process"]["1"])
             profile["matmul_flops"][str(n)] = measured["matmul_flops"]
             profile["memory_bandwidth_per_process"][str(n)] = measured["memory_bandwidth"]
             profile["step_seconds_per_process"][str(n)] = measured["step_seconds"]

@@ -1,0 +1,95 @@
+"""`strata calibrate`'s fits and how the planner reads a calibrated profile (`--device cpu-local`).
+Nothing here times this machine: the measurements are replaced by known numbers, so each test
+checks that the fit or the pricing recovers them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from strata.plan.cost import Cluster, estimate
+from strata.plan.hardware import Device, Kernels
+from strata.plan.inputs import CPU_LOCAL, cpu_local_cluster, workload
+from strata.plan.links import collective_seconds
+from strata.rules.layout import Layout
+from strata.tools import calibrate
+
+
+def _profile(**collectives) -> dict:
+    return {"cores": 2, "memory_bytes": 24 * 2**30, "memory_bandwidth": 5e9,
+            "step_seconds_per_process": {"1": 0.1, "2": 0.1, "4": 0.25},
+            "kernels": {"gemm_fraction": 0.8, "gemm_overhead_s": 2e-5, "attention_fraction": 0.3,
+                        "bandwidth_fraction": 0.5, "kernel_overhead_s": 1e-5},
+            "matmul_flops": {"1": 4e10, "2": 4e10, "4": 1.6e10},
+            "collectives": {"all_reduce": {key: {"points": points} for key, points in collectives.items()}}}
+
+
+def test_kernel_costs_recover_the_cost_per_kernel_the_steps_were_made_with(monkeypatch):
+    """Steps that take what the planner predicts with 37 us a kernel are fitted back to 37 us, and
+    every step of the grid is then reproduced."""
+    rate, bandwidth, true_overhead = 5e10, 2e10, 37e-6
+    monkeypatch.setattr(calibrate, "gemm_curve", lambda *a: (0.9, 3e-6))
+    monkeypatch.setattr(calibrate, "attention_fraction", lambda *a: 0.4)
+    monkeypatch.setattr(calibrate, "elementwise_fraction", lambda *a: 2.5)
+    cfg = calibrate.get_preset("tiny")
+    device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, Kernels(0.9, 3e-6, 0.4, 2.5, true_overhead))
+
+    def step_time(model, b, m, seq_len):
+        work = workload(cfg, b * m, seq_len, "fp32")
+        return estimate(work, Cluster(device, 1, 1, overlap=False), Layout(micro_batch=b)).step_time_s
+
+    monkeypatch.setattr(calibrate, "step_time", step_time)
+    fitted = calibrate.kernel_costs("tiny", rate, bandwidth)
+    assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(true_overhead, rel=1e-9)
+    assert set(fitted["measured_steps"]) == {f"{b}x{m}" for b, m in calibrate.STEP_GRID}
+    for step in fitted["measured_steps"].values():
+        assert step["predicted_s"] == pytest.approx(step["measured_s"], rel=1e-5)
+
+
+def test_a_cost_per_kernel_is_never_fitted_below_zero(monkeypatch):
+    """Steps faster than the GEMMs alone predict leave no time to kernels: 0, not a negative cost."""
+    monkeypatch.setattr(calibrate, "gemm_curve", lambda *a: (0.9, 0.0))
+    monkeypatch.setattr(calibrate, "attention_fraction", lambda *a: 0.4)
+    monkeypatch.setattr(calibrate, "elementwise_fraction", lambda *a: 2.5)
+    monkeypatch.setattr(calibrate, "step_time", lambda model, b, m, seq_len: 1e-6 * b * m)
+    assert calibrate.kernel_costs("tiny", 5e10, 2e10)["kernels"]["kernel_overhead_s"] == 0.0
+
+
+def test_elementwise_rate_is_the_slope_of_time_against_bytes(monkeypatch):
+    """A fixed cost per kernel does not lower the rate: adds timed as 5 us + bytes / 60 GB/s give
+    60 GB/s, 3x a 20 GB/s copy bandwidth."""
+    cfg, seq_len = replace(calibrate.get_preset("tiny"), d_model=64, d_ff=128), 16
+    sizes = [b * seq_len * width for b in calibrate.MICRO_BATCHES for width in (cfg.d_model, cfg.d_ff)]
+    times = iter(5e-6 + 3 * 4 * n / 60e9 for n in sizes)  # an add reads two and writes one, fp32
+    monkeypatch.setattr(calibrate, "_median_seconds", lambda fn, repeats=7: next(times))
+    assert calibrate.elementwise_fraction(cfg, 20e9, seq_len) == pytest.approx(3.0, rel=1e-6)
+
+
+def test_collectives_cost_their_time_with_a_core_each_and_their_cpu_time_beyond():
+    """2 processes on 2 cores: a collective costs from its call to its return. 4 on 2: its CPU
+    time over the process's share of a core (0.1 s / 0.25 s of a step: 0.4), since the rest is a
+    wait another process computes through. A profile from before CPU times were measured: the
+    time."""
+    small, large = 16384, 2**20
+    profile = _profile(**{"2/2": [[small, 1e-3, 4e-4], [large, 3e-3, 1e-3]],
+                          "2/4": [[small, 9e-3, 1e-3], [large, 1.2e-2, 2e-3]]})
+    two, four = cpu_local_cluster(2, profile), cpu_local_cluster(4, profile)
+    assert collective_seconds(two, "all_reduce", small, 2, 1) == pytest.approx(1e-3)
+    assert collective_seconds(two, "all_reduce", large, 2, 1) == pytest.approx(3e-3)
+    assert collective_seconds(four, "all_reduce", small, 2, 1) == pytest.approx(1e-3 / 0.4)
+    assert collective_seconds(four, "all_reduce", large, 2, 1) == pytest.approx(2e-3 / 0.4)
+    old = cpu_local_cluster(4, _profile(**{"2/4": [[small, 9e-3], [large, 1.2e-2]]}))
+    assert collective_seconds(old, "all_reduce", small, 2, 1) == pytest.approx(9e-3)
+
+
+def test_a_processs_fixed_costs_grow_with_its_share_of_a_core():
+    """With 4 processes on 2 cores each gets 0.4 of one process's speed: its GEMMs, its bandwidth
+    and its cost per kernel and per GEMM alike."""
+    profile = _profile(**{"2/4": [[16384, 9e-3, 1e-3], [2**20, 1.2e-2, 2e-3]]})
+    alone, shared = cpu_local_cluster(1, profile).device, cpu_local_cluster(4, profile).device
+    assert shared.peak_flops["fp32"] == pytest.approx(0.4 * alone.peak_flops["fp32"])
+    assert shared.memory_bandwidth == pytest.approx(0.4 * alone.memory_bandwidth)
+    assert shared.kernels.kernel_overhead_s == pytest.approx(alone.kernels.kernel_overhead_s / 0.4)
+    assert shared.kernels.gemm_overhead_s == pytest.approx(alone.kernels.gemm_overhead_s / 0.4)
+    assert shared.kernels.gemm_fraction == alone.kernels.gemm_fraction
