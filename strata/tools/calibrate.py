@@ -8,8 +8,8 @@ For 1, 2, 4, ... up to --nproc processes running at once (through torchrun, as t
   whole tensor, so the points hold the ring's factors);
 then, on one process, the memory bandwidth (a large copy) and how this CPU runs a training step's
 kernels (strata/plan/compute.py): --model's GEMMs, attention and an elementwise add timed alone,
-and a cost per kernel fitted to its real training steps over a grid of micro-batch sizes and
-counts; and the disk under
+and the GEMMs' rate inside a step and a cost per kernel fitted to its real training steps over a
+grid of micro-batch sizes and counts; and the disk under
 --disk-dir (where offloaded files go): its write rate (data synced), its read rate with the file
 out of the page cache, and with it in. The profile is JSON, by default in
 ~/.cache/strata/calibration.json.
@@ -256,33 +256,50 @@ STEP_GRID = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 2))
 
 def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) -> dict:
     """This CPU's `Kernels` (strata/plan/compute.py): the GEMM curve, attention and the elementwise
-    rate, each measured alone; then real training steps of `model` over STEP_GRID, and the cost
-    per kernel that brings the planner's step time closest to them (least squares in relative
-    error, one parameter: what each kernel launched adds beyond its work: the dispatch, autograd's
-    bookkeeping, the Python between kernels)."""
+    rate, each measured alone; then real training steps of `model` over STEP_GRID, and two numbers
+    that bring the planner's step time closest to them (least squares in relative error): how much
+    slower the GEMMs run inside a step than alone (the grid's micro-batch sizes tell it), and what
+    each kernel launched costs beyond its work (the dispatch, autograd's bookkeeping, the Python
+    between kernels; the grid's micro-batch counts tell it)."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
-    gemm_fraction, gemm_overhead = gemm_curve(cfg, rate, bandwidth, seq_len)
+    alone, gemm_overhead = gemm_curve(cfg, rate, bandwidth, seq_len)
     attention = attention_fraction(cfg, rate, seq_len)
     device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None)
     element_fraction = elementwise_fraction(cfg, bandwidth, seq_len)
 
-    def predicted(b: int, m: int, kernel_overhead: float) -> float:
+    def predicted(b: int, m: int, gemm_fraction: float, kernel_overhead: float) -> float:
         kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, kernel_overhead)
         cluster = Cluster(replace(device, kernels=kernels), 1, 1, overlap=False)
         return estimate(workload(cfg, b * m, seq_len, "fp32"), cluster, Layout(micro_batch=b)).step_time_s
 
-    # the step is linear in the cost per kernel: predicted = without + per_kernel x overhead
+    # The step is (near enough: its GEMMs are bound by their FLOPs) linear in both numbers:
+    # other + u x gemms + x x kernels, u the GEMMs' time in a step over their time alone.
     rows = []
     for b, m in STEP_GRID:
-        without = predicted(b, m, 0.0)
-        rows.append((step_time(model, b, m, seq_len), without, predicted(b, m, 1.0) - without))
-    weight = [(k / t, 1 - base / t) for t, base, k in rows]  # relative error: (base + x k) / t - 1
-    overhead = max(sum(a * r for a, r in weight) / sum(a * a for a, _ in weight), 0.0)
+        other = predicted(b, m, 1e12, 0.0)
+        rows.append((step_time(model, b, m, seq_len), other, predicted(b, m, alone, 0.0) - other,
+                     predicted(b, m, 1e12, 1.0) - other))
+    scale, overhead = _relative_least_squares([(t, other, (gemms, kernels)) for t, other, gemms, kernels in rows])
+    if overhead < 0:  # fewer parameters rather than a negative cost
+        (scale,), overhead = _relative_least_squares([(t, other, (gemms,)) for t, other, gemms, _ in rows]), 0.0
+    gemm_fraction = min(max(alone / max(scale, 1e-9), 0.2), 2.0)
     kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead)
-    return {"kernels": asdict(kernels), "kernels_model": model,
-            "measured_steps": {f"{b}x{m}": {"measured_s": round(t, 6), "predicted_s": round(base + overhead * k, 6)}
-                               for (b, m), (t, base, k) in zip(STEP_GRID, rows)}}
+    return {"kernels": asdict(kernels), "kernels_model": model, "gemm_fraction_alone": alone,
+            "measured_steps": {f"{b}x{m}": {"measured_s": round(t, 6),
+                                            "predicted_s": round(predicted(b, m, gemm_fraction, overhead), 6)}
+                               for (b, m), (t, *_) in zip(STEP_GRID, rows)}}
+
+
+def _relative_least_squares(rows: list[tuple[float, float, tuple[float, ...]]]) -> list[float]:
+    """The coefficients c minimising sum((other + c . terms) / measured - 1)^2 over rows of
+    (measured, other, terms): the normal equations of the terms over the measured time."""
+    a = [[x / t for x in terms] for t, _, terms in rows]
+    r = [1 - other / t for t, other, _ in rows]
+    n = len(a[0])
+    gram = torch.tensor([[sum(row[i] * row[j] for row in a) for j in range(n)] for i in range(n)], dtype=torch.float64)
+    rhs = torch.tensor([sum(row[i] * y for row, y in zip(a, r)) for i in range(n)], dtype=torch.float64)
+    return torch.linalg.solve(gram, rhs).tolist()
 
 
 def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> dict:
@@ -359,7 +376,8 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None)
           flush=True)
     k = profile["kernels"]
     print(f"memory bandwidth {profile['memory_bandwidth'] / 1e9:.1f} GB/s; {model}'s GEMMs reach up to "
-          f"{k['gemm_fraction']:.0%} of the matmul rate, +{k['gemm_overhead_s'] * 1e6:.0f} us each; attention "
+          f"{k['gemm_fraction']:.0%} of the matmul rate inside a step ({profile['gemm_fraction_alone']:.0%} alone), "
+          f"+{k['gemm_overhead_s'] * 1e6:.0f} us each; attention "
           f"{k['attention_fraction']:.0%}; elementwise kernels {k['bandwidth_fraction']:.0%} of the bandwidth, "
           f"+{k['kernel_overhead_s'] * 1e6:.0f} us each", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
