@@ -28,7 +28,7 @@ from strata.parallel.ring_attention import blocks_in_one_process
 from strata.plan.hardware import DEVICES
 from strata.rules.pipeline_cut import unit_costs
 from strata.tools.bench_generate import Run, time_strata
-from strata.tools.calibrate import inference_overheads
+from strata.tools.calibrate_inference import inference_overheads
 from strata.train.metrics import measure_matmul_flops, synchronize
 from strata.train.trainer import train
 

@@ -35,7 +35,7 @@ from strata.model.transformer import build_model  # noqa: E402
 from strata.plan.cost import estimate  # noqa: E402
 from strata.plan.inputs import build_cluster, workload  # noqa: E402
 from strata.rules.layout import Layout  # noqa: E402
-from strata.tools.calibrate import decode_seconds  # noqa: E402
+from strata.tools.calibrate_inference import decode_seconds  # noqa: E402
 from strata.tools.commbench import BUS_FACTOR, measure  # noqa: E402
 from strata.train.trainer import train  # noqa: E402
 

@@ -75,7 +75,8 @@ def calibrate_command(args, argv: list[str]) -> int:
         return 0
     if args.inference:
         check_device(args.device)
-        calibrate.calibrate_inference(args.device, args.out or default_profile_path())
+        from strata.tools.calibrate_inference import calibrate_inference
+        calibrate_inference(args.device, args.out or default_profile_path())
         return 0
     most = CALIBRATE_PROCESSES_PER_CORE * len(os.sched_getaffinity(0))
     if not 1 <= args.nproc <= most:
