@@ -247,8 +247,9 @@ def elementwise_fraction(cfg, bandwidth: float, seq_len: int) -> float:
     return 1 / slope / bandwidth if slope > 0 else 1e3
 
 
-# (micro-batch, micro-batches) of the real training steps the cost per kernel is fitted to: how a
-# step grows with the sequences in a micro-batch, and with the micro-batches of a step
+# (micro-batch, micro-batches) of the real training steps the GEMMs' rate inside a step and the
+# cost per kernel are fitted to: how a step grows with the sequences in a micro-batch (the GEMMs),
+# and with the micro-batches of a step (the kernels)
 STEP_GRID = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 2))
 
 
