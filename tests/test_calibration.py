@@ -97,3 +97,14 @@ def test_a_processs_fixed_costs_grow_with_its_share_of_a_core():
     assert shared.kernels.kernel_overhead_s == pytest.approx(alone.kernels.kernel_overhead_s / 0.4)
     assert shared.kernels.gemm_overhead_s == pytest.approx(alone.kernels.gemm_overhead_s / 0.4)
     assert shared.kernels.gemm_fraction == alone.kernels.gemm_fraction
+
+
+def test_the_one_process_reference_keeps_the_faster_of_its_two_runs():
+    """Calibration measures one process first and last: a slow spell in either run (52 GFLOP/s
+    once, against 96) does not become the reference every share is taken against."""
+    slow = {"matmul_flops": 52e9, "memory_bandwidth": 22e9, "step_seconds": 0.77, "collectives": {}}
+    quick = {"matmul_flops": 99e9, "memory_bandwidth": 34e9, "step_seconds": 0.53, "collectives": {}}
+    for first, last in ((slow, quick), (quick, slow)):
+        kept = calibrate.faster(last, first)
+        assert (kept["matmul_flops"], kept["memory_bandwidth"], kept["step_seconds"]) == (99e9, 34e9, 0.53)
+        assert kept["collectives"] == {}
