@@ -4,6 +4,7 @@ checks that the fit or the pricing recovers them."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -70,21 +71,34 @@ def test_elementwise_rate_is_the_slope_of_time_against_bytes(monkeypatch):
     assert calibrate.elementwise_fraction(cfg, 20e9, seq_len) == pytest.approx(3.0, rel=1e-6)
 
 
-def test_collectives_cost_their_time_with_a_core_each_and_their_cpu_time_beyond():
-    """2 processes on 2 cores: a collective costs from its call to its return. 4 on 2: its CPU
-    time over the process's share of a core (0.1 s / 0.25 s of a step: 0.4), since the rest is a
-    wait another process computes through. A profile from before CPU times were measured: the
-    time."""
+def test_collectives_cost_their_time_with_a_core_each_and_twice_it_with_half_a_core():
+    """2 processes on 2 cores: a collective costs its time from call to return. 4 on 2: a pair
+    holds two cores for its time with a core each, and the cores come round half as often: twice
+    the 2/2 time. A group of 4 is larger than the cores: its own time with everyone running. No
+    2/2 measured: the 2/4 time itself."""
     small, large = 16384, 2**20
     profile = _profile(**{"2/2": [[small, 1e-3, 4e-4], [large, 3e-3, 1e-3]],
-                          "2/4": [[small, 9e-3, 1e-3], [large, 1.2e-2, 2e-3]]})
+                          "2/4": [[small, 9e-3, 1e-3], [large, 1.2e-2, 2e-3]],
+                          "4/4": [[small, 1.1e-2, 1e-3], [large, 1.5e-2, 2e-3]]})
     two, four = cpu_local_cluster(2, profile), cpu_local_cluster(4, profile)
     assert collective_seconds(two, "all_reduce", small, 2, 1) == pytest.approx(1e-3)
     assert collective_seconds(two, "all_reduce", large, 2, 1) == pytest.approx(3e-3)
-    assert collective_seconds(four, "all_reduce", small, 2, 1) == pytest.approx(1e-3 / 0.4)
-    assert collective_seconds(four, "all_reduce", large, 2, 1) == pytest.approx(2e-3 / 0.4)
+    assert collective_seconds(four, "all_reduce", small, 2, 1) == pytest.approx(2e-3)
+    assert collective_seconds(four, "all_reduce", large, 2, 1) == pytest.approx(6e-3)
+    assert collective_seconds(four, "all_reduce", large, 4, 1) == pytest.approx(1.5e-2)
     old = cpu_local_cluster(4, _profile(**{"2/4": [[small, 9e-3], [large, 1.2e-2]]}))
     assert collective_seconds(old, "all_reduce", small, 2, 1) == pytest.approx(9e-3)
+
+
+def test_no_message_is_priced_above_a_larger_one():
+    """A slow spell in one size's repeats (4.6 ms at 256 KiB, 3.3 ms at 1 MiB) is not a property
+    of the size: each point is at most what any larger message measured."""
+    from strata.plan.inputs import monotone
+    measured = [[2**14, 1.6e-3], [2**16, 0.7e-3], [2**18, 4.6e-3], [2**20, 3.3e-3], [2**22, 4.6e-3]]
+    assert monotone(measured) == [(2**14, 0.7e-3), (2**16, 0.7e-3), (2**18, 3.3e-3), (2**20, 3.3e-3),
+                                  (2**22, 4.6e-3)]
+    two = cpu_local_cluster(2, _profile(**{"2/2": [[n, t, 0.0] for n, t in measured]}))
+    assert collective_seconds(two, "all_reduce", 2**18, 2, 1) == pytest.approx(3.3e-3)
 
 
 def test_a_processs_fixed_costs_grow_with_its_share_of_a_core():
@@ -108,3 +122,64 @@ def test_the_one_process_reference_keeps_the_faster_of_its_two_runs():
         kept = calibrate.faster(last, first)
         assert (kept["matmul_flops"], kept["memory_bandwidth"], kept["step_seconds"]) == (99e9, 34e9, 0.53)
         assert kept["collectives"] == {}
+
+
+def test_a_process_count_not_calibrated_gets_the_even_split_at_the_nearest_counts_efficiency():
+    """Calibrated at 1, 2 and 4 processes on 2 cores: 2 kept all of one process's speed, 4 kept
+    0.4 (80% of an even split, 0.5). Three processes get 2/3 of a core at 2's 100%, not 2's
+    whole share; eight get 1/4 at 4's 80%."""
+    profile = _profile()
+    alone = cpu_local_cluster(1, profile).device.peak_flops["fp32"]
+    for processes, share in ((1, 1.0), (2, 1.0), (3, 2 / 3), (4, 0.4), (8, 0.2)):
+        assert cpu_local_cluster(processes, profile).device.peak_flops["fp32"] == pytest.approx(share * alone)
+
+
+def test_data_parallel_sums_cost_their_time_with_everyone_running():
+    """4 processes on 2 cores. Every rank reaches the step's gradient sums at the same point, so
+    they cost their time measured with all processes in one at once (2/4 for dp2 x tp2's pairs,
+    not twice 2/2 as a tensor-parallel pair's collectives while the other pair computes)."""
+    profile = _profile(**{"2/2": [[16384, 1e-3, 0.0], [2**26, 0.05, 0.0]],
+                          "2/4": [[16384, 9e-3, 0.0], [2**26, 0.3, 0.0]],
+                          "4/4": [[16384, 1.1e-2, 0.0], [2**26, 0.4, 0.0]]})
+    four = cpu_local_cluster(4, profile)
+    assert collective_seconds(four, "all_reduce", 2**26, 2, 1, together=True) == pytest.approx(0.3)
+    assert collective_seconds(four, "all_reduce", 2**26, 2, 1) == pytest.approx(0.1)
+    work = workload(calibrate.get_preset("tiny"), 8, 64, "fp32")
+    wall_priced = replace(four, collectives=four.collectives_together)
+    for layout in (Layout(dp=4, micro_batch=2), Layout(dp=2, tp=2, micro_batch=2)):
+        dp = estimate(work, four, layout).comm_seconds["dp"]
+        assert dp == pytest.approx(estimate(work, wall_priced, layout).comm_seconds["dp"])
+    # a group of 4 is larger than the cores: its time with everyone running either way; dp2's
+    # pairs are not priced as a tensor-parallel pair's (twice 2/2: 3-4.5x cheaper here)
+    layout = Layout(dp=2, tp=2, micro_batch=2)
+    as_tp_pairs = estimate(work, replace(four, collectives_together=four.collectives), layout).comm_seconds["dp"]
+    assert estimate(work, four, layout).comm_seconds["dp"] > 1.4 * as_tp_pairs
+
+
+def test_on_shared_cores_a_pipeline_stage_with_less_work_leaves_its_core_to_the_others():
+    """pp=4 of `small`: the last stage holds only the head. The processes busy at once follow the
+    stages' mean compute, not the slowest's, so the step is shorter than if every stage did the
+    slowest's work."""
+    from strata.plan.cost import _rank_time, _terms, stage_loads
+    work = workload(calibrate.get_preset("small"), 4, 128, "fp32")  # one micro-batch: no gradient passes
+    four, layout = cpu_local_cluster(4, _profile()), Layout(pp=4, micro_batch=4)
+    e = estimate(work, four, layout)
+    terms = _terms(work, four, layout, 1.0)
+    computes = [_rank_time(four, layout, terms, load).compute for load in stage_loads(work.model, 4, 1, 128)]
+    mean_over_slowest = sum(computes) / len(computes) / max(computes)
+    assert mean_over_slowest < 0.95
+    stage_compute = e.busy_s - e.optimizer_s - sum(e.comm_seconds.values())
+    assert stage_compute == pytest.approx(e.compute_s * mean_over_slowest)
+
+
+def test_the_worker_keeps_its_fastest_window_of_steps(tmp_path, monkeypatch):
+    """A slow spell in one window of model steps does not become the share."""
+    windows = iter([0.31, 0.22, 0.27])
+    monkeypatch.setattr(calibrate, "matmul_rate", lambda: 5e10)
+    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 2e10)
+    monkeypatch.setattr(calibrate, "model_step_seconds", lambda model: next(windows))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "one.json"
+    calibrate.worker(str(out), "tiny")
+    assert calibrate.STEP_WINDOWS == 3
+    assert json.loads(out.read_text())["step_seconds"] == 0.22

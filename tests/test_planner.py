@@ -290,3 +290,20 @@ def test_a_bubble_slot_lasts_the_other_stages_micro_batch():
     assert times[0] < times[1]
     slots = profile("1f1b", 2, 16 // 2).bubble_slots  # from the schedule's simulation
     assert e.bubble * e.step_time_s == pytest.approx(slots * times[0])  # slots of the faster stage
+
+
+def test_full_checkpointing_runs_the_blocks_forward_again_not_the_embedding_or_head():
+    """strata checkpoints blocks (strata/memory/checkpointing.py): full recomputation adds each
+    micro-batch's blocks' forward, and the hardware FLOPs two per block weight and token plus the
+    attention's forward; the head, a large share of a small model's forward, is not run again."""
+    from strata.plan.cost import _terms
+    work, cluster = workload(get_preset("small"), 16, 128, "bf16"), _selene(1)
+    kept, full = (Layout(dp=8, micro_batch=1, checkpointing=mode) for mode in ("none", "full"))
+    a, b = estimate(work, cluster, kept), estimate(work, cluster, full)
+    block = _terms(work, cluster, full, 1.0).units[1]
+    m, cfg = 16 // 8, work.model
+    assert b.compute_s - a.compute_s == pytest.approx(m * cfg.n_layers * block.forward)
+    tokens, s = 16 * 128, cfg.attended_positions(128)
+    recomputed = tokens * (2 * cfg.n_layers * cfg.block_matmul_params() + cfg.n_layers * 4 * s * cfg.q_dim)
+    hardware = [e.tflops_per_device * 1e12 * e.step_time_s * 8 for e in (a, b)]
+    assert hardware[1] - hardware[0] == pytest.approx(recomputed, rel=1e-9)

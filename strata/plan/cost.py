@@ -93,6 +93,9 @@ class Estimate:
     ep_crosses_nodes: bool = False  # the expert-parallel group spans nodes
     all_to_all_across_s: float = 0.0  # a group inside a node: the all-to-alls split over two nodes (explain)
     seq_len: int = 0  # tokens per sequence, which context parallelism splits (explain)
+    # seconds a rank keeps a core busy per step, averaged over the pipeline's ranks (computing,
+    # updating, communicating; not waiting): cpu-local's processes share cores by it
+    busy_s: float = 0.0
 
     def shares(self) -> dict[str, float]:
         """The step split into parts that add up to it: compute, each group's exposed
@@ -152,15 +155,15 @@ def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLo
 # --- the estimate ------------------------------------------------------------------------------
 def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     """The layout's memory and step time. On a machine whose processes share cores (cpu-local),
-    a process computes faster while others wait (pipeline bubbles): the rate follows the average
-    number of processes busy at once, found by a few rounds of fixed-point iteration."""
+    a process computes faster while others wait (pipeline bubbles, stages with less work): the
+    rate follows the average number of processes busy at once, found by a few rounds of
+    fixed-point iteration."""
     e = _estimate(work, cluster, layout, 1.0)
     if cluster.shared_cores:
         world = layout.world_size
         all_busy = min(1.0, cluster.shared_cores / world)
-        for _ in range(4):  # computing, updating and communicating keep a core busy; waiting does not
-            busy = e.compute_s + e.optimizer_s + sum(e.comm_seconds.values())
-            active = max(1.0, world * min(1.0, busy / e.step_time_s))
+        for _ in range(4):
+            active = max(1.0, world * min(1.0, e.busy_s / e.step_time_s))
             e = _estimate(work, cluster, layout, min(1.0, cluster.shared_cores / active) / all_busy)
     return e
 
@@ -213,7 +216,7 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
                  + activation_change(cfg, tokens, t, lay.checkpointing, act_bytes)
                  + extra_activation_bytes(cfg, lay, b * s, act_bytes),
                  tp_message=tp_message, pp_message=pp_message,
-                 pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.replicas)
+                 pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.replicas) / rate_scale
                  if lay.pp > 1 else 0.0)
     if grid is not None:
         e = element_bytes(lay, act_bytes, BYTES[lay.gather_dtype])
@@ -223,7 +226,7 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
               for nbytes, n in moe_tp_collectives(cfg, tokens, act_bytes)] if t > 1 else []
     a2a = all_to_all(cfg, lay, cluster, tokens, act_bytes)
     block = units[1]
-    return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1), grid=None,
+    return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1) / rate_scale, grid=None,
                   all_to_all=a2a, moe_tp=(sum(x for x, _ in moe_tp), sum(y for _, y in moe_tp)),
                   across=across_seconds(cfg, lay, cluster, tokens, act_bytes, a2a),
                   context=context_comm(cfg, lay, cluster, b * s, act_bytes, block.attention_forward,
@@ -308,7 +311,8 @@ def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) ->
     units = ((embedding, load.first), (block, load.layers), (head, load.last))
     fwd = sum(unit.forward * count for unit, count in units)
     bwd = sum(unit.backward * count for unit, count in units)
-    recompute = {"none": 0.0, "selective": block.attention_forward * load.layers, "full": fwd}[lay.checkpointing]
+    # full: the blocks' forward again (strata checkpoints blocks; the embedding and head are not recomputed)
+    recompute = {"none": 0.0, "selective": block.attention_forward, "full": block.forward}[lay.checkpointing] * load.layers
     tp_seconds, tp_bytes, step_seconds, step_bytes = stage_seconds(cluster, lay, terms.grid, terms.tp_collective_s,
                                                                    terms.tp_message, terms.tokens, terms.d_model,
                                                                    load.layers, load.first, load.last)
@@ -386,10 +390,14 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         step += exposed_io
     tokens_per_step = work.global_batch * s
     params, attention = cfg.matmul_params(), cfg.n_layers * 4 * cfg.attended_positions(s) * cfg.q_dim
-    recomputed = {"none": 0, "selective": attention, "full": 2 * params + attention}[lay.checkpointing]
+    blocks = cfg.n_layers * cfg.block_matmul_params()  # what full checkpointing runs again: the blocks, not the head
+    recomputed = {"none": 0, "selective": attention, "full": 2 * blocks + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
     world = lay.world_size
     overflow = _tier_overflow(cluster.device, tiers)
+    # the ranks' own compute, not the slowest's: a stage with less work leaves its core to the others
+    mean_compute = sum(r.compute for r in ranks) / len(ranks)
+    busy = m * mean_compute + gradient_passes + optimizer + sum(comm_seconds.values())
     e = Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes and not overflow, memory, comm_seconds,
                  comm_bytes, compute_s=m * slowest.compute + gradient_passes, bubble=bubble_time / step,
                  step_time_s=step, tokens_per_s=tokens_per_step / step,
@@ -400,7 +408,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                  total_params=cfg.num_params(), active_params=cfg.active_params(),
                  all_to_all_s=comm_seconds.get("ep", 0.0), all_to_all_bytes=comm_bytes.get("ep", 0.0),
                  ep_crosses_nodes=terms.all_to_all.crosses_nodes,
-                 all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across, seq_len=s)
+                 all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across, seq_len=s, busy_s=busy)
     e.notes += overflow
     return e
 

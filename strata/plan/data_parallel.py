@@ -5,7 +5,10 @@ sources: docs/cost-model.md; the estimate that adds them up: plan/cost.py."""
 
 from __future__ import annotations
 
-from strata.plan.links import Cluster, collective_seconds
+import functools
+
+from strata.plan.links import Cluster
+from strata.plan.links import collective_seconds as collective
 from strata.rules.constants import BUCKET_MB
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
@@ -23,6 +26,8 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
     d, stride = group or (lay.replicas, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
+    # every rank runs these at the same point of its step: none computes through another's wait
+    collective_seconds = functools.partial(collective, together=True)
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
         t_fwd = t_bwd = 0.0
     ring = (d - 1) / d

@@ -79,16 +79,14 @@ def load_profile(path: str | None) -> dict:
 
 def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = None) -> Cluster:
     """This machine as `processes` devices of one node, from what `strata calibrate` measured with
-    that many processes running at once (the nearest measured count). Each process gets the share
+    that many processes running at once (core_share: the nearest measured count). Each process gets the share
     of one process's speed that a training step's forward and backward kept while all of them ran
     it, for its GEMMs and its memory-bound kernels alike, and for the fixed cost of each kernel
     (the dispatch and the Python around it are time on the core too)."""
     if "kernels" not in profile or "step_seconds_per_process" not in profile:
         raise ConfigError("--device cpu-local: the calibration profile predates the kernel measurements; "
                           "run `strata calibrate` again")
-    measured = sorted(int(n) for n in profile["matmul_flops"])
-    nearest = str(min(measured, key=lambda n: (abs(n - processes), n)))
-    share = profile["step_seconds_per_process"]["1"] / profile["step_seconds_per_process"][nearest]
+    share = core_share(processes, profile)
     disk = profile.get("disk", {})  # absent in profiles from before the disk was measured
     kernels = Kernels(**profile["kernels"])
     kernels = replace(kernels, gemm_overhead_s=kernels.gemm_overhead_s / share,
@@ -99,27 +97,53 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
                     disk_write=disk.get("write_bytes_per_s"), disk_cached_read=disk.get("cached_read_bytes_per_s"),
                     # the host is the device: host memory adds nothing; the disk's free space, shared
                     host_memory_bytes=None, disk_bytes=_free_disk(disk) / processes)
-    steps = profile["step_seconds_per_process"]
-    collectives = {op: {key: [collective_point(point, steps, key, profile["cores"]) for point in m["points"]]
-                        for key, m in by_size.items()}
+    collectives = {op: {key: collective_points(by_size, key, profile["cores"]) for key in by_size}
                    for op, by_size in profile["collectives"].items()}
+    together = {op: {key: monotone([point[:2] for point in m["points"]]) for key, m in by_size.items()}
+                for op, by_size in profile["collectives"].items()}
     return Cluster(device, 1, processes, profile["memory_bandwidth"], 0.0, 0.0, 0.0, efficiency, collectives,
-                   overlap=False, shared_cores=profile["cores"])
+                   together, overlap=False, shared_cores=profile["cores"])
 
 
-def collective_point(point: list[float], steps: dict, key: str, cores: int) -> tuple[float, float]:
-    """(bytes, seconds) a calibrated collective costs a process, measured in groups of `key`
-    ("group size/processes running"). With at most one process per core, its time from call to
-    return: waiting for a peer leaves the core idle. With more processes than cores, its CPU time
-    at the process's share of a core: while it waits for a peer that is off its core, another
-    process computes there (measured: a 192 KiB all-reduce between pairs of 4 processes on 2
-    cores returned after 9 ms and had used 1.1 ms of CPU). Profiles from before the CPU time was
-    measured: the time."""
-    nbytes, seconds, *cpu = point
-    processes = key.split("/")[-1]
-    if cpu and int(processes) > cores:
-        return nbytes, cpu[0] * steps[processes] / steps["1"]  # over the share of a core
-    return nbytes, seconds
+def core_share(processes: int, profile: dict) -> float:
+    """The share of one process's speed each of `processes` gets on the calibrated cores: the
+    cores split among them (all of one each while there are enough), times how much of that the
+    nearest measured count kept (its step against one process's, over its own even split). Three
+    processes on two cores get 2/3 of what two kept, not all of it."""
+    steps, cores = profile["step_seconds_per_process"], profile["cores"]
+    nearest = min((int(n) for n in steps), key=lambda n: (abs(n - processes), n))
+    kept = steps["1"] / steps[str(nearest)] / min(1.0, cores / nearest)
+    return min(1.0, cores / processes) * kept
+
+
+def collective_points(by_size: dict, key: str, cores: int) -> list[tuple[float, float]]:
+    """(bytes, seconds) points of what a calibrated collective costs a process's step, in groups
+    of `key` ("group size/processes running"), while the other processes go on computing (a
+    tensor-parallel pair's collectives while the other pairs compute; a pipeline's sends).
+
+    With at most one process per core: its time from call to return. With more processes than
+    cores, a group that fits the cores holds its members on them for the time it takes with a
+    core each (measured with that many processes), and the cores come to each process 1/(cores /
+    processes) as slowly: dp2 x tp2 on 4 processes and tp2 on 2 measured the same seconds of
+    collectives a step on 2 cores, twice over. A group larger than the cores: its time with every
+    process running (none of its members can go on without the others)."""
+    size, processes = (int(n) for n in key.split("/"))
+    alone = f"{size}/{size}"
+    if processes <= cores or size > cores or alone not in by_size:
+        return monotone([point[:2] for point in by_size[key]["points"]])
+    return [(nbytes, seconds * processes / cores) for nbytes, seconds in monotone(
+        [point[:2] for point in by_size[alone]["points"]])]
+
+
+def monotone(points: list[list[float]]) -> list[tuple[float, float]]:
+    """Measured (bytes, seconds) with no message cheaper than a smaller one: each point's seconds
+    at most those of any larger message. A slow spell of the machine in one size's repeats (here
+    4.6 ms at 256 KiB between 3.3 ms at 64 KiB and 1 MiB) is not a property of that size."""
+    out, cheapest = [], float("inf")
+    for nbytes, seconds in sorted(points, reverse=True):
+        cheapest = min(cheapest, seconds)
+        out.append((nbytes, cheapest))
+    return out[::-1]
 
 
 def _free_disk(disk: dict) -> float:

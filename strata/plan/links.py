@@ -21,8 +21,11 @@ class Cluster:
     # None: compute time from the shapes of the work on the device's kernels (strata/plan/compute.py);
     # a number (--efficiency): every FLOP at that fraction of the peak, as the first planner did
     efficiency: float | None = None
-    # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate)
+    # cpu-local only: measured bandwidth/latency per collective and group size (strata calibrate):
+    # what one costs a process while other processes compute through its wait, and (together) its
+    # time when every process is in one at once, as in the step's data-parallel sums
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
+    collectives_together: dict = field(default_factory=dict, compare=False, hash=False)
     # Communication runs beside compute (GPUs: its own engines); on a CPU it takes the cores.
     overlap: bool = True
     # cpu-local: processes share this many cores; the device's peak is the rate with all busy
@@ -56,12 +59,15 @@ def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, 
     return min(across, inside), cluster.inter_latency, True
 
 
-def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stride: int) -> float:
+def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stride: int,
+                       together: bool = False) -> float:
     """Ring alpha-beta time of one collective of `nbytes` (the full tensor) over `size` ranks.
-    With a calibrated profile (cpu-local), its measured numbers for this op and group size."""
+    With a calibrated profile (cpu-local), its measured numbers for this op and group size;
+    together: every rank of the cluster is in one at the same moment (no process computes
+    through the wait)."""
     if size <= 1 or nbytes == 0:
         return 0.0
-    by_size = cluster.collectives.get(op, {})
+    by_size = (cluster.collectives_together if together else cluster.collectives).get(op, {})
     measured = by_size.get(f"{size}/{cluster.world}", by_size.get(str(size)))
     if measured is not None:
         return measured_seconds(measured, nbytes)

@@ -46,7 +46,14 @@ from strata.tools.bench_generate import least_squares
 from strata.train.trainer import train
 
 MESSAGE_BYTES = [2**k for k in range(14, 25, 2)]  # 16 KiB .. 16 MiB
+# windows of steps of --model each process count runs, the fastest kept: the share is a ratio of
+# two of them, and the one-process side is already the faster of two runs (`faster`); a single
+# window with four processes on two cores holds about two steps, and one slow spell made it 12% slow
+STEP_WINDOWS = 3
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+# repeats of each collective and size, their median kept: with 16, a 16-256 KiB all-reduce between
+# two processes came out anywhere from 0.7 to 4.6 ms within one calibration
+COLLECTIVE_REPEATS = 32
 
 
 def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
@@ -138,11 +145,10 @@ def worker(out: str, model: str) -> None:
     init_distributed(pick_device("cpu"), 120)
     world = dist.get_world_size() if dist.is_initialized() else 1
     measured = []
-    for measure in (matmul_rate, memory_bandwidth, lambda: model_step_seconds(model)):
+    for measure in (matmul_rate, memory_bandwidth, *[lambda: model_step_seconds(model)] * STEP_WINDOWS):
         if world > 1:  # every process measures at once: they share the cores and the memory
             dist.barrier()
         measured.append(torch.tensor([measure()], dtype=torch.float64))
-    rate, bandwidth, step = measured
     collectives = {op: {} for op in OPS}
     if world > 1:
         for value in measured:
@@ -154,11 +160,13 @@ def worker(out: str, model: str) -> None:
             groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
             group = groups[dist.get_rank() // size]
             for op in OPS:
-                points = [(nbytes, *_time_op(op, nbytes, 16, group)) for nbytes in MESSAGE_BYTES]
+                points = [(nbytes, *_time_op(op, nbytes, COLLECTIVE_REPEATS, group)) for nbytes in MESSAGE_BYTES]
                 collectives[op][str(size)] = {**fit([p[:2] for p in points]), "points": points}
+    rate, bandwidth, *windows = measured
+    step = min(w.item() for w in windows)  # the machine, busy elsewhere, only ever slows a window down
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"matmul_flops": rate.item(), "memory_bandwidth": bandwidth.item(), "step_seconds": step.item(),
+            json.dump({"matmul_flops": rate.item(), "memory_bandwidth": bandwidth.item(), "step_seconds": step,
                        "collectives": collectives}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -401,5 +409,5 @@ def total_memory() -> int:
         return 8 * 2**30
 
 
-if __name__ == "__main__":
-    worker(sys.argv[1])
+if __name__ == "__main__":  # python -m strata.tools.calibrate OUT [MODEL]: one process's measurements
+    worker(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "small")
