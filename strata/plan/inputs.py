@@ -123,10 +123,12 @@ def collective_points(by_size: dict, key: str, cores: int) -> list[tuple[float, 
 
     With at most one process per core: its time from call to return. With more processes than
     cores, a group that fits the cores holds its members on them for the time it takes with a
-    core each (measured with that many processes), and the cores come to each process 1/(cores /
-    processes) as slowly: dp2 x tp2 on 4 processes and tp2 on 2 measured the same seconds of
-    collectives a step on 2 cores, twice over. A group larger than the cores: its time with every
-    process running (none of its members can go on without the others)."""
+    core each (measured with that many processes), and each process gets the cores processes /
+    cores times less often (estimate's fixed point then scales it by how many compute at once):
+    dp2 x tp2 on 4 processes and tp2 on 2 measured the same step on 2 cores, in two runs. A group
+    larger than the cores: its time with every process running (none of its members can go on
+    without the others). The CPU time calibration also records is not used: priced at it, dp2 x
+    tp2's collectives came to half of what the runs spent on them."""
     size, processes = (int(n) for n in key.split("/"))
     alone = f"{size}/{size}"
     if processes <= cores or size > cores or alone not in by_size:
