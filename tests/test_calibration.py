@@ -183,3 +183,16 @@ def test_the_worker_keeps_its_fastest_window_of_steps(tmp_path, monkeypatch):
     calibrate.worker(str(out), "tiny")
     assert calibrate.STEP_WINDOWS == 3
     assert json.loads(out.read_text())["step_seconds"] == 0.22
+
+
+def test_tensor_parallel_and_pipeline_messages_wait_on_the_share_the_fixed_point_finds():
+    """With more processes than cores, a pair's collectives wait for the cores as its compute
+    does: at twice the share (half the processes busy), half the seconds."""
+    from strata.plan.cost import _terms
+    points = [[16384, 1e-3, 0.0], [2**26, 0.05, 0.0]]
+    four = cpu_local_cluster(4, _profile(**{"2/2": points, "2/4": points, "4/4": points}))
+    work, layout = workload(calibrate.get_preset("tiny"), 8, 64, "fp32"), Layout(tp=2, pp=2, micro_batch=2)
+    alone, shared = _terms(work, four, layout, 1.0), _terms(work, four, layout, 2.0)
+    assert alone.tp_collective_s > 0 and alone.pp_send_s > 0
+    assert shared.tp_collective_s == pytest.approx(alone.tp_collective_s / 2)
+    assert shared.pp_send_s == pytest.approx(alone.pp_send_s / 2)

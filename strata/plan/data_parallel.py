@@ -5,10 +5,7 @@ sources: docs/cost-model.md; the estimate that adds them up: plan/cost.py."""
 
 from __future__ import annotations
 
-import functools
-
-from strata.plan.links import Cluster
-from strata.plan.links import collective_seconds as collective
+from strata.plan.links import Cluster, collective_seconds
 from strata.rules.constants import BUCKET_MB
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
@@ -22,12 +19,11 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
     same parameters, dp x cp of them tp apart (or `group`: (size, stride), a mixture's
     expert-data-parallel one), each collective priced in the
     dtype the runtime moves: gradients in the reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's
-    of the updated shards) in the gather dtype."""
+    of the updated shards) in the gather dtype. Every rank runs these at the same point of its
+    step, so they are priced `together`: no process computes through another's wait."""
     d, stride = group or (lay.replicas, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
-    # every rank runs these at the same point of its step: none computes through another's wait
-    collective_seconds = functools.partial(collective, together=True)
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
         t_fwd = t_bwd = 0.0
     ring = (d - 1) / d
@@ -36,8 +32,8 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
         # one collective per unit (a block; the embedding; the head), each paying its latency
         units = max(1, round(layers_local)) + 2
         gather_bytes = params_local * BYTES[lay.gather_dtype]
-        gather = collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride)
-        scatter = collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride)
+        gather = collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride, together=True)
+        scatter = collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride, together=True)
         per_mb = units * (2 * gather + scatter)
         # prefetch hides the rest behind compute, but the first unit's gather comes before any
         # compute and the last unit's reduce-scatter after it
@@ -46,7 +42,7 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
         return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
     buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # gradients reduce in --bucket-mb buckets
     if lay.zero == 0:  # one all-reduce per bucket
-        total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride)
+        total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride, together=True)
         # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
         # ready only when the backward ends; after a pipeline schedule, all of them at the end
         exposed = total if lay.pp > 1 else max(total / buckets, total - t_bwd)
@@ -56,8 +52,8 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
     # updated shards
     reductions = m if lay.zero == 2 else 1
     gather_bytes = params_local * BYTES[lay.gather_dtype]
-    rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride)
-    ag = collective_seconds(cluster, "all_gather", gather_bytes, d, stride)
+    rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride, together=True)
+    ag = collective_seconds(cluster, "all_gather", gather_bytes, d, stride, together=True)
     hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
     exposed = max(rs / buckets if hidden else rs, rs - hidden) * reductions + ag
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
