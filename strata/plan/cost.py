@@ -30,7 +30,7 @@ from strata.plan.experts import (
     updated_params,
 )
 from strata.plan.hardware import Device
-from strata.plan.links import Cluster, collective_seconds
+from strata.plan.links import Cluster, collective_seconds, core_split
 from strata.plan.memory import ModelStates, activation_bytes_per_layer
 from strata.plan.offload import offload_cost, offloads
 from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
@@ -161,10 +161,10 @@ def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     e = _estimate(work, cluster, layout, 1.0)
     if cluster.shared_cores:
         world = layout.world_size
-        all_busy = min(1.0, cluster.shared_cores / world)
+        all_busy = core_split(world, cluster.shared_cores)
         for _ in range(4):
             active = max(1.0, world * min(1.0, e.busy_s / e.step_time_s))
-            e = _estimate(work, cluster, layout, min(1.0, cluster.shared_cores / active) / all_busy)
+            e = _estimate(work, cluster, layout, core_split(active, cluster.shared_cores) / all_busy)
     return e
 
 

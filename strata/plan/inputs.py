@@ -12,6 +12,7 @@ from strata.files import cache_dir, read_json_object
 from strata.model.config import ModelConfig
 from strata.plan.cost import BYTES, Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device, Kernels
+from strata.plan.links import core_split
 from strata.rules.layout import check_workload
 
 CPU_LOCAL = "cpu-local"
@@ -112,8 +113,8 @@ def core_share(processes: int, profile: dict) -> float:
     processes on two cores get 2/3 of what two kept, not all of it."""
     steps, cores = profile["step_seconds_per_process"], profile["cores"]
     nearest = min((int(n) for n in steps), key=lambda n: (abs(n - processes), n))
-    kept = steps["1"] / steps[str(nearest)] / min(1.0, cores / nearest)
-    return min(1.0, cores / processes) * kept
+    kept = steps["1"] / steps[str(nearest)] / core_split(nearest, cores)
+    return core_split(processes, cores) * kept
 
 
 def collective_points(by_size: dict, key: str, cores: int) -> list[tuple[float, float]]:

@@ -36,6 +36,13 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
 
+def core_split(processes: float, cores: int) -> float:
+    """What of one core each of `processes` processes busy at once gets on `cores` cores (cpu-local):
+    all of one while there are enough, else an even split. The planner's share of a calibrated
+    count and the estimate's fixed point both take it from here."""
+    return min(1.0, cores / processes)
+
+
 def members_per_node(cluster: Cluster, size: int, stride: int) -> int:
     """How many of a group's `size` members, `stride` ranks apart, share a node."""
     per_node = cluster.devices_per_node
