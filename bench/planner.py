@@ -13,12 +13,22 @@ The measured step time is the median of every step after the first, pooled over 
 of all the layouts: the same layout measured in two sweeps ten minutes apart differed by up to 15%
 on this shared machine, and one slow spell in one sweep should not make a layout's number.
 
+The machine's own speed moves too: calibration's reference step (one process, one micro-batch of 4
+sequences, `strata calibrate`'s "4x1") measured 0.343 s at calibration and 0.393 s forty minutes
+later, on an otherwise idle machine. So the script times that same step before each block of
+layouts and after the last, prints how far it moved from the profile's, and adds a second error
+column with the prediction scaled by that drift (the mean of the two references around the
+layout's block): the model's own error, apart from the machine's. The first error column is the
+plain prediction against the measurement.
+
   python bench/planner.py [--steps 6] [--passes 2] [--profile FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -26,10 +36,13 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 from strata.model.presets import get_preset
 from strata.plan.cost import estimate
 from strata.plan.inputs import cpu_local_cluster, load_profile, workload
 from strata.rules.layout import Layout
+from strata.tools.calibrate import step_time
 
 SEQ, GLOBAL = 128, 16
 FULL = "full"  # activation checkpointing on
@@ -68,6 +81,16 @@ def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
             "rss": last["peak_mem_bytes"]}
 
 
+REFERENCE = (4, 1)  # (micro-batch, micro-batches) of calibration's reference step, "4x1" in the profile
+
+
+def reference_seconds() -> float:
+    """Calibration's reference step timed now, as calibration times it (its log lines swallowed)."""
+    torch.set_num_threads(1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return step_time("small", *REFERENCE, seq_len=SEQ)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
@@ -76,17 +99,26 @@ def main() -> None:
     args = p.parse_args()
     profile = load_profile(args.profile)
     work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
+    calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
     measured: dict[tuple[int, Layout], dict] = {}
+    references = [reference_seconds()]
+    print(f"reference step {references[0]:.3f} s, {references[0] / calibrated - 1:+.0%} from calibration's "
+          f"{calibrated:.3f} s", flush=True)
     with tempfile.TemporaryDirectory() as out_dir:
         for sweep in range(args.passes):
             for nproc, layouts in LAYOUTS.items():
                 for layout in layouts:
                     run = measure(layout, nproc, args.steps, out_dir)
-                    kept = measured.setdefault((nproc, layout), {**run, "step_times": []})
+                    kept = measured.setdefault((nproc, layout), {**run, "step_times": [], "drifts": []})
                     kept["step_times"] += run["step_times"]
                     print(f"pass {sweep + 1}: {nproc} ranks {layout.describe()}: "
                           f"{statistics.median(run['step_times']):.3f} s", flush=True)
-    rows, worst_time, worst_memory = [], 0.0, 0.0
+                references.append(reference_seconds())
+                print(f"reference step {references[-1]:.3f} s, {references[-1] / calibrated - 1:+.0%} from "
+                      f"calibration's", flush=True)
+                for layout in layouts:  # the machine's speed around this block, against calibration's
+                    measured[(nproc, layout)]["drifts"].append((references[-2] + references[-1]) / 2 / calibrated)
+    rows, worst_time, worst_memory, worst_drifted = [], 0.0, 0.0, 0.0
     for nproc, layouts in LAYOUTS.items():
         cluster = cpu_local_cluster(nproc, profile)
         results = []
@@ -95,20 +127,25 @@ def main() -> None:
             step = statistics.median(run["step_times"])
             results.append((layout, predicted, step))
             time_err = predicted.step_time_s / step - 1
+            drift = statistics.mean(run["drifts"])
+            drifted_err = predicted.step_time_s * drift / step - 1
+            worst_drifted = max(worst_drifted, abs(drifted_err))
             mem_pred = predicted.memory_bytes_per_device
             mem_err = mem_pred / run["memory"] - 1
             worst_time, worst_memory = max(worst_time, abs(time_err)), max(worst_memory, abs(mem_err))
             rows.append(f"| {nproc} | {layout.describe()} | {predicted.step_time_s:.3f} | {step:.3f} "
-                        f"| {time_err:+.0%} | {mem_pred / 2**20:.1f} | {run['memory'] / 2**20:.1f} "
+                        f"| {time_err:+.0%} | {drift - 1:+.0%} | {drifted_err:+.0%} | {mem_pred / 2**20:.1f} | {run['memory'] / 2**20:.1f} "
                         f"| {mem_err:+.0%} | {run['rss'] / 2**20:.0f} |")
         top = min(results, key=lambda r: r[1].step_time_s)
         fastest = min(results, key=lambda r: r[2])
         rows.append(f"| {nproc} | planner's choice {top[0].describe()}: measured {top[2] / fastest[2] - 1:+.0%} against "
-                    f"the fastest measured, {fastest[0].describe()} | | | | | | | |")
-    print("\n| ranks | layout | predicted step s | measured step s | error | predicted MiB | measured MiB | error "
-          "| measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|")
+                    f"the fastest measured, {fastest[0].describe()} | | | | | | | | | |")
+    print("\n| ranks | layout | predicted step s | measured step s | error | machine drift | error after drift "
+          "| predicted MiB | measured MiB | error | measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nworst step-time error {worst_time:.0%}, worst memory error {worst_memory:.0%}")
+    print(f"\nworst step-time error {worst_time:.1%} ({worst_drifted:.1%} with the prediction scaled by the "
+          f"machine's drift), worst memory error {worst_memory:.1%}; reference step "
+          + ", ".join(f"{r:.3f}" for r in references) + f" s against calibration's {calibrated:.3f} s")
 
 
 if __name__ == "__main__":

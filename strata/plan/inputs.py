@@ -98,7 +98,12 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
                     disk_write=disk.get("write_bytes_per_s"), disk_cached_read=disk.get("cached_read_bytes_per_s"),
                     # the host is the device: host memory adds nothing; the disk's free space, shared
                     host_memory_bytes=None, disk_bytes=_free_disk(disk) / processes)
-    collectives = {op: {key: collective_points(by_size, key, profile["cores"]) for key in by_size}
+    # what a tensor-parallel collective costs inside a step beyond the loop's time (calibrate's
+    # collective_in_step; absent from profiles before it, and without 2 processes); not a
+    # pipeline's sends, whose waits the schedule's bubble prices
+    in_step = profile.get("collective_in_step_s", 0.0)
+    collectives = {op: {key: collective_points(by_size, key, profile["cores"], in_step if op != "send" else 0.0)
+                        for key in by_size}
                    for op, by_size in profile["collectives"].items()}
     together = {op: {key: monotone([point[:2] for point in m["points"]]) for key, m in by_size.items()}
                 for op, by_size in profile["collectives"].items()}
@@ -117,7 +122,7 @@ def core_share(processes: int, profile: dict) -> float:
     return core_split(processes, cores) * kept
 
 
-def collective_points(by_size: dict, key: str, cores: int) -> list[tuple[float, float]]:
+def collective_points(by_size: dict, key: str, cores: int, in_step: float = 0.0) -> list[tuple[float, float]]:
     """(bytes, seconds) points of what a calibrated collective costs a process's step, in groups
     of `key` ("group size/processes running"), while the other processes go on computing (a
     tensor-parallel pair's collectives while the other pairs compute; a pipeline's sends).
@@ -129,12 +134,13 @@ def collective_points(by_size: dict, key: str, cores: int) -> list[tuple[float, 
     dp2 x tp2 on 4 processes and tp2 on 2 measured the same step on 2 cores, in two runs. A group
     larger than the cores: its time with every process running (none of its members can go on
     without the others). The CPU time calibration also records is not used: priced at it, dp2 x
-    tp2's collectives came to half of what the runs spent on them."""
+    tp2's collectives came to half of what the runs spent on them. `in_step` is added to every
+    point, as time with a core each: what a collective costs inside a step beyond the loop's."""
     size, processes = (int(n) for n in key.split("/"))
     alone = f"{size}/{size}"
     if processes <= cores or size > cores or alone not in by_size:
-        return monotone([point[:2] for point in by_size[key]["points"]])
-    return [(nbytes, seconds * processes / cores) for nbytes, seconds in monotone(
+        return [(nbytes, seconds + in_step) for nbytes, seconds in monotone([p[:2] for p in by_size[key]["points"]])]
+    return [(nbytes, (seconds + in_step) * processes / cores) for nbytes, seconds in monotone(
         [point[:2] for point in by_size[alone]["points"]])]
 
 

@@ -9,7 +9,8 @@ For 1, 2, 4, ... up to --nproc processes running at once (through torchrun, as t
 then, on one process, the memory bandwidth (a large copy) and how this CPU runs a training step's
 kernels (strata/plan/compute.py): --model's GEMMs, attention and an elementwise add timed alone,
 and the GEMMs' rate inside a step and a cost per kernel fitted to its real training steps over a
-grid of micro-batch sizes and counts; and the disk under
+grid of micro-batch sizes and counts; with 2 processes or more, what a tensor-parallel
+collective costs inside a real tp=2 step beyond its time in the loop above; and the disk under
 --disk-dir (where offloaded files go): its write rate (data synced), its read rate with the file
 out of the page cache, and with it in. The profile is JSON, by default in
 ~/.cache/strata/calibration.json.
@@ -40,7 +41,7 @@ from strata.model.transformer import build_model
 from strata.plan.compute import StepWork, attention_flops, block_gemms, head_gemm
 from strata.plan.cost import Cluster, estimate
 from strata.plan.hardware import Device, Kernels
-from strata.plan.inputs import CPU_LOCAL, workload
+from strata.plan.inputs import CPU_LOCAL, cpu_local_cluster, workload
 from strata.rules.layout import Layout
 from strata.tools.bench_generate import least_squares
 from strata.train.trainer import train
@@ -338,6 +339,47 @@ def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> 
     return {"directory": os.path.abspath(directory), "free_bytes": shutil.disk_usage(directory).free, **rates}
 
 
+# The tensor-parallel step whose collectives are timed in place: micro-batches of 2 sequences (the
+# planner's bench runs tp with micro-batches of 1 and 4), 4 of them a step, steps after the first
+TP_STEP_MICRO_BATCH, TP_STEP_MICRO_BATCHES, TP_STEP_STEPS = 2, 4, 6
+
+
+def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
+    """What each tensor-parallel collective costs inside a training step beyond its time in the
+    loop (`_time_op`): a tp=2 step of `model` on 2 processes, its all-reduce seconds as strata's
+    communication counter times them (call to return, the wait for the peer included), against
+    what the planner prices for that step from the loop's points; the difference, over the
+    collectives the planner counts in it. In the loop both ranks arrive after the same burst of
+    matmuls; in a step they arrive after a block's mix of kernels, whose time varies from rank to
+    rank, and the earlier one waits. Measured here: 0.7 ms a collective at 192 KiB, 384 KiB and
+    768 KiB alike, half the loop's time at the smallest."""
+    cfg = get_preset(model)
+    seq_len = min(seq_len, cfg.max_seq_len)
+    layout = Layout(tp=2, micro_batch=TP_STEP_MICRO_BATCH)
+    work = workload(cfg, TP_STEP_MICRO_BATCH * TP_STEP_MICRO_BATCHES, seq_len, "fp32")
+
+    def priced(in_step: float) -> float:
+        return estimate(work, cpu_local_cluster(2, {**profile, "collective_in_step_s": in_step}), layout).comm_seconds["tp"]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "tp.jsonl")
+        code = launch_local(2, ["train", "--model", model, "--tp", "2", "--micro-batch", str(TP_STEP_MICRO_BATCH),
+                                "--global-batch", str(work.global_batch), "--seq-len", str(seq_len),
+                                "--steps", str(TP_STEP_STEPS), "--eval-batches", "1", "--no-progress",
+                                "--metrics", metrics])
+        if code != 0:
+            raise RuntimeError(f"calibration's tensor-parallel step failed (exit code {code})")
+        with open(metrics) as f:
+            steps = [r for r in map(json.loads, f) if r.get("kind") == "train"][1:]
+    measured = statistics.median(r["comm_seconds_by_op"].get("all_reduce/tp", 0.0) for r in steps)
+    # the planner's tp seconds are linear in the cost added to each collective: its slope is the
+    # number of collectives it counts in the step
+    alone, calls = priced(0.0), (priced(1e-3) - priced(0.0)) / 1e-3
+    return {"collective_in_step_s": max(0.0, (measured - alone) / calls),
+            "collective_in_step": {"layout": layout.describe(), "global_batch": work.global_batch,
+                                   "measured_s": measured, "priced_from_loop_s": alone, "collectives": calls}}
+
+
 def faster(measured: dict, before: dict) -> dict:
     """One process's measurements taken again, with each number the better of the two runs: the
     higher matmul rate and bandwidth, the shorter step. The machine, busy elsewhere, only ever
@@ -384,6 +426,12 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None)
     torch.set_num_threads(1)
     profile["memory_bandwidth"] = profile["memory_bandwidth_per_process"]["1"]
     profile.update(kernel_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"]))
+    if "2" in profile["matmul_flops"] and get_preset(model).n_heads % 2 == 0:
+        profile.update(collective_in_step(model, profile))
+        m = profile["collective_in_step"]
+        print(f"a tensor-parallel collective inside a step: +{profile['collective_in_step_s'] * 1e3:.2f} ms over the "
+              f"loop's time ({m['collectives']:.0f} a step took {m['measured_s']:.3f} s, priced from the loop at "
+              f"{m['priced_from_loop_s']:.3f} s)", flush=True)
     profile["disk"] = disk_rates(disk_dir or os.path.join(tempfile.gettempdir(), "strata-offload"))
     d = profile["disk"]
     print(f"disk under {d['directory']}: write {d['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
