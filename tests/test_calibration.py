@@ -221,7 +221,8 @@ def test_a_collectives_cost_inside_a_step_is_added_to_the_tensor_parallel_points
 
 def test_the_in_step_cost_is_fitted_from_a_tensor_parallel_step_the_planner_prices(tmp_path, monkeypatch):
     """A tp=2 step whose all-reduces took what the planner prices with 0.6 ms added to each is
-    fitted back to 0.6 ms: the first step (warm-up) and evaluation records left out."""
+    fitted back to 0.6 ms: every op on the tp group counted, other groups' not, the first step
+    (warm-up) and evaluation records left out."""
     profile = _profile(**{"2/2": [[16384, 4e-4, 0.0], [2**22, 5e-3, 0.0]]})
     work = workload(calibrate.get_preset("tiny"), calibrate.TP_STEP_MICRO_BATCH * calibrate.TP_STEP_MICRO_BATCHES,
                     64, "fp32")
@@ -232,7 +233,8 @@ def test_the_in_step_cost_is_fitted_from_a_tensor_parallel_step_the_planner_pric
     def launch_local(nproc, argv):
         launched.append((nproc, argv))
         records = [{"kind": "train", "comm_seconds_by_op": {"all_reduce/tp": 9.0}}] + \
-            [{"kind": "train", "comm_seconds_by_op": {"all_reduce/tp": in_step}}] * 3 + [{"kind": "eval", "val_loss": 1.0}]
+            [{"kind": "train", "comm_seconds_by_op": {"all_reduce/tp": in_step - 0.01, "all_gather/tp": 0.01,
+                                                      "all_reduce/dp": 5.0}}] * 3 + [{"kind": "eval", "val_loss": 1.0}]
         with open(argv[argv.index("--metrics") + 1], "w") as f:
             f.write("\n".join(json.dumps(r) for r in records))
         return 0

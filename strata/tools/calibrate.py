@@ -347,7 +347,7 @@ TP_STEP_MICRO_BATCH, TP_STEP_MICRO_BATCHES, TP_STEP_STEPS = 2, 4, 6
 
 def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
     """What each tensor-parallel collective costs inside a training step beyond its time in the
-    loop (`_time_op`): a tp=2 step of `model` on 2 processes, its all-reduce seconds as strata's
+    loop (`_time_op`): a tp=2 step of `model` on 2 processes, its tp collectives' seconds as strata's
     communication counter times them (call to return, the wait for the peer included), against
     what the planner prices for that step from the loop's points; the difference, over the
     collectives the planner counts in it. In the loop both ranks arrive after the same burst of
@@ -372,7 +372,9 @@ def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
             raise RuntimeError(f"calibration's tensor-parallel step failed (exit code {code})")
         with open(metrics) as f:
             steps = [r for r in map(json.loads, f) if r.get("kind") == "train"][1:]
-    measured = statistics.median(r["comm_seconds_by_op"].get("all_reduce/tp", 0.0) for r in steps)
+    # every collective on the tp group (the planner's "tp" seconds are all of them, whatever the op)
+    measured = statistics.median(sum(seconds for key, seconds in r["comm_seconds_by_op"].items() if key.endswith("/tp"))
+                                 for r in steps)
     # the planner's tp seconds are linear in the cost added to each collective: its slope is the
     # number of collectives it counts in the step
     alone, calls = priced(0.0), (priced(1e-3) - priced(0.0)) / 1e-3
