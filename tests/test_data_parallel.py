@@ -10,6 +10,10 @@ import torch.nn as nn
 from strata.config import TrainConfig
 from strata.model.presets import get_preset
 from strata.parallel.buckets import plan_buckets, shard_pieces
+from strata.plan.cost import estimate
+from strata.plan.inputs import build_cluster, workload
+from strata.rules.constants import MAX_IN_FLIGHT
+from strata.rules.layout import Layout
 from strata.train.trainer import train
 
 from distributed import run_on_ranks
@@ -209,3 +213,36 @@ def test_zero3_counts_its_gathered_parameters_as_buffers_not_activations(world):
     assert "buffer_bytes" not in zero0
     largest = max(get_preset("tiny").unit_params())
     assert 2 * 4 * largest <= zero3["buffer_bytes"] <= 2 * 4 * PSI
+
+
+def _zero2_staging_over_steps():
+    """The staging buffers ZeRO-2 has allocated after each of three steps of two micro-batches."""
+    from strata.train import trainer
+    run = trainer.setup(TrainConfig(model="tiny", seq_len=32, global_batch=8, micro_batch=2, zero=2,
+                                    bucket_mb=0.05, progress=False, peak_flops=1e10, eval_batches=1))
+    sharding, allocated = run.parallel.sharding, []
+    for step in range(3):
+        trainer.train_step(run, step)
+        allocated.append(sharding.peak_buffer_bytes)
+    return allocated, 4 * max(b.size for b in sharding.buckets), len(sharding.buckets)
+
+
+def test_zero2_reuses_its_staging_buffers():
+    """Six micro-batches reduce every bucket six times, from the buffers the first one allocated:
+    no more than one filling and MAX_IN_FLIGHT reducing, however many buckets there are."""
+    for allocated, bucket_bytes, buckets in run_on_ranks(_zero2_staging_over_steps, 2, timeout=120):
+        assert buckets > MAX_IN_FLIGHT + 1
+        assert 0 < allocated[0] <= (MAX_IN_FLIGHT + 1) * bucket_bytes
+        assert allocated == [allocated[0]] * 3
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero2_staging_is_the_buffers_the_planner_predicts(world):
+    """tiny fits one 25 MB bucket: ZeRO-2 keeps one staging buffer of every fp32 gradient (padded
+    to a multiple of dp), which the planner counts as buffers."""
+    zero2 = data_parallel(world, 2, "fp32")[0][1]["record"]
+    predicted = estimate(workload(get_preset("tiny"), world, 32, "fp32"), build_cluster("A100-80G", 1, world, None,
+                                                                                         "ib-200"),
+                         Layout(dp=world, zero=2)).memory_breakdown["buffers"]
+    assert predicted == 4 * PSI
+    assert 4 * PSI <= zero2["buffer_bytes"] < 4 * (PSI + world)

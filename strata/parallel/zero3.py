@@ -43,15 +43,9 @@ from strata.distributed import comm
 from strata.memory import tiers
 from strata.memory.tiers import Tier
 from strata.parallel.buckets import Bucket, plan_buckets, shard_pieces
-from strata.parallel.gradients import (
-    MAX_IN_FLIGHT,
-    gather_shards,
-    norm_pairs,
-    pair_norms,
-    sharded_optimizer_pieces,
-    tensor_bytes,
-)
+from strata.parallel.gradients import gather_shards, norm_pairs, pair_norms, sharded_optimizer_pieces, tensor_bytes
 from strata.parallel.tensor import shard_specs
+from strata.rules.constants import MAX_IN_FLIGHT
 
 
 class Unit:

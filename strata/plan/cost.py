@@ -34,6 +34,7 @@ from strata.plan.links import Cluster, collective_seconds, core_split
 from strata.plan.memory import ModelStates, activation_bytes_per_layer
 from strata.plan.offload import offload_cost, offloads
 from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
+from strata.rules.constants import BUCKET_MB, MAX_IN_FLIGHT
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import make_layout, unit_costs
 from strata.rules.schedules import SCHEDULES, profile
@@ -257,7 +258,7 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
     memory = {"weights": states.weights, "gradients": states.grads,
               "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
-              "activations": activations, "buffers": _buffers(cfg, lay, t)}
+              "activations": activations, "buffers": _buffers(cfg, lay, t, load.params / t)}
     if lay.tp_mode != "1d":
         memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
@@ -438,11 +439,21 @@ def _bubble_time(lay: Layout, m: int, per_micro_batch: float) -> float:
     return profile(lay.schedule, lay.pp, m, lay.virtual_stages).bubble_slots * per_micro_batch
 
 
-def _buffers(cfg: ModelConfig, lay: Layout, t: int) -> float:
-    """What the layout adds besides states and activations: ZeRO-3's gathered units (one in use,
-    one prefetched, in the gather dtype) and one unit's staged gradients (in the reduce dtype), at
-    the size of the largest unit (the embedding or the head, for most models); with tied
-    embeddings the embedding stays gathered from its forward to the head's backward as well."""
+def _buffers(cfg: ModelConfig, lay: Layout, t: int, params_local: float) -> float:
+    """What the layout adds besides states and activations.
+
+    ZeRO-2: the staging buffers of full gradients it keeps for its buckets (in the reduce dtype),
+    each the size of a bucket, as many as are staged at once: one filling while MAX_IN_FLIGHT
+    reduce, or every bucket when there are fewer (parallel/gradients.py: ShardGradients).
+
+    ZeRO-3: its gathered units (one in use, one prefetched, in the gather dtype) and one unit's
+    staged gradients (in the reduce dtype), at the size of the largest unit (the embedding or the
+    head, for most models); with tied embeddings the embedding stays gathered from its forward to
+    the head's backward as well."""
+    if lay.zero == 2:  # buckets hold --bucket-mb of the fp32 parameters' elements
+        bucket = BUCKET_MB * 2**20 / BYTES["fp32"]
+        buckets = math.ceil(params_local / bucket)
+        return min(buckets, MAX_IN_FLIGHT + 1) * min(bucket, params_local) * BYTES[lay.reduce_dtype]
     if lay.zero < 3:
         return 0.0
     embedding, block, head = cfg.unit_params()
