@@ -203,9 +203,9 @@ def test_a_collectives_cost_inside_a_step_is_added_to_the_tensor_parallel_points
     twice that for a pair among 4 on 2 cores (as the rest of its time); a pipeline's sends and the
     data-parallel sums (everyone running) are priced as the loop measured them."""
     points = [[16384, 1e-3, 0.0], [2**20, 3e-3, 0.0]]
-    profile = {**_profile(**{"2/2": points, "2/4": points, "4/4": points}), "collective_in_step_s": 7e-4}
+    profile = {**_profile(**{"2/2": points, "2/4": points, "4/4": points}), "collective_in_step_points": [[1, 7e-4]]}
     profile["collectives"]["send"] = {"2/2": {"points": points}, "2/4": {"points": points}}
-    before = {n: cpu_local_cluster(n, {**profile, "collective_in_step_s": 0.0}) for n in (2, 4)}
+    before = {n: cpu_local_cluster(n, {**profile, "collective_in_step_points": [[1, 0.0]]}) for n in (2, 4)}
     after = {n: cpu_local_cluster(n, profile) for n in (2, 4)}
     for n, added in ((2, 7e-4), (4, 1.4e-3)):
         for nbytes in (16384, 2**19, 2**20):
@@ -214,26 +214,45 @@ def test_a_collectives_cost_inside_a_step_is_added_to_the_tensor_parallel_points
             assert collective_seconds(after[n], "send", nbytes, 2, 1) == collective_seconds(before[n], "send", nbytes, 2, 1)
             assert collective_seconds(after[n], "all_reduce", nbytes, 2, 1, together=True) == \
                 collective_seconds(before[n], "all_reduce", nbytes, 2, 1, together=True)
-    old = {key: value for key, value in profile.items() if key != "collective_in_step_s"}  # profiles before it
+    old = {key: value for key, value in profile.items() if key != "collective_in_step_points"}  # profiles before it
     assert collective_seconds(cpu_local_cluster(2, old), "all_reduce", 2**19, 2, 1) == \
         collective_seconds(before[2], "all_reduce", 2**19, 2, 1)
+    scalar = cpu_local_cluster(2, {**old, "collective_in_step_s": 7e-4})  # profiles of one number for every size
+    assert collective_seconds(scalar, "all_reduce", 2**19, 2, 1) == collective_seconds(after[2], "all_reduce", 2**19, 2, 1)
 
 
-def test_the_in_step_cost_is_fitted_from_a_tensor_parallel_step_the_planner_prices(tmp_path, monkeypatch):
-    """A tp=2 step whose all-reduces took what the planner prices with 0.6 ms added to each is
-    fitted back to 0.6 ms: every op on the tp group counted, other groups' not, the first step
-    (warm-up) and evaluation records left out."""
-    profile = _profile(**{"2/2": [[16384, 4e-4, 0.0], [2**22, 5e-3, 0.0]]})
-    work = workload(calibrate.get_preset("tiny"), calibrate.TP_STEP_MICRO_BATCH * calibrate.TP_STEP_MICRO_BATCHES,
-                    64, "fp32")
-    layout = Layout(tp=2, micro_batch=calibrate.TP_STEP_MICRO_BATCH)
-    in_step = estimate(work, cpu_local_cluster(2, {**profile, "collective_in_step_s": 6e-4}), layout).comm_seconds["tp"]
+def test_the_in_step_cost_follows_the_message_size_with_either_sign_down_to_the_cpu_time():
+    """Measured at two sizes, the in-step cost is interpolated between them and held beyond; a
+    negative one lowers a point, though never below the CPU time the loop saw the call take."""
+    loop = [[2**14, 4e-3, 5e-4], [2**16, 4e-3, 5e-4], [2**18, 4e-3, 5e-4], [2**20, 5e-3, 5e-4], [2**22, 8e-3, 6e-3]]
+    profile = {**_profile(**{"2/2": loop}), "collective_in_step_points": [[2**18, -2e-3], [2**20, 1e-3]]}
+    cluster = cpu_local_cluster(2, profile)
+    for nbytes, expected in ((2**14, 2e-3), (2**16, 2e-3), (2**18, 2e-3), (2**20, 6e-3), (2**22, 9e-3)):
+        assert collective_seconds(cluster, "all_reduce", nbytes, 2, 1) == pytest.approx(expected)
+    deep = cpu_local_cluster(2, {**profile, "collective_in_step_points": [[2**18, -1.0], [2**20, -1.0]]})
+    assert collective_seconds(deep, "all_reduce", 2**18, 2, 1) == pytest.approx(5e-4)  # the CPU time
+
+
+def test_the_in_step_cost_is_fitted_from_tensor_parallel_steps_the_planner_prices(tmp_path, monkeypatch):
+    """tp=2 steps whose collectives took what the planner prices with -0.5 ms added to each at
+    micro-batches of one sequence and +0.6 ms at four are fitted back to those, at each step's
+    message bytes: every op on the tp group counted, other groups' not, the first step (warm-up)
+    and evaluation records left out."""
+    profile = _profile(**{"2/2": [[16384, 4e-3, 0.0], [2**22, 9e-3, 0.0]]})
+    cfg, seq = calibrate.get_preset("tiny"), 64
+    true = {1: -5e-4, 4: 6e-4}
+    in_step = {}
+    for mb in calibrate.TP_STEP_MICRO_BATCH_SIZES:
+        work = workload(cfg, mb * calibrate.TP_STEP_MICRO_BATCHES, seq, "fp32")
+        cluster = cpu_local_cluster(2, {**profile, "collective_in_step_points": [[1, true[mb]]]})
+        in_step[mb] = estimate(work, cluster, Layout(tp=2, micro_batch=mb)).comm_seconds["tp"]
     launched = []
 
     def launch_local(nproc, argv):
         launched.append((nproc, argv))
+        tp = in_step[int(argv[argv.index("--micro-batch") + 1])]
         records = [{"kind": "train", "comm_seconds_by_op": {"all_reduce/tp": 9.0}}] + \
-            [{"kind": "train", "comm_seconds_by_op": {"all_reduce/tp": in_step - 0.01, "all_gather/tp": 0.01,
+            [{"kind": "train", "comm_seconds_by_op": {"all_reduce/tp": tp - 0.01, "all_gather/tp": 0.01,
                                                       "all_reduce/dp": 5.0}}] * 3 + [{"kind": "eval", "val_loss": 1.0}]
         with open(argv[argv.index("--metrics") + 1], "w") as f:
             f.write("\n".join(json.dumps(r) for r in records))
@@ -241,7 +260,13 @@ def test_the_in_step_cost_is_fitted_from_a_tensor_parallel_step_the_planner_pric
 
     monkeypatch.setattr(calibrate, "launch_local", launch_local)
     fitted = calibrate.collective_in_step("tiny", profile)
-    assert fitted["collective_in_step_s"] == pytest.approx(6e-4, rel=1e-6)
-    assert fitted["collective_in_step"]["collectives"] > 0
-    (nproc, argv), = launched
-    assert nproc == 2 and argv[argv.index("--tp") + 1] == "2" and argv[argv.index("--micro-batch") + 1] == "2"
+    # the mean message of the step: the activations' all-reduces (one sequence's: seq x d_model in
+    # fp32) with the loss's smaller ones among them
+    activation = seq * cfg.d_model * 4
+    (one, _), (four, _) = fitted["collective_in_step_points"]
+    assert 0.8 * activation < one < activation and four == pytest.approx(4 * one, rel=1e-3)
+    assert [s for _, s in fitted["collective_in_step_points"]] == pytest.approx([true[1], true[4]], rel=1e-6)
+    assert [nproc for nproc, _ in launched] == [2, 2]
+    assert [argv[argv.index("--tp") + 1] for _, argv in launched] == ["2", "2"]
+    assert [argv[argv.index("--micro-batch") + 1] for _, argv in launched] == ["1", "4"]
+

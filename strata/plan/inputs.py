@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
+
+import numpy
 
 from strata.errors import ConfigError
 from strata.files import cache_dir, read_json_object
@@ -99,10 +102,9 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
                     # the host is the device: host memory adds nothing; the disk's free space, shared
                     host_memory_bytes=None, disk_bytes=_free_disk(disk) / processes)
     # what a tensor-parallel collective costs inside a step beyond the loop's time (calibrate's
-    # collective_in_step; absent from profiles before it, and without 2 processes); not a
-    # pipeline's sends, whose waits the schedule's bubble prices
-    in_step = profile.get("collective_in_step_s", 0.0)
-    collectives = {op: {key: collective_points(by_size, key, profile["cores"], in_step if op != "send" else 0.0)
+    # collective_in_step); not a pipeline's sends, whose waits the schedule's bubble prices
+    in_step = in_step_seconds(profile)
+    collectives = {op: {key: collective_points(by_size, key, profile["cores"], in_step if op != "send" else None)
                         for key in by_size}
                    for op, by_size in profile["collectives"].items()}
     together = {op: {key: monotone([point[:2] for point in m["points"]]) for key, m in by_size.items()}
@@ -122,7 +124,18 @@ def core_share(processes: int, profile: dict) -> float:
     return core_split(processes, cores) * kept
 
 
-def collective_points(by_size: dict, key: str, cores: int, in_step: float = 0.0) -> list[tuple[float, float]]:
+def in_step_seconds(profile: dict) -> Callable[[float], float]:
+    """What a tensor-parallel collective of n bytes costs inside a step beyond its loop time, from
+    calibration's points (`collective_in_step_points`): linear between the measured sizes, the
+    nearest one's beyond them. Profiles of one number for every size (`collective_in_step_s`,
+    before the points) keep it; those before either, and those without 2 processes, add nothing."""
+    points = sorted(profile.get("collective_in_step_points") or [[1.0, profile.get("collective_in_step_s", 0.0)]])
+    sizes, seconds = [p[0] for p in points], [p[1] for p in points]
+    return lambda nbytes: float(numpy.interp(nbytes, sizes, seconds))
+
+
+def collective_points(by_size: dict, key: str, cores: int,
+                      in_step: Callable[[float], float] | None = None) -> list[tuple[float, float]]:
     """(bytes, seconds) points of what a calibrated collective costs a process's step, in groups
     of `key` ("group size/processes running"), while the other processes go on computing (a
     tensor-parallel pair's collectives while the other pairs compute; a pipeline's sends).
@@ -134,14 +147,15 @@ def collective_points(by_size: dict, key: str, cores: int, in_step: float = 0.0)
     dp2 x tp2 on 4 processes and tp2 on 2 measured the same step on 2 cores, in two runs. A group
     larger than the cores: its time with every process running (none of its members can go on
     without the others). The CPU time calibration also records is not used: priced at it, dp2 x
-    tp2's collectives came to half of what the runs spent on them. `in_step` is added to every
-    point, as time with a core each: what a collective costs inside a step beyond the loop's."""
+    tp2's collectives came to half of what the runs spent on them. `in_step(bytes)` is added to
+    every point, as time with a core each: what a collective costs inside a step beyond the loop's
+    (or short of it), though never below the CPU time the loop saw the call take."""
     size, processes = (int(n) for n in key.split("/"))
     alone = f"{size}/{size}"
-    if processes <= cores or size > cores or alone not in by_size:
-        return [(nbytes, seconds + in_step) for nbytes, seconds in monotone([p[:2] for p in by_size[key]["points"]])]
-    return [(nbytes, (seconds + in_step) * processes / cores) for nbytes, seconds in monotone(
-        [point[:2] for point in by_size[alone]["points"]])]
+    shared = not (processes <= cores or size > cores or alone not in by_size)
+    points = [[p[0], max(p[1] + in_step(p[0]), p[2] if len(p) > 2 else 0.0) if in_step else p[1]]
+              for p in by_size[alone if shared else key]["points"]]
+    return [(nbytes, seconds * (processes / cores if shared else 1.0)) for nbytes, seconds in monotone(points)]
 
 
 def monotone(points: list[list[float]]) -> list[tuple[float, float]]:

@@ -40,7 +40,7 @@ from strata.errors import ConfigError
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.plan.compute import StepWork, attention_flops, block_gemms, head_gemm
-from strata.plan.cost import Cluster, estimate
+from strata.plan.cost import Cluster, Estimate, estimate
 from strata.plan.hardware import Device, Kernels
 from strata.plan.inputs import CPU_LOCAL, cpu_local_cluster, workload
 from strata.rules.layout import Layout, check_tensor_parallel
@@ -340,47 +340,64 @@ def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> 
     return {"directory": os.path.abspath(directory), "free_bytes": shutil.disk_usage(directory).free, **rates}
 
 
-# The tensor-parallel step whose collectives are timed in place: micro-batches of 2 sequences (the
-# planner's bench runs tp with micro-batches of 1 and 4), 4 of them a step, steps after the first
-TP_STEP_MICRO_BATCH, TP_STEP_MICRO_BATCHES, TP_STEP_STEPS = 2, 4, 6
+# The tensor-parallel steps whose collectives are timed in place: tp=2 with micro-batches of 1 and
+# of 4 sequences (two message sizes), 4 micro-batches a step, the steps after the first
+TP_STEP_MICRO_BATCH_SIZES, TP_STEP_MICRO_BATCHES, TP_STEP_STEPS = (1, 4), 4, 6
 
 
 def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
-    """What each tensor-parallel collective costs inside a training step beyond its time in the
-    loop (`_time_op`): a tp=2 step of `model` on 2 processes, its tp collectives' seconds as strata's
-    communication counter times them (call to return, the wait for the peer included), against
-    what the planner prices for that step from the loop's points; the difference, over the
-    collectives the planner counts in it. In the loop both ranks arrive after the same burst of
-    matmuls; in a step they arrive after a block's mix of kernels, whose time varies from rank to
-    rank, and the earlier one waits. Measured here: about 0.7 ms more a collective at 192 KiB,
-    384 KiB and 768 KiB alike (1.40 ms in the step against 0.65 ms in the loop at 192 KiB)."""
+    """What a tensor-parallel collective costs inside a training step beyond (or short of) its
+    time in the loop (`_time_op`), at two message sizes: for each, a tp=2 step of `model` on 2
+    processes, its tp collectives' seconds as strata's communication counter times them (call to
+    return, the wait for the peer included), against what the planner prices for that step from
+    the loop's points; the difference, over the collectives the planner counts in it, at the bytes
+    of each (`collective_in_step_points`: (bytes, seconds), either sign).
+
+    In the loop both ranks arrive after the same burst of matmuls; in a step they arrive after a
+    block's mix of kernels. On a freshly booted machine a collective cost about 0.7 ms more in a
+    step at 192 KiB, 384 KiB and 768 KiB alike (1.40 ms against 0.65 ms at 192 KiB); on the same
+    machine slower by half after a restart, 1.9 ms less at 192 KiB (1.94 ms against 3.7 ms) and
+    0.7 ms less at 384 KiB. One number measured at one size could not follow the second."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
-    layout = Layout(tp=2, micro_batch=TP_STEP_MICRO_BATCH)
-    work = workload(cfg, TP_STEP_MICRO_BATCH * TP_STEP_MICRO_BATCHES, seq_len, "fp32")
+    points, details = [], []
+    for micro_batch in TP_STEP_MICRO_BATCH_SIZES:
+        layout = Layout(tp=2, micro_batch=micro_batch)
+        work = workload(cfg, micro_batch * TP_STEP_MICRO_BATCHES, seq_len, "fp32")
 
-    def priced(in_step: float) -> float:
-        return estimate(work, cpu_local_cluster(2, {**profile, "collective_in_step_s": in_step}), layout).comm_seconds["tp"]
+        def priced(in_step: float) -> Estimate:
+            cluster = cpu_local_cluster(2, {**profile, "collective_in_step_points": [[1.0, in_step]]})
+            return estimate(work, cluster, layout)
 
+        measured = _tp_seconds_in_step(model, micro_batch, work.global_batch, seq_len)
+        # the planner's tp seconds are linear in the cost added to each collective: its slope is
+        # the number of collectives it counts in the step
+        alone = priced(0.0)
+        calls = (priced(1e-3).comm_seconds["tp"] - alone.comm_seconds["tp"]) / 1e-3
+        # the mean message of the step (a pair's all-reduce moves the tensor's own bytes, 2 (t - 1) / t
+        # of them): the activations' all-reduces with the loss's smaller ones among them
+        nbytes = alone.comm_bytes["tp"] / calls
+        points.append([nbytes, (measured - alone.comm_seconds["tp"]) / calls])
+        details.append({"layout": layout.describe(), "global_batch": work.global_batch, "message_bytes": nbytes,
+                        "measured_s": measured, "priced_from_loop_s": alone.comm_seconds["tp"], "collectives": calls})
+    return {"collective_in_step_points": points, "collective_in_step": details}
+
+
+def _tp_seconds_in_step(model: str, micro_batch: int, global_batch: int, seq_len: int) -> float:
+    """The median seconds a tp=2 step of `model` spent in collectives on the tp group (every op:
+    the planner's tp seconds count all of them), over the steps after the first."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "tp.jsonl")
-        code = launch_local(2, ["train", "--model", model, "--tp", "2", "--micro-batch", str(TP_STEP_MICRO_BATCH),
-                                "--global-batch", str(work.global_batch), "--seq-len", str(seq_len),
+        code = launch_local(2, ["train", "--model", model, "--tp", "2", "--micro-batch", str(micro_batch),
+                                "--global-batch", str(global_batch), "--seq-len", str(seq_len),
                                 "--steps", str(TP_STEP_STEPS), "--eval-batches", "1", "--no-progress",
                                 "--metrics", metrics])
         if code != 0:
             raise RuntimeError(f"calibration's tensor-parallel step failed (exit code {code})")
         with open(metrics) as f:
             steps = [r for r in map(json.loads, f) if r.get("kind") == "train"][1:]
-    # every collective on the tp group (the planner's "tp" seconds are all of them, whatever the op)
-    measured = statistics.median(sum(seconds for key, seconds in r["comm_seconds_by_op"].items() if key.endswith("/tp"))
-                                 for r in steps)
-    # the planner's tp seconds are linear in the cost added to each collective: its slope is the
-    # number of collectives it counts in the step
-    alone, calls = priced(0.0), (priced(1e-3) - priced(0.0)) / 1e-3
-    return {"collective_in_step_s": max(0.0, (measured - alone) / calls),
-            "collective_in_step": {"layout": layout.describe(), "global_batch": work.global_batch,
-                                   "measured_s": measured, "priced_from_loop_s": alone, "collectives": calls}}
+    return statistics.median(sum(seconds for key, seconds in r["comm_seconds_by_op"].items() if key.endswith("/tp"))
+                             for r in steps)
 
 
 def faster(measured: dict, before: dict) -> dict:
@@ -436,10 +453,10 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None)
             print(f"the collectives' cost inside a step is not measured: {model} cannot run tp=2 ({error})", flush=True)
         else:
             profile.update(collective_in_step(model, profile))
-            fit = profile["collective_in_step"]
-            print(f"a tensor-parallel collective inside a step: +{profile['collective_in_step_s'] * 1e3:.2f} ms over "
-                  f"the loop's time ({fit['collectives']:.0f} a step took {fit['measured_s']:.3f} s, priced from the "
-                  f"loop at {fit['priced_from_loop_s']:.3f} s)", flush=True)
+            for (nbytes, seconds), fit in zip(profile["collective_in_step_points"], profile["collective_in_step"]):
+                print(f"a tensor-parallel collective of {nbytes / 1024:.0f} KiB inside a step: {seconds * 1e3:+.2f} ms "
+                      f"against the loop's time ({fit['collectives']:.0f} a step took {fit['measured_s']:.3f} s, "
+                      f"priced from the loop at {fit['priced_from_loop_s']:.3f} s)", flush=True)
     profile["disk"] = disk_rates(disk_dir or os.path.join(tempfile.gettempdir(), "strata-offload"))
     d = profile["disk"]
     print(f"disk under {d['directory']}: write {d['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
