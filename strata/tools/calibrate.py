@@ -356,7 +356,7 @@ def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
     In the loop both ranks arrive after the same burst of matmuls; in a step they arrive after a
     block's mix of kernels. On a freshly booted machine a collective cost about 0.7 ms more in a
     step at 192 KiB, 384 KiB and 768 KiB alike (1.40 ms against 0.65 ms at 192 KiB); on the same
-    machine after a restart, about twice as slow, 1.5 ms less at 179 KiB (2.2 ms against 3.7 ms)
+    machine after a restart, about twice as slow, 1.5 ms less at 178 KiB (2.2 ms against 3.7 ms)
     and 0.5 ms less at 713 KiB. One number measured at one size could not follow the second."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
