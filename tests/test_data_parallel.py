@@ -228,7 +228,7 @@ def _zero2_staging_over_steps():
 
 
 def test_zero2_reuses_its_staging_buffers():
-    """Six micro-batches reduce every bucket six times, from the buffers the first one allocated:
+    """Six micro-batches reduce every bucket six times, from the buffers the first step allocated:
     no more than one filling and MAX_IN_FLIGHT reducing, however many buckets there are."""
     for allocated, bucket_bytes, buckets in run_on_ranks(_zero2_staging_over_steps, 2, timeout=120):
         assert buckets > MAX_IN_FLIGHT + 1
