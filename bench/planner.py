@@ -21,13 +21,19 @@ column with the prediction scaled by that drift (the mean of the two references 
 layout's block): the model's own error, apart from the machine's. The first error column is the
 plain prediction against the measurement.
 
-  python bench/planner.py [--steps 6] [--passes 2] [--profile FILE]
+  python bench/planner.py [--steps 6] [--passes 2] [--profile FILE] [--save FILE]
+  python bench/planner.py --replay FILE [FILE ...]   # a changed cost model on saved measurements
+
+--save writes the measurements (with the profile they were predicted from) as JSON, and --replay
+prints the table again from such files without training anything: a change to the cost model is
+judged on every saved run at once, not on the one run it was made after.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -76,7 +82,12 @@ def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
     subprocess.run(list(map(str, cmd)), check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     records = [json.loads(line) for line in open(metrics) if '"train"' in line]
     last = records[-1]
+    comm = {}  # seconds a step in each operation and group, as strata's counter timed them on rank 0
+    for record in records[1:]:
+        for key, seconds in record.get("comm_seconds_by_op", {}).items():
+            comm.setdefault(key, []).append(seconds)
     return {"step_times": [r["step_time_s"] for r in records[1:]],
+            "comm_seconds": {key: statistics.median(values) for key, values in comm.items()},
             "memory": last["model_state_bytes"] + last["peak_activation_bytes"] + last.get("buffer_bytes", 0),
             "rss": last["peak_mem_bytes"]}
 
@@ -91,26 +102,21 @@ def reference_seconds() -> float:
         return step_time("small", *REFERENCE, seq_len=SEQ)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--passes", type=int, default=2, help="sweeps of every layout, their steps pooled")
-    p.add_argument("--profile", help="calibration profile (default: the one `strata calibrate` wrote)")
-    args = p.parse_args()
-    profile = load_profile(args.profile)
-    work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
-    calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
+def measure_all(steps: int, passes: int, calibrated: float) -> tuple[dict, list[float]]:
+    """Every layout trained `passes` times, their steps pooled, with the reference step timed
+    before the first block and after each."""
     measured: dict[tuple[int, Layout], dict] = {}
     references = [reference_seconds()]
     print(f"reference step {references[0]:.3f} s, {references[0] / calibrated - 1:+.0%} from calibration's "
           f"{calibrated:.3f} s", flush=True)
     with tempfile.TemporaryDirectory() as out_dir:
-        for sweep in range(args.passes):
+        for sweep in range(passes):
             for nproc, layouts in LAYOUTS.items():
                 for layout in layouts:
-                    run = measure(layout, nproc, args.steps, out_dir)
-                    kept = measured.setdefault((nproc, layout), {**run, "step_times": [], "drifts": []})
+                    run = measure(layout, nproc, steps, out_dir)
+                    kept = measured.setdefault((nproc, layout), {**run, "step_times": [], "drifts": [], "comm": []})
                     kept["step_times"] += run["step_times"]
+                    kept["comm"].append(run["comm_seconds"])
                     print(f"pass {sweep + 1}: {nproc} ranks {layout.describe()}: "
                           f"{statistics.median(run['step_times']):.3f} s", flush=True)
                 references.append(reference_seconds())
@@ -118,15 +124,36 @@ def main() -> None:
                       f"calibration's", flush=True)
                 for layout in layouts:  # the machine's speed around this block, against calibration's
                     measured[(nproc, layout)]["drifts"].append((references[-2] + references[-1]) / 2 / calibrated)
-    rows, worst_time, worst_memory, worst_drifted = [], 0.0, 0.0, 0.0
-    for nproc, layouts in LAYOUTS.items():
+    return measured, references
+
+
+def save(path: str, profile: dict, measured: dict, references: list[float]) -> None:
+    runs = [{"nproc": nproc, "layout": dataclasses.asdict(layout), **run} for (nproc, layout), run in measured.items()]
+    with open(path, "w") as f:
+        json.dump({"profile": profile, "references": references, "runs": runs}, f)
+
+
+def load(path: str) -> tuple[dict, dict, list[float]]:
+    with open(path) as f:
+        saved = json.load(f)
+    measured = {(run["nproc"], Layout(**run["layout"])): run for run in saved["runs"]}
+    return saved["profile"], measured, saved["references"]
+
+
+def report(profile: dict, measured: dict, references: list[float]) -> None:
+    """The table of predicted against measured, the worst errors, and the top choices."""
+    work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
+    calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
+    rows, worst_time, worst_memory, worst_drifted, within = [], 0.0, 0.0, 0.0, 0
+    for nproc in sorted({n for n, _ in measured}):
         cluster = cpu_local_cluster(nproc, profile)
         results = []
-        for layout in layouts:
+        for layout in (lay for n, lay in measured if n == nproc):
             predicted, run = estimate(work, cluster, layout), measured[(nproc, layout)]
             step = statistics.median(run["step_times"])
             results.append((layout, predicted, step))
             time_err = predicted.step_time_s / step - 1
+            within += abs(time_err) <= 0.15
             drift = statistics.mean(run["drifts"])
             drifted_err = predicted.step_time_s * drift / step - 1
             worst_drifted = max(worst_drifted, abs(drifted_err))
@@ -143,9 +170,30 @@ def main() -> None:
     print("\n| ranks | layout | predicted step s | measured step s | error | machine drift | error after drift "
           "| predicted MiB | measured MiB | error | measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nworst step-time error {worst_time:.1%} ({worst_drifted:.1%} with the prediction scaled by the "
-          f"machine's drift), worst memory error {worst_memory:.1%}; reference step "
+    print(f"\n{within} of {len(measured)} within 15%; worst step-time error {worst_time:.1%} ({worst_drifted:.1%} with the "
+          f"prediction scaled by the machine's drift), worst memory error {worst_memory:.1%}; reference step "
           + ", ".join(f"{r:.3f}" for r in references) + f" s against calibration's {calibrated:.3f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--passes", type=int, default=2, help="sweeps of every layout, their steps pooled")
+    p.add_argument("--profile", help="calibration profile (default: the one `strata calibrate` wrote)")
+    p.add_argument("--save", help="write the measurements and the profile to this JSON file")
+    p.add_argument("--replay", nargs="+", metavar="FILE", help="report saved runs again; measure nothing")
+    args = p.parse_args()
+    if args.replay:
+        for path in args.replay:
+            print(f"\n## {path}")
+            report(*load(path))
+        return
+    profile = load_profile(args.profile)
+    calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
+    measured, references = measure_all(args.steps, args.passes, calibrated)
+    if args.save:
+        save(args.save, profile, measured, references)
+    report(profile, measured, references)
 
 
 if __name__ == "__main__":

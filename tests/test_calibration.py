@@ -113,15 +113,22 @@ def test_a_processs_fixed_costs_grow_with_its_share_of_a_core():
     assert shared.kernels.gemm_fraction == alone.kernels.gemm_fraction
 
 
-def test_the_one_process_reference_keeps_the_faster_of_its_two_runs():
-    """Calibration measures one process first and last: a slow spell in either run (52 GFLOP/s
-    once, against 96) does not become the reference every share is taken against."""
-    slow = {"matmul_flops": 52e9, "memory_bandwidth": 22e9, "step_seconds": 0.77, "collectives": {}}
-    quick = {"matmul_flops": 99e9, "memory_bandwidth": 34e9, "step_seconds": 0.53, "collectives": {}}
-    for first, last in ((slow, quick), (quick, slow)):
-        kept = calibrate.faster(last, first)
-        assert (kept["matmul_flops"], kept["memory_bandwidth"], kept["step_seconds"]) == (99e9, 34e9, 0.53)
-        assert kept["collectives"] == {}
+def test_each_count_keeps_the_median_of_its_runs():
+    """Calibration measures each process count in rounds: a slow spell in one run (52 GFLOP/s
+    once, against 96) or a fast one does not become the number; every collective's time and CPU
+    time are taken point by point, and the summary's fit is redone from them."""
+    def run(flops, step, seconds):
+        points = [[16384, seconds, seconds / 4], [2**20, 2 * seconds, seconds / 2]]
+        return {"matmul_flops": flops, "memory_bandwidth": flops / 4, "step_seconds": step,
+                "collectives": {"all_reduce": {"2": {"points": points}}}}
+    slow, quick, usual = run(52e9, 0.77, 9e-3), run(99e9, 0.53, 2e-3), run(90e9, 0.60, 3e-3)
+    for runs in ((slow, quick, usual), (usual, slow, quick)):
+        kept = calibrate.combined(list(runs))
+        assert (kept["matmul_flops"], kept["memory_bandwidth"], kept["step_seconds"]) == (90e9, 22.5e9, 0.60)
+        assert kept["collectives"]["all_reduce"]["2"]["points"] == [[16384, 3e-3, 3e-3 / 4], [2**20, 6e-3, 1.5e-3]]
+        assert kept["collectives"]["all_reduce"]["2"]["latency_s"] == pytest.approx(3e-3 - 3e-3 * 16384 / (2**20 - 16384))
+    two = calibrate.combined([slow, quick])  # two rounds: their mean
+    assert two["step_seconds"] == pytest.approx(0.65)
 
 
 def test_a_process_count_not_calibrated_gets_the_even_split_at_the_nearest_counts_efficiency():
@@ -172,17 +179,18 @@ def test_on_shared_cores_a_pipeline_stage_with_less_work_leaves_its_core_to_the_
     assert stage_compute == pytest.approx(e.compute_s * mean_over_slowest)
 
 
-def test_the_worker_keeps_its_fastest_window_of_steps(tmp_path, monkeypatch):
-    """A slow spell in one window of model steps does not become the share."""
-    windows = iter([0.31, 0.22, 0.27])
+def test_the_worker_keeps_the_median_window_of_steps_after_the_first(tmp_path, monkeypatch):
+    """The first window warms up and is left out; a slow spell (or a fast one) in one of the
+    others does not become the share: their median does, as the bench takes the median step."""
+    windows = iter([0.9, 0.31, 0.22, 0.27, 0.25, 0.24])
     monkeypatch.setattr(calibrate, "matmul_rate", lambda: 5e10)
     monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 2e10)
     monkeypatch.setattr(calibrate, "model_step_seconds", lambda model: next(windows))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "one.json"
     calibrate.worker(str(out), "tiny")
-    assert calibrate.STEP_WINDOWS == 3
-    assert json.loads(out.read_text())["step_seconds"] == 0.22
+    assert calibrate.STEP_WINDOWS == 6
+    assert json.loads(out.read_text())["step_seconds"] == 0.25
 
 
 def test_tensor_parallel_and_pipeline_messages_wait_on_the_share_the_fixed_point_finds():

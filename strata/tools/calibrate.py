@@ -48,14 +48,18 @@ from strata.tools.bench_generate import least_squares
 from strata.train.trainer import train
 
 MESSAGE_BYTES = [2**k for k in range(14, 25, 2)]  # 16 KiB .. 16 MiB
-# windows of steps of --model each process count runs, the fastest kept: the share is a ratio of
-# two of them, and the one-process side is already the faster of two runs (`faster`); a single
-# window with four processes on two cores holds about two steps, and one slow spell made it 12% slow
-STEP_WINDOWS = 3
+# windows of steps of --model each process count runs: the first warms up and is left out, the
+# median of the rest kept. The bench compares the planner with the median of a run's steps, so the
+# share is taken the same way: the fastest of three windows was about 15% under the median with
+# four processes on two cores (1.18-1.30 s against 1.40 s, the first window 2.0 s), 5% under with
+# one, and predicted 4 ranks 15-23% fast in a run whose 2 ranks held within 11%.
+STEP_WINDOWS = 6
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 # repeats of each collective and size, their median kept: with 16, a 16-256 KiB all-reduce between
 # two processes came out anywhere from 0.7 to 4.6 ms within one calibration
 COLLECTIVE_REPEATS = 32
+# rounds of every process count over a calibration (calibrate: each number the median of its runs)
+ROUNDS = 2
 
 
 def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
@@ -164,8 +168,8 @@ def worker(out: str, model: str) -> None:
             for op in OPS:
                 points = [(nbytes, *_time_op(op, nbytes, COLLECTIVE_REPEATS, group)) for nbytes in MESSAGE_BYTES]
                 collectives[op][str(size)] = {**fit([p[:2] for p in points]), "points": points}
-    rate, bandwidth, *windows = measured
-    step = min(w.item() for w in windows)  # the machine, busy elsewhere, only ever slows a window down
+    rate, bandwidth, _warm_up, *windows = measured
+    step = statistics.median(w.item() for w in windows)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"matmul_flops": rate.item(), "memory_bandwidth": bandwidth.item(), "step_seconds": step,
@@ -400,23 +404,35 @@ def _tp_seconds_in_step(model: str, micro_batch: int, global_batch: int, seq_len
                              for r in steps)
 
 
-def faster(measured: dict, before: dict) -> dict:
-    """One process's measurements taken again, with each number the better of the two runs: the
-    higher matmul rate and bandwidth, the shorter step. The machine, busy elsewhere, only ever
-    makes a run slower."""
-    return {**measured, "matmul_flops": max(measured["matmul_flops"], before["matmul_flops"]),
-            "memory_bandwidth": max(measured["memory_bandwidth"], before["memory_bandwidth"]),
-            "step_seconds": min(measured["step_seconds"], before["step_seconds"])}
+def combined(runs: list[dict]) -> dict:
+    """One process count's measurements from its runs, each number the median over them (every
+    collective's time and CPU time point by point, its fit redone): a spell of the machine being
+    busy elsewhere in one run (seen here: 52 GFLOP/s for one process, then 96 each for two) is
+    not the number, and neither is a fast one."""
+    median, collectives = statistics.median, {}
+    for op, by_size in runs[0]["collectives"].items():
+        collectives[op] = {}
+        for size, first in by_size.items():
+            points = [[p[0], *(median(run["collectives"][op][size]["points"][k][c] for run in runs)
+                               for c in range(1, len(p)))] for k, p in enumerate(first["points"])]
+            collectives[op][size] = {**fit([p[:2] for p in points]), "points": points}
+    return {"matmul_flops": median(r["matmul_flops"] for r in runs),
+            "memory_bandwidth": median(r["memory_bandwidth"] for r in runs),
+            "step_seconds": median(r["step_seconds"] for r in runs), "collectives": collectives}
 
 
 def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None) -> dict:
     profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": total_memory(),
                "matmul_flops": {}, "memory_bandwidth_per_process": {}, "step_seconds_per_process": {},
                "collectives": {op: {} for op in OPS}}
-    # One process is the reference every share is taken against, so it is measured first and again
-    # last, and the faster of the two kept: a spell of the machine being busy elsewhere (seen here:
-    # 52 GFLOP/s for one process, then 96 each for two) would otherwise scale every prediction.
-    sizes = [1] + [n for n in (2, 4, 8, 16) if n <= max_procs] + [1]
+    # Every count is measured in ROUNDS rounds spread over the calibration, one process before,
+    # between and after them, and each number is the median of its runs (`combined`): one
+    # process is the reference every share is taken against, and the machine's speed moves over
+    # minutes (two calibrations two hours apart put four processes at 0.93 and 0.78 of an even
+    # split of the cores).
+    counts = [n for n in (2, 4, 8, 16) if n <= max_procs]
+    sizes = [1] + [n for _ in range(ROUNDS) for n in (*counts, 1)]
+    runs: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, n in enumerate(sizes):
             part = os.path.join(tmp, f"{i}.json")
@@ -428,21 +444,20 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None)
                     raise RuntimeError(f"calibration on {n} processes failed (exit code {code})")
             with open(part) as f:
                 measured = json.load(f)
-            if i > 0 and n == 1:
-                measured = faster(measured, {"matmul_flops": profile["matmul_flops"]["1"],
-                                             "memory_bandwidth": profile["memory_bandwidth_per_process"]["1"],
-                                             "step_seconds": profile["step_seconds_per_process"]["1"]})
-            profile["matmul_flops"][str(n)] = measured["matmul_flops"]
-            profile["memory_bandwidth_per_process"][str(n)] = measured["memory_bandwidth"]
-            profile["step_seconds_per_process"][str(n)] = measured["step_seconds"]
-            for op, by_size in measured["collectives"].items():
-                for size, values in by_size.items():
-                    profile["collectives"][op][f"{size}/{n}"] = values
+            runs.setdefault(n, []).append(measured)
             print(f"{n} process{'es' if n > 1 else ''}: {measured['matmul_flops'] / 1e9:.1f} GFLOP/s and "
-                  f"{measured['memory_bandwidth'] / 1e9:.1f} GB/s each"
+                  f"{measured['memory_bandwidth'] / 1e9:.1f} GB/s each, a step {measured['step_seconds']:.3f} s"
                   + "".join(f"; {op} in groups of {size}: {v['latency_s'] * 1e6:.0f} us + {v['bandwidth'] / 1e9:.2f} GB/s"
                             for op, by_size in measured["collectives"].items() for size, v in by_size.items()),
                   flush=True)
+    for n, measured_runs in runs.items():
+        measured = combined(measured_runs)
+        profile["matmul_flops"][str(n)] = measured["matmul_flops"]
+        profile["memory_bandwidth_per_process"][str(n)] = measured["memory_bandwidth"]
+        profile["step_seconds_per_process"][str(n)] = measured["step_seconds"]
+        for op, by_size in measured["collectives"].items():
+            for size, values in by_size.items():
+                profile["collectives"][op][f"{size}/{n}"] = values
     torch.set_num_threads(1)
     profile["memory_bandwidth"] = profile["memory_bandwidth_per_process"]["1"]
     profile.update(kernel_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"]))
