@@ -459,6 +459,7 @@ CASES = [
     (["doctor", "--global-batch", "0"], "--global-batch: only with --bandwidth"),
     (["doctor", "--hostfile", "{file.hosts_binary}"], "not UTF-8 text"),
     (["calibrate", "--nproc", "1000"], "--nproc 1000: must be between 1 and"),
+    (["calibrate", "--rounds", "0"], "--rounds 0: must be 1 or more"),
     # --- run outputs, Slurm -------------------------------------------------------------------------------
     ([*TRAIN, "--tensorboard", "{file.a_file}"], "--tensorboard {file.a_file}: is a file; want a directory"),
     ([*TRAIN, "--run-dir", "{file.a_file}"], "--run-dir {file.a_file}: is a file; want a directory"),

@@ -58,8 +58,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 # repeats of each collective and size, their median kept: with 16, a 16-256 KiB all-reduce between
 # two processes came out anywhere from 0.7 to 4.6 ms within one calibration
 COLLECTIVE_REPEATS = 32
-# rounds of every process count over a calibration (calibrate: each number the median of its runs)
-ROUNDS = 2
 
 
 def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
@@ -421,17 +419,17 @@ def combined(runs: list[dict]) -> dict:
             "step_seconds": median(r["step_seconds"] for r in runs), "collectives": collectives}
 
 
-def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None) -> dict:
+def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None, rounds: int = 2) -> dict:
     profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": total_memory(),
                "matmul_flops": {}, "memory_bandwidth_per_process": {}, "step_seconds_per_process": {},
                "collectives": {op: {} for op in OPS}}
-    # Every count is measured in ROUNDS rounds spread over the calibration, one process before,
+    # Every count is measured in `rounds` rounds (--rounds) spread over the calibration, one process before,
     # between and after them, and each number is the median of its runs (`combined`): one
     # process is the reference every share is taken against, and the machine's speed moves over
     # minutes (two calibrations two hours apart put four processes at 0.93 and 0.78 of an even
     # split of the cores).
     counts = [n for n in (2, 4, 8, 16) if n <= max_procs]
-    sizes = [1] + [n for _ in range(ROUNDS) for n in (*counts, 1)]
+    sizes = [1] + [n for _ in range(rounds) for n in (*counts, 1)]
     runs: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, n in enumerate(sizes):
