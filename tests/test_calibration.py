@@ -183,9 +183,9 @@ def test_the_worker_keeps_the_median_window_of_steps_after_the_first(tmp_path, m
     """The first window warms up and is left out; a slow spell (or a fast one) in one of the
     others does not become the share: their median does, as the bench takes the median step."""
     windows = iter([0.9, 0.31, 0.22, 0.27, 0.25, 0.24])
-    monkeypatch.setattr(calibrate, "matmul_rate", lambda: 5e10)
-    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 2e10)
-    monkeypatch.setattr(calibrate, "model_step_seconds", lambda model: next(windows))
+    monkeypatch.setattr(calibrate, "matmul_rate", lambda seconds: 5e10)
+    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda seconds: 2e10)
+    monkeypatch.setattr(calibrate, "model_step_seconds", lambda model, seconds: next(windows))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "one.json"
     calibrate.worker(str(out), "tiny")

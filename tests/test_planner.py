@@ -170,7 +170,7 @@ def test_calibrate_then_train_with_the_planners_layout(tmp_path):
     env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     run = lambda *args: subprocess.run([sys.executable, "-m", "strata", *args], env=env, capture_output=True,  # noqa: E731
                                        text=True, timeout=300)
-    calibrated = run("calibrate", "--nproc", "2", "--model", "tiny", "--rounds", "1")  # one round: quicker
+    calibrated = run("calibrate", "--nproc", "2", "--model", "tiny", "--quick")  # one round, short timings
     assert calibrated.returncode == 0, calibrated.stdout + calibrated.stderr
     profile = json.loads((tmp_path / "calibration.json").read_text())
     assert set(profile["matmul_flops"]) == {"1", "2"} and "2/2" in profile["collectives"]["all_reduce"]

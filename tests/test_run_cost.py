@@ -1,8 +1,8 @@
 """The cost of a training run (strata plan --tokens, --price-per-device-hour, --days): the
 arithmetic, the smallest cluster that finishes in time, and published device-hours."""
 
-import functools
 import json
+import re
 
 import pytest
 
@@ -34,18 +34,39 @@ def test_days_device_hours_and_price_follow_the_throughput():
     assert run_cost(e, 1e12).price is None
 
 
-def test_the_smallest_cluster_is_the_first_node_count_that_finishes_in_time():
+def test_days_picks_the_first_node_count_that_finishes_in_time_and_says_so(capsys):
+    """`--days` bisects the node count: the cluster it names trains the tokens in time with its
+    best layout, one node fewer does not (or runs nothing)."""
+    assert strata_main(["plan", "--model", "llama3-8b", "--device", "H100-80G", "--nics-per-node", "8",
+                        "--global-batch", "512", "--seq-len", "4096", "--tokens", "2T", "--days", "10",
+                        "--no-offload", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(the fewest nodes within 10 days)" in out and "| days | device-hours |" in out
+    days, nodes = re.search(r": ([\d.,]+) days on (\d+) x 8 H100-80G \(the fewest", out).groups()
+    nodes = int(nodes)
+    assert float(days.replace(",", "")) <= 10 and nodes > 1
     work = workload(get_preset("llama3-8b"), 512, 4096, "bf16")
+    fewer, _ = search(work, build_cluster("H100-80G", nodes - 1, 8, None, "ib-400", nics_per_node=8), offload=False)
+    assert not fewer or run_cost(fewer[0], 2e12).train_days > 10
 
-    @functools.lru_cache(maxsize=None)  # the bisection tried nodes - 1 already: searched once
-    def best_at(nodes):
-        ranked, _ = search(work, build_cluster("H100-80G", nodes, 8, None, "ib-400", nics_per_node=8), offload=False)
-        return ranked[0] if ranked else None
-    nodes, best = smallest_cluster(best_at, 2e12, 10)
-    assert run_cost(best, 2e12).train_days <= 10
-    fewer = best_at(nodes - 1)  # None: no layout runs the batch on that many nodes
-    assert fewer is None or run_cost(fewer, 2e12).train_days > 10
-    assert nodes > 1 and best.layout.world_size == 8 * nodes
+
+def test_the_bisection_finds_the_first_count_that_finishes():
+    """smallest_cluster's doubling and bisection on a made-up throughput: every count from 1 to 40
+    as the first that finishes, found with about 2·log2 of it calls."""
+    class Best:
+        def __init__(self, nodes):
+            self.tokens_per_s = 1e12 / 86400 * nodes  # one node: a trillion tokens a day
+            self.layout = Layout(dp=nodes)
+
+    for first in range(1, 41):
+        calls = []
+
+        def best_at(nodes):
+            calls.append(nodes)
+            return Best(nodes)
+        nodes, best = smallest_cluster(best_at, first * 1e12, 1.0)
+        assert nodes == first and best.layout.dp == first
+        assert len(calls) <= 2 * first.bit_length() + 1
 
 
 # Published: Touvron et al. 2023 (LLaMA, Table 15): 65B, 1.4T tokens, 1,022,362 A100-80GB hours;
@@ -65,11 +86,3 @@ def test_device_hours_land_within_a_quarter_of_the_published(name, capsys):
     assert best["device_hours"] == pytest.approx(hours, rel=0.25), best["device_hours"]
     assert best["price"] == pytest.approx(1.5 * best["device_hours"])
     assert best["train_days"] == pytest.approx(best["device_hours"] / 24 / 2048)
-
-
-def test_days_picks_the_nodes_and_says_so(capsys):
-    assert strata_main(["plan", "--model", "llama3-8b", "--device", "H100-80G", "--nics-per-node", "8",
-                        "--global-batch", "512", "--seq-len", "4096", "--tokens", "2T", "--days", "10",
-                        "--no-offload", "--top", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "(the fewest nodes within 10 days)" in out and "| days | device-hours |" in out

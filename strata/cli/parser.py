@@ -219,9 +219,13 @@ def _calibrate(sub) -> None:
     cal.add_argument("--nproc", type=int, default=4, help="measure groups of 1, 2, 4, ... up to N processes")
     cal.add_argument("--model", default="small", help="the preset whose GEMMs and training steps calibrate the kernels")
     cal.add_argument("--out", help="profile file (default: ~/.cache/strata/calibration.json)")
-    cal.add_argument("--rounds", type=int, default=2,
+    cal.add_argument("--rounds", type=int,
                      help="measure every process count this many times, spread over the calibration, and keep "
-                          "each number's median (1: quicker, at the mercy of one slow or fast spell)")
+                          "each number's median (default 2, 1 with --quick: quicker, at the mercy of one slow or "
+                          "fast spell)")
+    cal.add_argument("--quick", action="store_true",
+                     help="a rough profile in about a minute: shorter timings, fewer repeats of each collective, "
+                          "a 256 MiB disk test, one round")
     cal.add_argument("--disk-dir", help="where to measure the disk: the --offload-dir you will train with "
                                         "(default: the temp directory's strata-offload)")
     cal.add_argument("--inference", action="store_true",

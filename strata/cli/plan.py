@@ -5,6 +5,7 @@ Handlers import the engine only when they run: parsing flags and `--help` never 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -43,8 +44,12 @@ def run_plan(args) -> int:
     def cluster_of(nodes: int):
         return build_cluster(args.device, nodes, args.gpus_per_node, args.intra, args.network,
                              args.nics_per_node, args.profile, args.efficiency)
+
+    @functools.lru_cache(maxsize=None)  # --days searches the node count it then shows once already
+    def searched(nodes: int):
+        return search(work, cluster_of(nodes), offload=not args.no_offload, allow_async=args.allow_async)
     if args.days is not None:
-        nodes, _ = smallest_cluster(lambda n: _best(work, cluster_of(n), args), tokens, args.days)
+        nodes, _ = smallest_cluster(lambda n: next(iter(searched(n)[0]), None), tokens, args.days)
     cluster = cluster_of(nodes)
     if args.layout:
         e = estimate(work, cluster, parse_layout(args.layout, work, cluster.world))
@@ -54,7 +59,7 @@ def run_plan(args) -> int:
         runs = e.fits and not reason
         shown, ranked, rejected = [e], [e] if runs else [], [] if runs else [e]
     else:
-        ranked, rejected = search(work, cluster, offload=not args.no_offload, allow_async=args.allow_async)
+        ranked, rejected = searched(nodes)
         if not ranked:
             smallest = rejected[0] if rejected else None
             tiers = "".join(f" ({n.removeprefix('does not fit: ')})" for n in smallest.notes
@@ -106,11 +111,6 @@ def _check_cost_flags(args) -> tuple[float | None, int]:
         if args.layout:
             raise ConfigError(f"--layout {args.layout}: a layout fixes the world size; --days searches it")
     return tokens, args.nodes if args.nodes is not None else 1
-
-
-def _best(work, cluster, args):
-    ranked, _ = search(work, cluster, offload=not args.no_offload, allow_async=args.allow_async)
-    return ranked[0] if ranked else None
 
 
 def _cost_line(e, cost, tokens: float, nodes: int, cluster, args) -> str:

@@ -70,8 +70,9 @@ def calibrate_command(args, argv: list[str]) -> int:
     from strata.model.presets import PRESETS
     from strata.plan.inputs import default_profile_path
     from strata.tools import calibrate
+    effort = calibrate.QUICK if args.quick else calibrate.FULL
     if args.worker:
-        calibrate.worker(args.worker, args.model)
+        calibrate.worker(args.worker, args.model, effort)
         return 0
     if args.inference:
         check_device(args.device)
@@ -84,12 +85,13 @@ def calibrate_command(args, argv: list[str]) -> int:
                           f"processes per core of this machine)")
     if args.model not in PRESETS:
         raise ConfigError(f"--model {args.model}: unknown preset; valid: {', '.join(PRESETS)}")
-    if args.rounds < 1:
-        raise ConfigError(f"--rounds {args.rounds}: must be 1 or more")
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 2
+    if rounds < 1:
+        raise ConfigError(f"--rounds {rounds}: must be 1 or more")
     if args.disk_dir is not None and not os.path.isdir(args.disk_dir) and \
             (os.path.exists(args.disk_dir) or not os.path.isdir(os.path.dirname(os.path.abspath(args.disk_dir)))):
         raise ConfigError(f"--disk-dir {args.disk_dir}: not a directory, nor one that can be made in an existing one")
-    calibrate.calibrate(args.nproc, args.model, args.out or default_profile_path(), args.disk_dir, args.rounds)
+    calibrate.calibrate(args.nproc, args.model, args.out or default_profile_path(), args.disk_dir, rounds, effort)
     return 0
 
 

@@ -248,6 +248,18 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[Uni
             UnitSeconds(head, 2 * head, 0.0)), cluster.efficiency
 
 
+def _ranks_memory(work: Workload, lay: Layout, terms: _Terms, loads: tuple[StageLoad, ...]) -> list[dict[str, float]]:
+    """Each pipeline rank's memory by kind, worked out once per distinct (load, micro-batches in
+    flight, weight versions): a deep pipeline has many equal ranks."""
+    spec, by_kind = SCHEDULES[lay.schedule], {}
+    for rank, load in enumerate(loads):
+        key = (load, _micro_batches_in_flight(lay, terms.micro_batches, rank),
+               spec.versions(lay.pp, rank) if spec.asynchronous else 0)
+        if key not in by_kind:
+            by_kind[key] = _rank_memory(work, lay, terms, rank, load)
+    return list(by_kind.values())
+
+
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
@@ -339,8 +351,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     cfg, lay, s = work.model, layout, work.seq_len
     terms = _terms(work, cluster, lay, rate_scale)
     loads = stage_loads(cfg, lay.pp, lay.virtual_stages, s)
-    memory = max((_rank_memory(work, lay, terms, rank, load) for rank, load in enumerate(loads)),
-                 key=lambda kinds: sum(kinds.values()))
+    memory = max(_ranks_memory(work, lay, terms, loads), key=lambda kinds: sum(kinds.values()))
     times = {load: _rank_time(cluster, lay, terms, load) for load in set(loads)}  # equal stages, equal times
     ranks = [times[load] for load in loads]
     slowest_rank = max(range(len(ranks)), key=lambda rank: ranks[rank].total)

@@ -28,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,21 @@ MESSAGE_BYTES = [2**k for k in range(14, 25, 2)]  # 16 KiB .. 16 MiB
 # one, and predicted 4 ranks 15-23% fast in a run whose 2 ranks held within 11%.
 STEP_WINDOWS = 6
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
-# repeats of each collective and size, their median kept: with 16, a 16-256 KiB all-reduce between
-# two processes came out anywhere from 0.7 to 4.6 ms within one calibration
-COLLECTIVE_REPEATS = 32
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How long each measurement runs. The default is what the planner's bench was checked with;
+    --quick is a rough profile in about a minute (smoke tests, a first look at a machine)."""
+    rate_s: float = 1.0  # the matmul rate's and the memory bandwidth's timing, each
+    step_window_s: float = 2.0  # each of the STEP_WINDOWS windows of --model's steps
+    # repeats of each collective and size, their median kept: with 16, a 16-256 KiB all-reduce
+    # between two processes came out anywhere from 0.7 to 4.6 ms within one calibration
+    collective_repeats: int = 32
+    disk_bytes: int = 2 << 30  # written, synced and read back
+
+
+FULL, QUICK = Effort(), Effort(rate_s=0.25, step_window_s=0.5, collective_repeats=8, disk_bytes=256 << 20)
 
 
 def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
@@ -143,13 +155,14 @@ def model_step_seconds(model: str, micro_batch: int = 4, seq_len: int = 128, sec
     return (time.perf_counter() - started) / done
 
 
-def worker(out: str, model: str) -> None:
+def worker(out: str, model: str, effort: Effort = FULL) -> None:
     """One rank of a calibration group (launched by torchrun)."""
     torch.set_num_threads(1)
     init_distributed(pick_device("cpu"), 120)
     world = dist.get_world_size() if dist.is_initialized() else 1
     measured = []
-    for measure in (matmul_rate, memory_bandwidth, *[lambda: model_step_seconds(model)] * STEP_WINDOWS):
+    for measure in (lambda: matmul_rate(effort.rate_s), lambda: memory_bandwidth(effort.rate_s),
+                    *[lambda: model_step_seconds(model, seconds=effort.step_window_s)] * STEP_WINDOWS):
         if world > 1:  # every process measures at once: they share the cores and the memory
             dist.barrier()
         measured.append(torch.tensor([measure()], dtype=torch.float64))
@@ -164,7 +177,8 @@ def worker(out: str, model: str) -> None:
             groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
             group = groups[dist.get_rank() // size]
             for op in OPS:
-                points = [(nbytes, *_time_op(op, nbytes, COLLECTIVE_REPEATS, group)) for nbytes in MESSAGE_BYTES]
+                points = [(nbytes, *_time_op(op, nbytes, effort.collective_repeats, group))
+                          for nbytes in MESSAGE_BYTES]
                 collectives[op][str(size)] = {**fit([p[:2] for p in points]), "points": points}
     rate, bandwidth, _warm_up, *windows = measured
     step = statistics.median(w.item() for w in windows)
@@ -419,7 +433,8 @@ def combined(runs: list[dict]) -> dict:
             "step_seconds": median(r["step_seconds"] for r in runs), "collectives": collectives}
 
 
-def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None, rounds: int = 2) -> dict:
+def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None, rounds: int = 2,
+              effort: Effort = FULL) -> dict:
     profile = {"device": "cpu-local", "cores": len(os.sched_getaffinity(0)), "memory_bytes": total_memory(),
                "matmul_flops": {}, "memory_bandwidth_per_process": {}, "step_seconds_per_process": {},
                "collectives": {op: {} for op in OPS}}
@@ -435,9 +450,10 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
         for i, n in enumerate(sizes):
             part = os.path.join(tmp, f"{i}.json")
             if n == 1:
-                worker(part, model)
+                worker(part, model, effort)
             else:
-                code = launch_local(n, ["calibrate", "--worker", part, "--model", model])
+                code = launch_local(n, ["calibrate", "--worker", part, "--model", model,
+                                        *(["--quick"] if effort == QUICK else [])])
                 if code != 0:
                     raise RuntimeError(f"calibration on {n} processes failed (exit code {code})")
             with open(part) as f:
@@ -470,7 +486,7 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
                 print(f"a tensor-parallel collective of {nbytes / 1024:.0f} KiB inside a step: {seconds * 1e3:+.2f} ms "
                       f"against the loop's time ({fit['collectives']:.0f} a step took {fit['measured_s']:.3f} s, "
                       f"priced from the loop at {fit['priced_from_loop_s']:.3f} s)", flush=True)
-    profile["disk"] = disk_rates(disk_dir or os.path.join(tempfile.gettempdir(), "strata-offload"))
+    profile["disk"] = disk_rates(disk_dir or os.path.join(tempfile.gettempdir(), "strata-offload"), effort.disk_bytes)
     d = profile["disk"]
     print(f"disk under {d['directory']}: write {d['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
           f"{d['read_bytes_per_s'] / 1e9:.2f} GB/s ({d['cached_read_bytes_per_s'] / 1e9:.2f} GB/s from the page cache)",
