@@ -21,8 +21,12 @@ column with the prediction scaled by that drift (the mean of the two references 
 layout's block): the model's own error, apart from the machine's. The first error column is the
 plain prediction against the measurement.
 
-  python bench/planner.py [--steps 6] [--passes 2] [--profile FILE] [--save FILE]
+  python bench/planner.py [--steps 6] [--passes 2] [--rounds 3] [--profile FILE] [--save FILE]
   python bench/planner.py --replay FILE [FILE ...]   # a changed cost model on saved measurements
+
+Where the planner's choice is not the fastest layout of the sweeps, the two are then trained by
+turns (--rounds runs each, interleaved) and compared on their pooled steps: layouts a few per
+cent apart swap places between sweeps here.
 
 --save writes the measurements (with the profile they were predicted from) as JSON, and --replay
 prints the table again from such files without training anything: a change to the cost model is
@@ -127,20 +131,53 @@ def measure_all(steps: int, passes: int, calibrated: float) -> tuple[dict, list[
     return measured, references
 
 
-def save(path: str, profile: dict, measured: dict, references: list[float]) -> None:
+def picks(profile: dict, measured: dict) -> dict[int, tuple[Layout, Layout]]:
+    """Per process count, (the planner's choice among the measured layouts, the fastest measured)."""
+    work, chosen = workload(get_preset("small"), GLOBAL, SEQ, "fp32"), {}
+    for nproc in sorted({n for n, _ in measured}):
+        layouts = [lay for n, lay in measured if n == nproc]
+        cluster = cpu_local_cluster(nproc, profile)
+        top = min(layouts, key=lambda lay: estimate(work, cluster, lay).step_time_s)
+        fastest = min(layouts, key=lambda lay: statistics.median(measured[(nproc, lay)]["step_times"]))
+        chosen[nproc] = (top, fastest)
+    return chosen
+
+
+def head_to_head(profile: dict, measured: dict, steps: int, rounds: int) -> dict[int, dict]:
+    """The planner's choice and the fastest measured layout, where they differ, trained by turns
+    `rounds` times each: two layouts a few per cent apart swap places between sweeps ten minutes
+    apart on this machine (dp=2 at micro-batches 2 and 4: 3% one way, even, 10% the other way in
+    three runs), so whether the choice is within 5% of the fastest is measured side by side."""
+    duel = {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for nproc, (top, fastest) in picks(profile, measured).items():
+            if top == fastest:
+                continue
+            times = {"choice": [], "fastest": []}
+            for _ in range(rounds):
+                for name, layout in (("choice", top), ("fastest", fastest)):
+                    times[name] += measure(layout, nproc, steps, out_dir)["step_times"]
+            duel[nproc] = {"choice": dataclasses.asdict(top), "fastest": dataclasses.asdict(fastest), **times}
+            print(f"{nproc} ranks, by turns: {top.describe()} {statistics.median(times['choice']):.3f} s, "
+                  f"{fastest.describe()} {statistics.median(times['fastest']):.3f} s", flush=True)
+    return duel
+
+
+def save(path: str, profile: dict, measured: dict, references: list[float], duel: dict) -> None:
     runs = [{"nproc": nproc, "layout": dataclasses.asdict(layout), **run} for (nproc, layout), run in measured.items()]
     with open(path, "w") as f:
-        json.dump({"profile": profile, "references": references, "runs": runs}, f)
+        json.dump({"profile": profile, "references": references, "runs": runs, "head_to_head": duel}, f)
 
 
-def load(path: str) -> tuple[dict, dict, list[float]]:
+def load(path: str) -> tuple[dict, dict, list[float], dict]:
     with open(path) as f:
         saved = json.load(f)
     measured = {(run["nproc"], Layout(**run["layout"])): run for run in saved["runs"]}
-    return saved["profile"], measured, saved["references"]
+    duel = {int(n): d for n, d in saved.get("head_to_head", {}).items()}
+    return saved["profile"], measured, saved["references"], duel
 
 
-def report(profile: dict, measured: dict, references: list[float]) -> None:
+def report(profile: dict, measured: dict, references: list[float], duel: dict) -> None:
     """The table of predicted against measured, the worst errors, and the top choices."""
     work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
     calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
@@ -165,8 +202,15 @@ def report(profile: dict, measured: dict, references: list[float]) -> None:
                         f"| {mem_err:+.0%} | {run['rss'] / 2**20:.0f} |")
         top = min(results, key=lambda r: r[1].step_time_s)
         fastest = min(results, key=lambda r: r[2])
+        by_turns = ""
+        d = duel.get(nproc)
+        if top[0] != fastest[0] and d and Layout(**d["choice"]) == top[0] and Layout(**d["fastest"]) == fastest[0]:
+            ratio = statistics.median(d["choice"]) / statistics.median(d["fastest"]) - 1
+            by_turns = f"; trained by turns, {len(d['choice'])} steps each: {ratio:+.0%}"
+        elif top[0] != fastest[0]:
+            by_turns = "; not trained by turns (the choice differs from the saved run's)" if duel else ""
         rows.append(f"| {nproc} | planner's choice {top[0].describe()}: measured {top[2] / fastest[2] - 1:+.0%} against "
-                    f"the fastest measured, {fastest[0].describe()} | | | | | | | | | |")
+                    f"the fastest measured, {fastest[0].describe()}{by_turns} | | | | | | | | | |")
     print("\n| ranks | layout | predicted step s | measured step s | error | machine drift | error after drift "
           "| predicted MiB | measured MiB | error | measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
@@ -180,6 +224,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--passes", type=int, default=2, help="sweeps of every layout, their steps pooled")
     p.add_argument("--profile", help="calibration profile (default: the one `strata calibrate` wrote)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs each of the planner's choice and the fastest measured layout, by turns (0: none)")
     p.add_argument("--save", help="write the measurements and the profile to this JSON file")
     p.add_argument("--replay", nargs="+", metavar="FILE", help="report saved runs again; measure nothing")
     args = p.parse_args()
@@ -191,9 +237,10 @@ def main() -> None:
     profile = load_profile(args.profile)
     calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
     measured, references = measure_all(args.steps, args.passes, calibrated)
+    duel = head_to_head(profile, measured, args.steps, args.rounds)
     if args.save:
-        save(args.save, profile, measured, references)
-    report(profile, measured, references)
+        save(args.save, profile, measured, references, duel)
+    report(profile, measured, references, duel)
 
 
 if __name__ == "__main__":
