@@ -34,8 +34,9 @@ def test_kernel_costs_recover_the_gemm_rate_and_the_cost_per_kernel_the_steps_we
     monkeypatch.setattr(calibrate, "gemm_curve", lambda *a: (0.9, 3e-6))
     monkeypatch.setattr(calibrate, "attention_fraction", lambda *a: 0.4)
     monkeypatch.setattr(calibrate, "elementwise_fraction", lambda *a: 2.5)
+    monkeypatch.setattr(calibrate, "exponential_seconds", lambda *a: 1.2e-9)
     cfg = calibrate.get_preset("tiny")
-    made_with = Kernels(true_fraction, 3e-6, 0.4, 2.5, true_overhead)
+    made_with = Kernels(true_fraction, 3e-6, 0.4, 2.5, true_overhead, 1.2e-9)
     device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, made_with)
 
     def step_time(model, b, m, seq_len):
@@ -46,7 +47,7 @@ def test_kernel_costs_recover_the_gemm_rate_and_the_cost_per_kernel_the_steps_we
     fitted = calibrate.kernel_costs("tiny", rate, bandwidth)
     assert fitted["kernels"]["gemm_fraction"] == pytest.approx(true_fraction, rel=1e-4)
     assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(true_overhead, rel=1e-3)
-    assert fitted["gemm_fraction_alone"] == 0.9
+    assert fitted["gemm_fraction_alone"] == 0.9 and fitted["kernels"]["exp_s"] == 1.2e-9
     assert set(fitted["measured_steps"]) == {f"{b}x{m}" for b, m in calibrate.STEP_GRID}
     for step in fitted["measured_steps"].values():
         assert step["predicted_s"] == pytest.approx(step["measured_s"], rel=1e-4)
@@ -57,6 +58,7 @@ def test_a_cost_per_kernel_is_never_fitted_below_zero(monkeypatch):
     monkeypatch.setattr(calibrate, "gemm_curve", lambda *a: (0.9, 0.0))
     monkeypatch.setattr(calibrate, "attention_fraction", lambda *a: 0.4)
     monkeypatch.setattr(calibrate, "elementwise_fraction", lambda *a: 2.5)
+    monkeypatch.setattr(calibrate, "exponential_seconds", lambda *a: 0.0)
     monkeypatch.setattr(calibrate, "step_time", lambda model, b, m, seq_len: 1e-6 * b * m)
     assert calibrate.kernel_costs("tiny", 5e10, 2e10)["kernels"]["kernel_overhead_s"] == 0.0
 
@@ -278,3 +280,21 @@ def test_the_in_step_cost_is_fitted_from_tensor_parallel_steps_the_planner_price
     assert [argv[argv.index("--tp") + 1] for _, argv in launched] == ["2", "2"]
     assert [argv[argv.index("--micro-batch") + 1] for _, argv in launched] == ["1", "4"]
 
+
+
+def test_the_loss_prices_an_exponential_per_logit_forward_and_backward():
+    """On a CPU an exponential costs about ten times an add's pass (1.4 ns an element here against
+    0.12 for a multiply; F.cross_entropy's forward and backward at small's logits took 3.4 ms a
+    micro-batch of one sequence where bytes alone priced 0.9): the head's forward and backward each
+    add exp_s per logit, and nothing else moves."""
+    from strata.model.presets import get_preset
+    from strata.plan.compute import StepWork, unit_seconds
+    cfg = get_preset("small")
+    work = StepWork(cfg, 2 * 128, 2, 128, 2, False, True, 4)
+    plain = Kernels(0.8, 2e-6, 0.5, 2.5, 7e-5)
+    embedding, block, head = unit_seconds(work, plain, 1e11, 2e10)
+    embedding2, block2, head2 = unit_seconds(work, replace(plain, exp_s=1.5e-9), 1e11, 2e10)
+    logits = 2 * 128 * cfg.vocab_size / 2  # split over the tensor-parallel pair
+    assert (embedding2, block2) == (embedding, block)
+    assert head2.forward - head.forward == pytest.approx(logits * 1.5e-9, rel=1e-9)
+    assert head2.backward - head.backward == pytest.approx(logits * 1.5e-9, rel=1e-9)

@@ -160,8 +160,9 @@ def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tupl
     hidden = cfg.d_model / (w.tp if w.sequence_parallel else 1)
     embed_fwd = elementwise(2 * hidden * w.tokens, 1)
     embedding = UnitSeconds(embed_fwd, 2 * embed_fwd, 0.0)
-    # the loss: the logits copied to fp32, read for the log-softmax, the gradient written back
-    loss = (w.tokens * cfg.vocab_size / w.tp) * (eb + 4 + 4) / elementwise_rate + 3 * k.kernel_overhead_s
+    # the loss: the logits copied to fp32, read for the log-softmax, the gradient written back; an
+    # exponential of every logit in the forward (log-softmax) and again in the backward (softmax)
+    loss = (w.tokens * cfg.vocab_size / w.tp) * ((eb + 4 + 4) / elementwise_rate + k.exp_s) + 3 * k.kernel_overhead_s
     head_gemm_s = gemms([head_gemm(w)])
     head = UnitSeconds(head_gemm_s + loss + elementwise(2 * hidden * w.tokens, 1),
                        2 * head_gemm_s + loss + 2 * elementwise(2 * hidden * w.tokens, 1), 0.0)

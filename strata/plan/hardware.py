@@ -18,6 +18,10 @@ class Kernels:
     attention_fraction: float  # fused attention, forward and backward, over the peak (FLOPs as counted: 12·s·h per token)
     bandwidth_fraction: float  # of the memory bandwidth elementwise kernels reach
     kernel_overhead_s: float  # added to every elementwise kernel
+    # seconds an exponential adds per element beyond its bytes (the loss's softmax, forward and
+    # backward): measured on a CPU, where it is ten times an add's pass; 0 on the GPUs of the table,
+    # where it hides under the memory traffic
+    exp_s: float = 0.0
 
     def gemm_seconds(self, m: float, n: float, k: float, peak: float, bandwidth: float, element_bytes: int,
                      batch: float = 1) -> float:

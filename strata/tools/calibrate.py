@@ -273,6 +273,22 @@ def elementwise_fraction(cfg, bandwidth: float, seq_len: int) -> float:
     return 1 / slope / bandwidth if slope > 0 else 1e3
 
 
+def exponential_seconds(cfg, elementwise_rate: float, seq_len: int) -> float:
+    """Seconds an exponential adds per element beyond an elementwise pass over its bytes: the slope
+    of torch.exp's time against elements on tensors of the logits' shape (micro-batch x sequence x
+    vocabulary, over the calibrated micro-batches), less the 8 bytes it reads and writes at
+    `elementwise_rate`. On this CPU an exponential costs about ten times an add's pass, and the
+    loss runs one per logit forward and one backward: at `small`'s vocabulary, 40% of the head."""
+    elements, seconds = [], []
+    for b in MICRO_BATCHES:
+        x = torch.randn(b * seq_len, cfg.vocab_size)
+        out = torch.empty_like(x)
+        elements.append(x.numel())
+        seconds.append(_median_seconds(lambda: torch.exp(x, out=out)))
+    slope, _, _ = least_squares(elements, seconds)
+    return max(0.0, slope - 8 / elementwise_rate)
+
+
 # (micro-batch, micro-batches) of the real training steps the GEMMs' rate inside a step and the
 # cost per kernel are fitted to: how a step grows with the sequences in a micro-batch (the GEMMs),
 # and with the micro-batches of a step (the kernels)
@@ -292,9 +308,10 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) 
     attention = attention_fraction(cfg, rate, seq_len)
     device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None)
     element_fraction = elementwise_fraction(cfg, bandwidth, seq_len)
+    exp_s = exponential_seconds(cfg, bandwidth * element_fraction, seq_len)
 
     def predicted(b: int, m: int, gemm_fraction: float, kernel_overhead: float) -> float:
-        kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, kernel_overhead)
+        kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, kernel_overhead, exp_s)
         cluster = Cluster(replace(device, kernels=kernels), 1, 1, overlap=False)
         return estimate(workload(cfg, b * m, seq_len, "fp32"), cluster, Layout(micro_batch=b)).step_time_s
 
@@ -309,7 +326,7 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) 
     if overhead < 0:  # fewer parameters rather than a negative cost
         (scale,), overhead = _relative_least_squares([(t, other, (gemms,)) for t, other, gemms, _ in rows]), 0.0
     gemm_fraction = min(max(alone / max(scale, 1e-9), 0.2), 2.0)
-    kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead)
+    kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead, exp_s)
     return {"kernels": asdict(kernels), "kernels_model": model, "gemm_fraction_alone": alone,
             "measured_steps": {f"{b}x{m}": {"measured_s": round(t, 6),
                                             "predicted_s": round(predicted(b, m, gemm_fraction, overhead), 6)}
@@ -496,7 +513,7 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
           f"{k['gemm_fraction']:.0%} of the matmul rate inside a step ({profile['gemm_fraction_alone']:.0%} alone), "
           f"+{k['gemm_overhead_s'] * 1e6:.0f} us each; attention "
           f"{k['attention_fraction']:.0%}; elementwise kernels {k['bandwidth_fraction']:.0%} of the bandwidth, "
-          f"+{k['kernel_overhead_s'] * 1e6:.0f} us each", flush=True)
+          f"+{k['kernel_overhead_s'] * 1e6:.0f} us each; an exponential +{k['exp_s'] * 1e9:.2f} ns an element", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(profile, f, indent=1)
