@@ -52,7 +52,7 @@ from strata.model.presets import get_preset
 from strata.plan.cost import estimate
 from strata.plan.inputs import cpu_local_cluster, load_profile, workload
 from strata.rules.layout import Layout
-from strata.tools.calibrate import step_time
+from strata.tools.calibrate_kernels import step_time
 
 SEQ, GLOBAL = 128, 16
 FULL = "full"  # activation checkpointing on

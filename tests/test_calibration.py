@@ -14,7 +14,7 @@ from strata.plan.hardware import Device, Kernels
 from strata.plan.inputs import CPU_LOCAL, cpu_local_cluster, workload
 from strata.plan.links import collective_seconds
 from strata.rules.layout import Layout
-from strata.tools import calibrate
+from strata.tools import calibrate, calibrate_kernels
 
 
 def _profile(**collectives) -> dict:
@@ -31,11 +31,11 @@ def test_kernel_costs_recover_the_gemm_rate_and_the_cost_per_kernel_the_steps_we
     and 37 us a kernel are fitted back to 75% and 37 us, and every step of the grid is then
     reproduced."""
     rate, bandwidth, true_fraction, true_overhead = 5e10, 1e13, 0.75, 37e-6
-    monkeypatch.setattr(calibrate, "gemm_curve", lambda *a: (0.9, 3e-6))
-    monkeypatch.setattr(calibrate, "attention_fraction", lambda *a: 0.4)
-    monkeypatch.setattr(calibrate, "elementwise_fraction", lambda *a: 2.5)
-    monkeypatch.setattr(calibrate, "exponential_seconds", lambda *a: 1.2e-9)
-    cfg = calibrate.get_preset("tiny")
+    monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 3e-6))
+    monkeypatch.setattr(calibrate_kernels, "attention_fraction", lambda *a: 0.4)
+    monkeypatch.setattr(calibrate_kernels, "elementwise_fraction", lambda *a: 2.5)
+    monkeypatch.setattr(calibrate_kernels, "exponential_seconds", lambda *a: 1.2e-9)
+    cfg = calibrate_kernels.get_preset("tiny")
     made_with = Kernels(true_fraction, 3e-6, 0.4, 2.5, true_overhead, 1.2e-9)
     device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, made_with)
 
@@ -43,34 +43,43 @@ def test_kernel_costs_recover_the_gemm_rate_and_the_cost_per_kernel_the_steps_we
         work = workload(cfg, b * m, seq_len, "fp32")
         return estimate(work, Cluster(device, 1, 1, overlap=False), Layout(micro_batch=b)).step_time_s
 
-    monkeypatch.setattr(calibrate, "step_time", step_time)
-    fitted = calibrate.kernel_costs("tiny", rate, bandwidth)
+    monkeypatch.setattr(calibrate_kernels, "step_time", step_time)
+    fitted = calibrate_kernels.kernel_costs("tiny", rate, bandwidth)
     assert fitted["kernels"]["gemm_fraction"] == pytest.approx(true_fraction, rel=1e-4)
     assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(true_overhead, rel=1e-3)
     assert fitted["gemm_fraction_alone"] == 0.9 and fitted["kernels"]["exp_s"] == 1.2e-9
-    assert set(fitted["measured_steps"]) == {f"{b}x{m}" for b, m in calibrate.STEP_GRID}
+    assert set(fitted["measured_steps"]) == {f"{b}x{m}" for b, m in calibrate_kernels.STEP_GRID}
     for step in fitted["measured_steps"].values():
         assert step["predicted_s"] == pytest.approx(step["measured_s"], rel=1e-4)
 
 
 def test_a_cost_per_kernel_is_never_fitted_below_zero(monkeypatch):
     """Steps faster than the GEMMs alone predict leave no time to kernels: 0, not a negative cost."""
-    monkeypatch.setattr(calibrate, "gemm_curve", lambda *a: (0.9, 0.0))
-    monkeypatch.setattr(calibrate, "attention_fraction", lambda *a: 0.4)
-    monkeypatch.setattr(calibrate, "elementwise_fraction", lambda *a: 2.5)
-    monkeypatch.setattr(calibrate, "exponential_seconds", lambda *a: 0.0)
-    monkeypatch.setattr(calibrate, "step_time", lambda model, b, m, seq_len: 1e-6 * b * m)
-    assert calibrate.kernel_costs("tiny", 5e10, 2e10)["kernels"]["kernel_overhead_s"] == 0.0
+    monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 0.0))
+    monkeypatch.setattr(calibrate_kernels, "attention_fraction", lambda *a: 0.4)
+    monkeypatch.setattr(calibrate_kernels, "elementwise_fraction", lambda *a: 2.5)
+    monkeypatch.setattr(calibrate_kernels, "exponential_seconds", lambda *a: 0.0)
+    monkeypatch.setattr(calibrate_kernels, "step_time", lambda model, b, m, seq_len: 1e-6 * b * m)
+    assert calibrate_kernels.kernel_costs("tiny", 5e10, 2e10)["kernels"]["kernel_overhead_s"] == 0.0
 
 
 def test_elementwise_rate_is_the_slope_of_time_against_bytes(monkeypatch):
     """A fixed cost per kernel does not lower the rate: adds timed as 5 us + bytes / 60 GB/s give
     60 GB/s, 3x a 20 GB/s copy bandwidth."""
-    cfg, seq_len = replace(calibrate.get_preset("tiny"), d_model=64, d_ff=128), 16
-    sizes = [b * seq_len * width for b in calibrate.MICRO_BATCHES for width in (cfg.d_model, cfg.d_ff)]
+    cfg, seq_len = replace(calibrate_kernels.get_preset("tiny"), d_model=64, d_ff=128), 16
+    sizes = [b * seq_len * width for b in calibrate_kernels.MICRO_BATCHES for width in (cfg.d_model, cfg.d_ff)]
     times = iter(5e-6 + 3 * 4 * n / 60e9 for n in sizes)  # an add reads two and writes one, fp32
-    monkeypatch.setattr(calibrate, "_median_seconds", lambda fn, repeats=7: next(times))
-    assert calibrate.elementwise_fraction(cfg, 20e9, seq_len) == pytest.approx(3.0, rel=1e-6)
+    monkeypatch.setattr(calibrate_kernels, "_median_seconds", lambda fn, repeats=7: next(times))
+    assert calibrate_kernels.elementwise_fraction(cfg, 20e9, seq_len) == pytest.approx(3.0, rel=1e-6)
+
+
+def test_an_exponential_costs_the_slope_of_its_time_beyond_its_bytes(monkeypatch):
+    """torch.exp timed as 3 us + 8 bytes at 60 GB/s + 1.4 ns an element gives 1.4 ns: neither the
+    fixed cost nor the bytes it moves count."""
+    cfg, seq_len = replace(calibrate_kernels.get_preset("tiny"), vocab_size=512), 16
+    times = iter(3e-6 + b * seq_len * 512 * (8 / 60e9 + 1.4e-9) for b in calibrate_kernels.MICRO_BATCHES)
+    monkeypatch.setattr(calibrate_kernels, "_median_seconds", lambda fn, repeats=7: next(times))
+    assert calibrate_kernels.exponential_seconds(cfg, 60e9, seq_len) == pytest.approx(1.4e-9, rel=1e-6)
 
 
 def test_collectives_cost_their_time_with_a_core_each_and_twice_it_with_half_a_core():
