@@ -153,13 +153,13 @@ def head_to_head(profile: dict, measured: dict, steps: int, rounds: int) -> dict
         for nproc, (top, fastest) in picks(profile, measured).items():
             if top == fastest:
                 continue
-            times = {"choice": [], "fastest": []}
+            times = {"choice_steps": [], "fastest_steps": []}
             for _ in range(rounds):
-                for name, layout in (("choice", top), ("fastest", fastest)):
+                for name, layout in (("choice_steps", top), ("fastest_steps", fastest)):
                     times[name] += measure(layout, nproc, steps, out_dir)["step_times"]
             duel[nproc] = {"choice": dataclasses.asdict(top), "fastest": dataclasses.asdict(fastest), **times}
-            print(f"{nproc} ranks, by turns: {top.describe()} {statistics.median(times['choice']):.3f} s, "
-                  f"{fastest.describe()} {statistics.median(times['fastest']):.3f} s", flush=True)
+            print(f"{nproc} ranks, by turns: {top.describe()} {statistics.median(times['choice_steps']):.3f} s, "
+                  f"{fastest.describe()} {statistics.median(times['fastest_steps']):.3f} s", flush=True)
     return duel
 
 
@@ -205,8 +205,8 @@ def report(profile: dict, measured: dict, references: list[float], duel: dict) -
         by_turns = ""
         d = duel.get(nproc)
         if top[0] != fastest[0] and d and Layout(**d["choice"]) == top[0] and Layout(**d["fastest"]) == fastest[0]:
-            ratio = statistics.median(d["choice"]) / statistics.median(d["fastest"]) - 1
-            by_turns = f"; trained by turns, {len(d['choice'])} steps each: {ratio:+.0%}"
+            ratio = statistics.median(d["choice_steps"]) / statistics.median(d["fastest_steps"]) - 1
+            by_turns = f"; trained by turns, {len(d['choice_steps'])} steps each: {ratio:+.0%}"
         elif top[0] != fastest[0]:
             by_turns = "; not trained by turns (the choice differs from the saved run's)" if duel else ""
         rows.append(f"| {nproc} | planner's choice {top[0].describe()}: measured {top[2] / fastest[2] - 1:+.0%} against "
