@@ -24,7 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from strata.config import TrainConfig
-from strata.train.trainer import load_checkpoint, save_checkpoint, setup, train_step
+from strata.train.run_state import load_checkpoint, save_checkpoint
+from strata.train.trainer import setup, train_step
 
 
 def _timed(fn) -> float:

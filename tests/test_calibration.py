@@ -291,6 +291,39 @@ def test_the_in_step_cost_is_fitted_from_tensor_parallel_steps_the_planner_price
 
 
 
+def test_calibrate_hands_its_timings_to_every_process_it_launches(tmp_path, monkeypatch):
+    """The workers torchrun starts time as long as the parent was asked to, whatever the Effort
+    (not only --quick's): the parent passes its fields, the worker's command line reads them back."""
+    from dataclasses import asdict
+
+    from strata.cli.parser import build_parser
+    from strata.cli.tools import calibrate_command
+    custom = calibrate.Effort(rate_s=0.1, step_window_s=0.2, collective_repeats=3, disk_bytes=1 << 20)
+    timed_with = []
+
+    def worker(out, model, effort=calibrate.FULL):
+        timed_with.append(effort)
+        with open(out, "w") as f:
+            json.dump({"matmul_flops": 1e10, "memory_bandwidth": 1e10, "step_seconds": 0.1,
+                       "collectives": {op: {} for op in calibrate.OPS}}, f)
+
+    def launch_local(nproc, argv):  # the worker's command line, parsed and run as the CLI would
+        calibrate_command(build_parser().parse_args(argv), argv)
+        return 0
+
+    monkeypatch.setattr(calibrate, "worker", worker)
+    monkeypatch.setattr(calibrate, "launch_local", launch_local)
+    monkeypatch.setattr(calibrate, "kernel_costs", lambda *a: {"kernels": asdict(Kernels(0.8, 0.0, 0.5, 2.0, 1e-5)),
+                                                              "gemm_fraction_alone": 0.9})
+    monkeypatch.setattr(calibrate, "collective_in_step", lambda *a: {"collective_in_step_points": [[1.0, 0.0]],
+                                                                    "collective_in_step": []})
+    monkeypatch.setattr(calibrate, "disk_rates", lambda directory, nbytes: {
+        "directory": directory, "free_bytes": 1 << 30, "write_bytes_per_s": 1e8, "read_bytes_per_s": 1e9,
+        "cached_read_bytes_per_s": 1e10})
+    calibrate.calibrate(2, "tiny", str(tmp_path / "profile.json"), rounds=1, effort=custom)
+    assert timed_with == [custom] * 3  # one process, two, one
+
+
 def test_the_loss_prices_an_exponential_per_logit_forward_and_backward():
     """On a CPU an exponential costs about ten times an add's pass (1.4 ns an element here against
     0.12 for a multiply; F.cross_entropy's forward and backward at small's logits took 3.4 ms a

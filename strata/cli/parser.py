@@ -232,6 +232,7 @@ def _calibrate(sub) -> None:
                      help="measure what `plan --inference` needs instead: memory bandwidth and decode overheads")
     cal.add_argument("--device", default="cpu", help="with --inference: cpu | cuda | auto")
     cal.add_argument("--worker", help=argparse.SUPPRESS)
+    cal.add_argument("--worker-effort", help=argparse.SUPPRESS)  # the parent's Effort, as JSON
 
 
 def _plot(sub) -> None:

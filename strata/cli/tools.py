@@ -5,6 +5,7 @@ Handlers import the engine only when they run: parsing flags and `--help` never 
 
 from __future__ import annotations
 
+import json
 import os
 
 from strata.errors import ConfigError
@@ -71,8 +72,8 @@ def calibrate_command(args, argv: list[str]) -> int:
     from strata.plan.inputs import default_profile_path
     from strata.tools import calibrate
     effort = calibrate.QUICK if args.quick else calibrate.FULL
-    if args.worker:
-        calibrate.worker(args.worker, args.model, effort)
+    if args.worker:  # one rank of the parent's process group, timed as the parent was asked to
+        calibrate.worker(args.worker, args.model, calibrate.Effort(**json.loads(args.worker_effort)))
         return 0
     if args.inference:
         check_device(args.device)

@@ -28,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -326,7 +326,7 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
                 worker(part, model, effort)
             else:
                 code = launch_local(n, ["calibrate", "--worker", part, "--model", model,
-                                        *(["--quick"] if effort == QUICK else [])])
+                                        "--worker-effort", json.dumps(asdict(effort))])
                 if code != 0:
                     raise RuntimeError(f"calibration on {n} processes failed (exit code {code})")
             with open(part) as f:

@@ -18,20 +18,15 @@ from strata.config import TrainConfig, data_parallel_size, global_batch_size, se
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import Axis, ParallelDims, expert_axes, grid_axes, init_distributed, pick_device
-from strata.errors import ConfigError
 from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
 from strata.memory.offload import StreamingAdamW
-from strata.model.config import ModelConfig
-from strata.model.transformer import Transformer
 from strata.parallel.apply import compile_seconds, parallelize
-from strata.parallel.data import DataParallel
-from strata.parallel.expert import ExpertAxes, gather_experts, routed_rows
+from strata.parallel.expert import ExpertAxes, routed_rows
 from strata.parallel.pipeline.executor import PipelineExecutor
 from strata.parallel.pipeline.stage import chunk_views, embedding_group, stage_parameters
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
 from strata.parallel.pipeline.versions import WeightVersions
-from strata.parallel.tensor import gather_tensor_parallel, shard_specs
 from strata.parallel.tensor_nd import GridGroups
 from strata.rules.dtypes import DTYPES, parameter_dtype, torch_dtype
 from strata.rules.pipeline_cut import make_layout
@@ -41,43 +36,9 @@ from strata.train import metrics as m
 from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at, offload_dir
-from strata.train.preflight import DONE, check_same_model, checked_model, preflight, resume_source, saves_after
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, built once by `setup`."""
-    cfg: TrainConfig
-    model_cfg: ModelConfig
-    device: torch.device
-    rank: int
-    world_size: int
-    dims: ParallelDims
-    dp_rank: int
-    dp_group: object  # the ranks gradients are averaged over: dp, and with --cp > 1 dp x cp
-    tp_group: object
-    model: Transformer
-    parallel: DataParallel  # data parallelism / ZeRO: gradient sync, sharded states
-    optimizer: torch.optim.Optimizer
-    train_data: BatchLoader
-    val_data: BatchLoader
-    start_step: int = 0
-    owns_process_group: bool = False
-    pp_group: object = None
-    pipeline: PipelineExecutor | None = None  # with --pp > 1: runs the schedule
-    embedding_group: object = None  # first and last stage, when the embedding is tied
-    stage_layout: object = None  # the PipelineLayout
-    scaler: LossScaler | None = None  # fp16 only
-    skipped: bool = False  # the last step's gradients overflowed (fp16) and it was skipped
-    activation_bytes: int | None = None  # saved for backward by one micro-batch (counted once)
-    pieces: list | None = None  # what this rank holds of each logical tensor (checkpoints)
-    checkpointer: store.Checkpointer | None = None
-    hf_origin: dict | None = None  # a converted model's Hugging Face config, names and dtype: saved along
-    versions: list[WeightVersions] | None = None  # asynchronous schedules: per (emulated) stage
-    update_s: float = 0.0  # the last optimizer step's seconds (with offload: its pass over the tiers)
-    drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
-    expert_axes: ExpertAxes | None = None  # with --ep > 1
-    routed: dict | None = None  # a mixture of experts: the last step's auxiliary loss, load and drops
+from strata.train.preflight import DONE, checked_model, preflight, saves_after
+from strata.train.run import Run
+from strata.train.run_state import full_model_state, restore, save_checkpoint
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -134,7 +95,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
         # with training's collectives.
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout)) if world_size > 1 else None
         run.checkpointer = store.Checkpointer(cfg.save, rank, world_size, group, cfg.keep, cfg.async_save)
-    _restore(run)
+    restore(run)
     return run
 
 
@@ -175,100 +136,6 @@ def _weight_versions(run: Run, stage_layout, pp_rank: int, seq_len: int) -> list
     emulated = make_layout(run.model_cfg, cfg.emulate_stages, 1, seq_len, cfg.pp_split)
     return [WeightVersions(named, spec.delay(cfg.emulate_stages, stage))
             for stage, named in enumerate(stage_parameters(run.model, emulated))]
-
-
-def _restore(run: Run) -> None:
-    """Resume from a checkpoint (--resume, --resume auto, a restart), or start from one's weights."""
-    source, _ = resume_source(run.cfg)  # the launcher (or rank 0, see preflight) printed how it was found
-    if source is not None:
-        state = load_checkpoint(run, source, resume=True)
-        run.start_step = state["step"]
-        if run.scaler is not None and "loss_scaler" in state:
-            run.scaler.load_state_dict(state["loss_scaler"])
-        if run.rank == 0:
-            print(f"resuming from {store.resolve(source)} at step {run.start_step}", file=sys.stderr, flush=True)
-    elif run.cfg.init_from:
-        load_checkpoint(run, run.cfg.init_from, resume=False)
-
-
-def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
-    """Fill this rank's pieces from a checkpoint saved under any layout; with resume, also Adam's
-    moments and this rank's random streams. Returns the manifest."""
-    path, manifest, reader = store.open_checkpoint(source)
-    check_same_model(store.model_config(manifest, path), run.model_cfg, path)
-    with reader, run.parallel.in_memory():
-        restored = shards.load_pieces(reader, run.pieces, run.optimizer if resume else None)
-        if resume and not restored:
-            raise ConfigError(f"--resume {source}: the checkpoint holds no optimizer state "
-                              f"(a converted model?); use --init-from to start training from its weights")
-        if resume and reader.rngs:  # the same rank's streams; under a smaller old world, rank 0's
-            shards.set_rng_state(reader.rngs.get(run.rank, reader.rngs[0]))
-        run.parallel.after_step()  # ZeRO-1/2: gather every rank's loaded shard into the parameters
-        if run.versions:
-            _restore_versions(run, reader, manifest["data_position"]["step"] if resume else 0)
-    run.hf_origin = manifest.get("hf")  # so --to-hf and generate still know the model it came from
-    return manifest
-
-
-def _restore_versions(run: Run, reader: shards.ShardReader, step: int) -> None:
-    """An asynchronous schedule's older weights, as the checkpoint saved them; one saved without
-    them (by a synchronous schedule, or by --init-from's new start) starts the rule afresh, every
-    version the loaded weights."""
-    tp_rank = dist.get_rank(run.tp_group) if run.tp_group is not None else 0
-    for versions in run.versions:
-        older = {age: {name: reader.read(shards.version_kind(age), name,
-                                         shards.box_region(run.parallel, p, tp_rank, run.dims.tp))
-                       for name, p in zip(versions.names, versions.params)}
-                 for age in range(1, min(versions.delay, step) + 1)
-                 if all(reader.has_version(age, name) for name in versions.names)}
-        missing = min(versions.delay, step) - len(older)
-        if missing and run.rank == 0:
-            print(f"note: the checkpoint holds no weights older than its last update for {missing} of the "
-                  f"versions --schedule {run.cfg.schedule} computes with; they start as the loaded weights",
-                  file=sys.stderr, flush=True)
-        versions.restore(step, older)
-
-
-def save_checkpoint(run: Run, step: int) -> str:
-    """Snapshot this rank's pieces and hand them to the checkpointer (which may write them in the
-    background)."""
-    older = {}
-    for versions in run.versions or ():  # the stages (emulated in one process) hold disjoint parameters
-        for age, weights in versions.older().items():
-            older.setdefault(age, {}).update(weights)
-    with run.parallel.in_memory():
-        tensors, meta = shards.snapshot(run.pieces, run.optimizer, older)
-    state = {"config": run.cfg.to_dict(), "model_config": run.model_cfg.to_dict(), "layout": layout(run),
-             "data_position": {"step": step, "sequences": step * run.cfg.global_batch}}
-    if run.scaler is not None:
-        state["loss_scaler"] = run.scaler.state_dict()
-    if run.hf_origin is not None:
-        state["hf"] = run.hf_origin
-    tokenizer = os.path.join(run.cfg.data, "tokenizer.json")
-    return run.checkpointer.save(step, tensors, meta, state, (tokenizer,) if os.path.isfile(tokenizer) else ())
-
-
-def full_model_state(run: Run) -> dict[str, torch.Tensor]:
-    """The logical model's tensors (every rank takes part: ZeRO-3 and tensor parallelism gather)."""
-    state = run.parallel.full_state_dict()
-    if run.tp_group is not None:
-        state = gather_tensor_parallel(state, shard_specs(run.model), run.tp_group)
-    if run.expert_axes is not None:
-        names = getattr(run.parallel.sharding, "expert_names", set())  # a stage may hold no MoE layer
-        state = gather_experts(state, shard_specs(run.model), names, run.expert_axes)
-    if run.pp_group is not None:  # every stage's layers (a tied embedding's copies are equal)
-        stages = [None] * run.dims.pp
-        dist.all_gather_object(stages, {k: v.cpu() for k, v in state.items()}, group=run.pp_group)
-        state = {k: v.to(run.device) for stage in stages for k, v in stage.items()}
-    return state
-
-
-def layout(run: Run) -> dict:
-    """The layout, as a checkpoint records it (any layout loads any checkpoint)."""
-    return {"dp": run.dims.dp, "ep": run.cfg.ep, "cp": run.dims.cp, "cp_mode": run.cfg.cp_mode, "tp": run.dims.tp,
-            "tp_mode": run.cfg.tp_mode, "tp_depth": run.cfg.tp_depth,
-            "pp": run.dims.pp, "zero": run.cfg.zero, "virtual_stages": run.cfg.virtual_stages,
-            "blocks_per_chunk": list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None}
 
 
 def autocast(run: Run):

@@ -1,0 +1,57 @@
+"""What a training run holds while it runs (`Run`): built once by `trainer.setup`, read by the
+loop, the evaluation and the checkpoints (run_state.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.checkpoint import store
+from strata.config import TrainConfig
+from strata.data.loader import BatchLoader
+from strata.distributed.mesh import ParallelDims
+from strata.model.config import ModelConfig
+from strata.model.transformer import Transformer
+from strata.parallel.data import DataParallel
+from strata.parallel.expert import ExpertAxes
+from strata.parallel.pipeline.executor import PipelineExecutor
+from strata.parallel.pipeline.versions import WeightVersions
+from strata.train.loss_scale import LossScaler
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by `setup`."""
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    device: torch.device
+    rank: int
+    world_size: int
+    dims: ParallelDims
+    dp_rank: int
+    dp_group: object  # the ranks gradients are averaged over: dp, and with --cp > 1 dp x cp
+    tp_group: object
+    model: Transformer
+    parallel: DataParallel  # data parallelism / ZeRO: gradient sync, sharded states
+    optimizer: torch.optim.Optimizer
+    train_data: BatchLoader
+    val_data: BatchLoader
+    start_step: int = 0
+    owns_process_group: bool = False
+    pp_group: object = None
+    pipeline: PipelineExecutor | None = None  # with --pp > 1: runs the schedule
+    embedding_group: object = None  # first and last stage, when the embedding is tied
+    stage_layout: object = None  # the PipelineLayout
+    scaler: LossScaler | None = None  # fp16 only
+    skipped: bool = False  # the last step's gradients overflowed (fp16) and it was skipped
+    activation_bytes: int | None = None  # saved for backward by one micro-batch (counted once)
+    pieces: list | None = None  # what this rank holds of each logical tensor (checkpoints)
+    checkpointer: store.Checkpointer | None = None
+    hf_origin: dict | None = None  # a converted model's Hugging Face config, names and dtype: saved along
+    versions: list[WeightVersions] | None = None  # asynchronous schedules: per (emulated) stage
+    update_s: float = 0.0  # the last optimizer step's seconds (with offload: its pass over the tiers)
+    drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
+    expert_axes: ExpertAxes | None = None  # with --ep > 1
+    routed: dict | None = None  # a mixture of experts: the last step's auxiliary loss, load and drops
+
