@@ -52,7 +52,7 @@ from strata.model.presets import get_preset
 from strata.plan.cost import estimate
 from strata.plan.inputs import cpu_local_cluster, load_profile, workload
 from strata.rules.layout import Layout
-from strata.tools.calibrate_kernels import step_time
+from strata.tools.calibrate_kernels import REFERENCE_STEP, reference_step_seconds
 
 SEQ, GLOBAL = 128, 16
 FULL = "full"  # activation checkpointing on
@@ -96,14 +96,14 @@ def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
             "rss": last["peak_mem_bytes"]}
 
 
-REFERENCE = (4, 1)  # (micro-batch, micro-batches) of calibration's reference step, "4x1" in the profile
+CALIBRATED = "x".join(map(str, REFERENCE_STEP))  # calibration's reference step in the profile, "4x1"
 
 
 def reference_seconds() -> float:
     """Calibration's reference step timed now, as calibration times it (its log lines swallowed)."""
     torch.set_num_threads(1)
     with contextlib.redirect_stdout(io.StringIO()):
-        return step_time("small", *REFERENCE, seq_len=SEQ)
+        return reference_step_seconds("small", SEQ)
 
 
 def measure_all(steps: int, passes: int, calibrated: float) -> tuple[dict, list[float]]:
@@ -180,7 +180,7 @@ def load(path: str) -> tuple[dict, dict, list[float], dict]:
 def report(profile: dict, measured: dict, references: list[float], duel: dict) -> None:
     """The table of predicted against measured, the worst errors, and the top choices."""
     work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
-    calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
+    calibrated = profile["measured_steps"][CALIBRATED]["measured_s"]
     rows, worst_time, worst_memory, worst_drifted, within = [], 0.0, 0.0, 0.0, 0
     for nproc in sorted({n for n, _ in measured}):
         cluster = cpu_local_cluster(nproc, profile)
@@ -235,7 +235,7 @@ def main() -> None:
             report(*load(path))
         return
     profile = load_profile(args.profile)
-    calibrated = profile["measured_steps"]["x".join(map(str, REFERENCE))]["measured_s"]
+    calibrated = profile["measured_steps"][CALIBRATED]["measured_s"]
     measured, references = measure_all(args.steps, args.passes, calibrated)
     duel = head_to_head(profile, measured, args.steps, args.rounds)
     if args.save:

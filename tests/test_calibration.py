@@ -53,6 +53,35 @@ def test_kernel_costs_recover_the_gemm_rate_and_the_cost_per_kernel_the_steps_we
         assert step["predicted_s"] == pytest.approx(step["measured_s"], rel=1e-4)
 
 
+def test_the_kernels_are_fitted_at_the_median_level_of_the_calibrations_reference_steps(monkeypatch):
+    """The grid is timed once, at the end; the reference step timed in every one-process round
+    sets the level: grid steps made 20% slow against rounds that saw the true speed are scaled
+    back by the median (the rounds' 1.0, 1.0 and the grid's 1.2) and fitted to the true numbers.
+    Without rounds the grid's own level stands."""
+    rate, bandwidth = 5e10, 1e13
+    monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 3e-6))
+    monkeypatch.setattr(calibrate_kernels, "attention_fraction", lambda *a: 0.4)
+    monkeypatch.setattr(calibrate_kernels, "elementwise_fraction", lambda *a: 2.5)
+    monkeypatch.setattr(calibrate_kernels, "exponential_seconds", lambda *a: 1.2e-9)
+    cfg = calibrate_kernels.get_preset("tiny")
+    device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, Kernels(0.75, 3e-6, 0.4, 2.5, 37e-6, 1.2e-9))
+
+    def true_step(b, m, seq_len):
+        return estimate(workload(cfg, b * m, seq_len, "fp32"), Cluster(device, 1, 1, overlap=False),
+                        Layout(micro_batch=b)).step_time_s
+
+    monkeypatch.setattr(calibrate_kernels, "step_time", lambda model, b, m, seq_len: 1.2 * true_step(b, m, seq_len))
+    reference = true_step(*calibrate_kernels.REFERENCE_STEP, cfg.max_seq_len)  # the grid caps 128 at it
+    fitted = calibrate_kernels.kernel_costs("tiny", rate, bandwidth, references=(reference, reference))
+    assert fitted["kernels"]["gemm_fraction"] == pytest.approx(0.75, rel=1e-4)
+    assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(37e-6, rel=1e-3)
+    assert fitted["reference_step"]["level_s"] == pytest.approx(reference)
+    for step in fitted["measured_steps"].values():
+        assert step["measured_s"] == pytest.approx(step["timed_s"] / 1.2, rel=1e-4)
+    alone = calibrate_kernels.kernel_costs("tiny", rate, bandwidth)
+    assert alone["kernels"]["gemm_fraction"] < 0.7 and alone["reference_step"]["level_s"] == pytest.approx(1.2 * reference)
+
+
 def test_a_cost_per_kernel_is_never_fitted_below_zero(monkeypatch):
     """Steps faster than the GEMMs alone predict leave no time to kernels: 0, not a negative cost."""
     monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 0.0))
@@ -313,15 +342,18 @@ def test_calibrate_hands_its_timings_to_every_process_it_launches(tmp_path, monk
 
     monkeypatch.setattr(calibrate, "worker", worker)
     monkeypatch.setattr(calibrate, "launch_local", launch_local)
-    monkeypatch.setattr(calibrate, "kernel_costs", lambda *a: {"kernels": asdict(Kernels(0.8, 0.0, 0.5, 2.0, 1e-5)),
-                                                              "gemm_fraction_alone": 0.9})
+    monkeypatch.setattr(calibrate, "reference_step_seconds", lambda model: 0.5)
+    monkeypatch.setattr(calibrate, "kernel_costs", lambda *a, references: {
+        "kernels": asdict(Kernels(0.8, 0.0, 0.5, 2.0, 1e-5)), "gemm_fraction_alone": 0.9,
+        "reference_step": {"steps": "4x1", "level_s": 0.5, "rounds_s": list(references), "grid_s": 0.5}})
     monkeypatch.setattr(calibrate, "collective_in_step", lambda *a: {"collective_in_step_points": [[1.0, 0.0]],
                                                                     "collective_in_step": []})
     monkeypatch.setattr(calibrate, "disk_rates", lambda directory, nbytes: {
         "directory": directory, "free_bytes": 1 << 30, "write_bytes_per_s": 1e8, "read_bytes_per_s": 1e9,
         "cached_read_bytes_per_s": 1e10})
-    calibrate.calibrate(2, "tiny", str(tmp_path / "profile.json"), rounds=1, effort=custom)
+    profile = calibrate.calibrate(2, "tiny", str(tmp_path / "profile.json"), rounds=1, effort=custom)
     assert timed_with == [custom] * 3  # one process, two, one
+    assert profile["reference_step"]["rounds_s"] == [0.5, 0.5]  # the reference step, in each one-process round
 
 
 def test_the_loss_prices_an_exponential_per_logit_forward_and_backward():

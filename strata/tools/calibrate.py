@@ -42,7 +42,7 @@ from strata.plan.cost import Estimate, estimate
 from strata.plan.inputs import cpu_local_cluster, workload
 from strata.rules.layout import Layout, check_tensor_parallel
 from strata.tools.bench_generate import least_squares
-from strata.tools.calibrate_kernels import kernel_costs
+from strata.tools.calibrate_kernels import REFERENCE_STEP, kernel_costs, reference_step_seconds
 
 MESSAGE_BYTES = [2**k for k in range(14, 25, 2)]  # 16 KiB .. 16 MiB
 # windows of steps of --model each process count runs: the first warms up and is left out, the
@@ -319,11 +319,13 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
     counts = [n for n in (2, 4, 8, 16) if n <= max_procs]
     sizes = [1] + [n for _ in range(rounds) for n in (*counts, 1)]
     runs: dict[int, list[dict]] = {}
+    references = []  # REFERENCE_STEP, timed in each one-process round: the level the kernels are fitted at
     with tempfile.TemporaryDirectory() as tmp:
         for i, n in enumerate(sizes):
             part = os.path.join(tmp, f"{i}.json")
             if n == 1:
                 worker(part, model, effort)
+                references.append(reference_step_seconds(model))
             else:
                 code = launch_local(n, ["calibrate", "--worker", part, "--model", model,
                                         "--worker-effort", json.dumps(asdict(effort))])
@@ -334,6 +336,7 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
             runs.setdefault(n, []).append(measured)
             print(f"{n} process{'es' if n > 1 else ''}: {measured['matmul_flops'] / 1e9:.1f} GFLOP/s and "
                   f"{measured['memory_bandwidth'] / 1e9:.1f} GB/s each, a step {measured['step_seconds']:.3f} s"
+                  + (f", a training step of {'x'.join(map(str, REFERENCE_STEP))} {references[-1]:.3f} s" if n == 1 else "")
                   + "".join(f"; {op} in groups of {size}: {v['latency_s'] * 1e6:.0f} us + {v['bandwidth'] / 1e9:.2f} GB/s"
                             for op, by_size in measured["collectives"].items() for size, v in by_size.items()),
                   flush=True)
@@ -347,7 +350,12 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
                 profile["collectives"][op][f"{size}/{n}"] = values
     torch.set_num_threads(1)
     profile["memory_bandwidth"] = profile["memory_bandwidth_per_process"]["1"]
-    profile.update(kernel_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"]))
+    profile.update(kernel_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"],
+                                references=tuple(references)))
+    ref = profile["reference_step"]
+    print(f"the kernels' grid timed {ref['steps']} at {ref['grid_s']:.3f} s, the rounds at "
+          + ", ".join(f"{t:.3f}" for t in ref["rounds_s"]) + f" s: fitted at their median, {ref['level_s']:.3f} s",
+          flush=True)
     if "2" in profile["matmul_flops"]:
         try:
             check_tensor_parallel(get_preset(model), 2)

@@ -113,15 +113,30 @@ def exponential_seconds(cfg, elementwise_rate: float, seq_len: int) -> float:
 # cost per kernel are fitted to: how a step grows with the sequences in a micro-batch (the GEMMs),
 # and with the micro-batches of a step (the kernels)
 STEP_GRID = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 2))
+# The grid's step that calibration also times in each of its one-process rounds: the machine's
+# level over the whole calibration, which the grid (timed once, at the end, in under a minute) is
+# scaled to. The grid's own 4x1 came out 6% under to 18% over the median of the rounds' steps in
+# five calibrations here, and every prediction moved with it.
+REFERENCE_STEP = (4, 1)
 
 
-def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) -> dict:
+def reference_step_seconds(model: str, seq_len: int = 128) -> float:
+    """REFERENCE_STEP of `model` timed now, at the sequence length the grid uses."""
+    return step_time(model, *REFERENCE_STEP, seq_len=min(seq_len, get_preset(model).max_seq_len))
+
+
+def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
+                 references: tuple[float, ...] = ()) -> dict:
     """This CPU's `Kernels` (strata/plan/compute.py): the GEMM curve, attention and the elementwise
     rate, each measured alone; then real training steps of `model` over STEP_GRID, and two numbers
     that bring the planner's step time closest to them (least squares in relative error): how much
     slower the GEMMs run inside a step than alone (the grid's micro-batch sizes tell it), and what
     each kernel launched costs beyond its work (the dispatch, autograd's bookkeeping, the Python
-    between kernels; the grid's micro-batch counts tell it)."""
+    between kernels; the grid's micro-batch counts tell it).
+
+    `references`: REFERENCE_STEP timed earlier in the calibration. The grid's steps are scaled by
+    the median of those and the grid's own REFERENCE_STEP over the latter before the fit: the
+    grid's shape (how a step grows with sequences and micro-batches), at the calibration's level."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
     alone, gemm_overhead = gemm_curve(cfg, rate, bandwidth, seq_len)
@@ -137,10 +152,12 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) 
 
     # The step is (near enough: its GEMMs are bound by their FLOPs) linear in both numbers:
     # other + u x gemms + x x kernels, u the GEMMs' time in a step over their time alone.
+    timed = {(b, m): step_time(model, b, m, seq_len) for b, m in STEP_GRID}
+    level = statistics.median([*references, timed[REFERENCE_STEP]])
     rows = []
     for b, m in STEP_GRID:
         other = predicted(b, m, 1e12, 0.0)
-        rows.append((step_time(model, b, m, seq_len), other, predicted(b, m, alone, 0.0) - other,
+        rows.append((timed[b, m] * level / timed[REFERENCE_STEP], other, predicted(b, m, alone, 0.0) - other,
                      predicted(b, m, 1e12, 1.0) - other))
     scale, overhead = _relative_least_squares([(t, other, (gemms, kernels)) for t, other, gemms, kernels in rows])
     if overhead < 0:  # fewer parameters rather than a negative cost
@@ -148,9 +165,12 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128) 
     gemm_fraction = min(max(alone / max(scale, 1e-9), 0.2), 2.0)
     kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead, exp_s)
     return {"kernels": asdict(kernels), "kernels_model": model, "gemm_fraction_alone": alone,
-            "measured_steps": {f"{b}x{m}": {"measured_s": round(t, 6),
+            # measured_s: as fitted, at the level; timed_s: as the grid timed it
+            "measured_steps": {f"{b}x{m}": {"measured_s": round(t, 6), "timed_s": round(timed[b, m], 6),
                                             "predicted_s": round(predicted(b, m, gemm_fraction, overhead), 6)}
-                               for (b, m), (t, *_) in zip(STEP_GRID, rows)}}
+                               for (b, m), (t, *_) in zip(STEP_GRID, rows)},
+            "reference_step": {"steps": "x".join(map(str, REFERENCE_STEP)), "level_s": level,
+                               "rounds_s": list(references), "grid_s": timed[REFERENCE_STEP]}}
 
 
 def _relative_least_squares(rows: list[tuple[float, float, tuple[float, ...]]]) -> list[float]:
