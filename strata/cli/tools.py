@@ -73,7 +73,9 @@ def calibrate_command(args, argv: list[str]) -> int:
     from strata.tools import calibrate
     effort = calibrate.QUICK if args.quick else calibrate.FULL
     if args.worker:  # one rank of the parent's process group, timed as the parent was asked to
-        calibrate.worker(args.worker, args.model, calibrate.Effort(**json.loads(args.worker_effort)))
+        if args.worker_effort:
+            effort = calibrate.Effort(**json.loads(args.worker_effort))
+        calibrate.worker(args.worker, args.model, effort)
         return 0
     if args.inference:
         check_device(args.device)

@@ -115,8 +115,9 @@ def exponential_seconds(cfg, elementwise_rate: float, seq_len: int) -> float:
 STEP_GRID = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 2))
 # The grid's step that calibration also times in each of its one-process rounds: the machine's
 # level over the whole calibration, which the grid (timed once, at the end, in under a minute) is
-# scaled to. The grid's own 4x1 came out 6% under to 18% over the median of the rounds' steps in
-# five calibrations here, and every prediction moved with it.
+# scaled to. Before the rounds timed it, the grid's 4x1 came out 6% under to 18% over the median
+# of the rounds' forward and backward steps of that shape in five calibrations here (the two run
+# within 3% of each other back to back), and every prediction moved with it.
 REFERENCE_STEP = (4, 1)
 
 

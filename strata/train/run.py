@@ -54,4 +54,3 @@ class Run:
     drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
     expert_axes: ExpertAxes | None = None  # with --ep > 1
     routed: dict | None = None  # a mixture of experts: the last step's auxiliary loss, load and drops
-
