@@ -52,7 +52,7 @@ from strata.model.presets import get_preset
 from strata.plan.cost import estimate
 from strata.plan.inputs import cpu_local_cluster, load_profile, workload
 from strata.rules.layout import Layout
-from strata.tools.calibrate_kernels import REFERENCE_STEP, reference_step_seconds
+from strata.tools.calibrate_kernels import REFERENCE_KEY, reference_step_seconds
 
 SEQ, GLOBAL = 128, 16
 FULL = "full"  # activation checkpointing on
@@ -94,9 +94,6 @@ def measure(layout: Layout, nproc: int, steps: int, out_dir: str) -> dict:
             "comm_seconds": {key: statistics.median(values) for key, values in comm.items()},
             "memory": last["model_state_bytes"] + last["peak_activation_bytes"] + last.get("buffer_bytes", 0),
             "rss": last["peak_mem_bytes"]}
-
-
-CALIBRATED = "x".join(map(str, REFERENCE_STEP))  # calibration's reference step in the profile, "4x1"
 
 
 def reference_seconds() -> float:
@@ -180,7 +177,7 @@ def load(path: str) -> tuple[dict, dict, list[float], dict]:
 def report(profile: dict, measured: dict, references: list[float], duel: dict) -> None:
     """The table of predicted against measured, the worst errors, and the top choices."""
     work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
-    calibrated = profile["measured_steps"][CALIBRATED]["measured_s"]
+    calibrated = profile["measured_steps"][REFERENCE_KEY]["measured_s"]
     rows, worst_time, worst_memory, worst_drifted, within = [], 0.0, 0.0, 0.0, 0
     for nproc in sorted({n for n, _ in measured}):
         cluster = cpu_local_cluster(nproc, profile)
@@ -235,7 +232,7 @@ def main() -> None:
             report(*load(path))
         return
     profile = load_profile(args.profile)
-    calibrated = profile["measured_steps"][CALIBRATED]["measured_s"]
+    calibrated = profile["measured_steps"][REFERENCE_KEY]["measured_s"]
     measured, references = measure_all(args.steps, args.passes, calibrated)
     duel = head_to_head(profile, measured, args.steps, args.rounds)
     if args.save:

@@ -297,6 +297,8 @@ CASES = [
     (["doctor", "--hostfile", "{file.hosts_binary}"], "not UTF-8 text"),
     (["calibrate", "--nproc", "1000"], "--nproc 1000: must be between 1 and"),
     (["calibrate", "--rounds", "0"], "--rounds 0: must be 1 or more"),
+    (["calibrate", "--worker", "part.json", "--worker-effort", "{oops"], "--worker-effort {oops: not the JSON of"),
+    (["calibrate", "--worker", "part.json", "--worker-effort", "[0.1]"], "--worker-effort [0.1]: not the JSON"),
     # --- run outputs, Slurm -------------------------------------------------------------------------------
     ([*TRAIN, "--tensorboard", "{file.a_file}"], "--tensorboard {file.a_file}: is a file; want a directory"),
     ([*TRAIN, "--run-dir", "{file.a_file}"], "--run-dir {file.a_file}: is a file; want a directory"),

@@ -74,7 +74,11 @@ def calibrate_command(args, argv: list[str]) -> int:
     effort = calibrate.QUICK if args.quick else calibrate.FULL
     if args.worker:  # one rank of the parent's process group, timed as the parent was asked to
         if args.worker_effort:
-            effort = calibrate.Effort(**json.loads(args.worker_effort))
+            try:
+                effort = calibrate.Effort(**json.loads(args.worker_effort))
+            except (ValueError, TypeError):
+                raise ConfigError(f"--worker-effort {args.worker_effort}: not the JSON of calibrate's Effort "
+                                  f"(an object of {', '.join(calibrate.Effort.__dataclass_fields__)})") from None
         calibrate.worker(args.worker, args.model, effort)
         return 0
     if args.inference:

@@ -42,7 +42,7 @@ from strata.plan.cost import Estimate, estimate
 from strata.plan.inputs import cpu_local_cluster, workload
 from strata.rules.layout import Layout, check_tensor_parallel
 from strata.tools.bench_generate import least_squares
-from strata.tools.calibrate_kernels import REFERENCE_STEP, kernel_costs, reference_step_seconds
+from strata.tools.calibrate_kernels import REFERENCE_KEY, kernel_costs, reference_step_seconds
 
 MESSAGE_BYTES = [2**k for k in range(14, 25, 2)]  # 16 KiB .. 16 MiB
 # windows of steps of --model each process count runs: the first warms up and is left out, the
@@ -336,7 +336,7 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
             runs.setdefault(n, []).append(measured)
             print(f"{n} process{'es' if n > 1 else ''}: {measured['matmul_flops'] / 1e9:.1f} GFLOP/s and "
                   f"{measured['memory_bandwidth'] / 1e9:.1f} GB/s each, a step {measured['step_seconds']:.3f} s"
-                  + (f", a training step of {'x'.join(map(str, REFERENCE_STEP))} {references[-1]:.3f} s" if n == 1 else "")
+                  + (f", a training step of {REFERENCE_KEY} {references[-1]:.3f} s" if n == 1 else "")
                   + "".join(f"; {op} in groups of {size}: {v['latency_s'] * 1e6:.0f} us + {v['bandwidth'] / 1e9:.2f} GB/s"
                             for op, by_size in measured["collectives"].items() for size, v in by_size.items()),
                   flush=True)

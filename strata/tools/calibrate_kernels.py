@@ -121,6 +121,14 @@ STEP_GRID = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 2))
 REFERENCE_STEP = (4, 1)
 
 
+def step_key(micro_batch: int, micro_batches: int) -> str:
+    """A grid step's name in the profile's `measured_steps`: "4x1"."""
+    return f"{micro_batch}x{micro_batches}"
+
+
+REFERENCE_KEY = step_key(*REFERENCE_STEP)
+
+
 def reference_step_seconds(model: str, seq_len: int = 128) -> float:
     """REFERENCE_STEP of `model` timed now, at the sequence length the grid uses."""
     return step_time(model, *REFERENCE_STEP, seq_len=min(seq_len, get_preset(model).max_seq_len))
@@ -167,10 +175,10 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
     kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead, exp_s)
     return {"kernels": asdict(kernels), "kernels_model": model, "gemm_fraction_alone": alone,
             # measured_s: as fitted, at the level; timed_s: as the grid timed it
-            "measured_steps": {f"{b}x{m}": {"measured_s": round(t, 6), "timed_s": round(timed[b, m], 6),
+            "measured_steps": {step_key(b, m): {"measured_s": round(t, 6), "timed_s": round(timed[b, m], 6),
                                             "predicted_s": round(predicted(b, m, gemm_fraction, overhead), 6)}
                                for (b, m), (t, *_) in zip(STEP_GRID, rows)},
-            "reference_step": {"steps": "x".join(map(str, REFERENCE_STEP)), "level_s": level,
+            "reference_step": {"steps": REFERENCE_KEY, "level_s": level,
                                "rounds_s": list(references), "grid_s": timed[REFERENCE_STEP]}}
 
 
