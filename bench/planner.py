@@ -10,8 +10,10 @@ what max_memory_allocated measures on a GPU; the process's
 resident set adds the interpreter and the allocator's caches, shown for reference.
 
 The measured step time is the median of every step after the first, pooled over --passes sweeps
-of all the layouts: the same layout measured in two sweeps ten minutes apart differed by up to 15%
-on this shared machine, and one slow spell in one sweep should not make a layout's number.
+of all the layouts, every other sweep in reverse order: the same layout measured in two sweeps ten
+minutes apart differed by up to 70% on this shared machine (the "sweeps apart" column: slowest
+sweep's median over the fastest's), and with three sweeps one slow spell in one of them does not
+make a layout's number.
 
 The machine's own speed moves too: calibration's reference step (one process, one micro-batch of 4
 sequences, `strata calibrate`'s "4x1") measured 0.343 s at calibration and 0.393 s forty minutes
@@ -21,7 +23,7 @@ column with the prediction scaled by that drift (the mean of the two references 
 layout's block): the model's own error, apart from the machine's. The first error column is the
 plain prediction against the measurement.
 
-  python bench/planner.py [--steps 6] [--passes 2] [--rounds 3] [--profile FILE] [--save FILE]
+  python bench/planner.py [--steps 6] [--passes 3] [--rounds 3] [--profile FILE] [--save FILE]
   python bench/planner.py --replay FILE [FILE ...]   # a changed cost model on saved measurements
 
 Where the planner's choice is not the fastest layout of the sweeps, the two are then trained by
@@ -113,7 +115,9 @@ def measure_all(steps: int, passes: int, calibrated: float) -> tuple[dict, list[
     with tempfile.TemporaryDirectory() as out_dir:
         for sweep in range(passes):
             for nproc, layouts in LAYOUTS.items():
-                for layout in layouts:
+                # every other sweep runs the block backwards: a layout measured late in one sweep is
+                # measured early in the next, so a slow spell does not fall on the same neighbours
+                for layout in (layouts if sweep % 2 == 0 else layouts[::-1]):
                     run = measure(layout, nproc, steps, out_dir)
                     kept = measured.setdefault((nproc, layout), {**run, "step_times": [], "drifts": [], "comm": []})
                     kept["step_times"] += run["step_times"]
@@ -174,6 +178,14 @@ def load(path: str) -> tuple[dict, dict, list[float], dict]:
     return saved["profile"], measured, saved["references"], duel
 
 
+def pass_spread(run: dict) -> float:
+    """How far apart the slowest and fastest sweep's medians of this layout are (one `comm` entry per sweep)."""
+    passes = len(run["comm"])
+    per_pass = len(run["step_times"]) // passes
+    medians = [statistics.median(run["step_times"][i * per_pass:(i + 1) * per_pass]) for i in range(passes)]
+    return max(medians) / min(medians) - 1
+
+
 def report(profile: dict, measured: dict, references: list[float], duel: dict) -> None:
     """The table of predicted against measured, the worst errors, and the top choices."""
     work = workload(get_preset("small"), GLOBAL, SEQ, "fp32")
@@ -195,7 +207,7 @@ def report(profile: dict, measured: dict, references: list[float], duel: dict) -
             mem_err = mem_pred / run["memory"] - 1
             worst_time, worst_memory = max(worst_time, abs(time_err)), max(worst_memory, abs(mem_err))
             rows.append(f"| {nproc} | {layout.describe()} | {predicted.step_time_s:.3f} | {step:.3f} "
-                        f"| {time_err:+.0%} | {drift - 1:+.0%} | {drifted_err:+.0%} | {mem_pred / 2**20:.1f} | {run['memory'] / 2**20:.1f} "
+                        f"| {time_err:+.0%} | {pass_spread(run):.0%} | {drift - 1:+.0%} | {drifted_err:+.0%} | {mem_pred / 2**20:.1f} | {run['memory'] / 2**20:.1f} "
                         f"| {mem_err:+.0%} | {run['rss'] / 2**20:.0f} |")
         top = min(results, key=lambda r: r[1].step_time_s)
         fastest = min(results, key=lambda r: r[2])
@@ -207,9 +219,9 @@ def report(profile: dict, measured: dict, references: list[float], duel: dict) -
         elif top[0] != fastest[0]:
             by_turns = "; not trained by turns (the choice differs from the saved run's)" if duel else ""
         rows.append(f"| {nproc} | planner's choice {top[0].describe()}: measured {top[2] / fastest[2] - 1:+.0%} against "
-                    f"the fastest measured, {fastest[0].describe()}{by_turns} | | | | | | | | | |")
-    print("\n| ranks | layout | predicted step s | measured step s | error | machine drift | error after drift "
-          "| predicted MiB | measured MiB | error | measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+                    f"the fastest measured, {fastest[0].describe()}{by_turns} | | | | | | | | | | |")
+    print("\n| ranks | layout | predicted step s | measured step s | error | sweeps apart | machine drift | error after drift "
+          "| predicted MiB | measured MiB | error | measured RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\n{within} of {len(measured)} within 15%; worst step-time error {worst_time:.1%} ({worst_drifted:.1%} with the "
           f"prediction scaled by the machine's drift), worst memory error {worst_memory:.1%}; reference step "
@@ -219,7 +231,7 @@ def report(profile: dict, measured: dict, references: list[float], duel: dict) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--passes", type=int, default=2, help="sweeps of every layout, their steps pooled")
+    p.add_argument("--passes", type=int, default=3, help="sweeps of every layout, their steps pooled")
     p.add_argument("--profile", help="calibration profile (default: the one `strata calibrate` wrote)")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs each of the planner's choice and the fastest measured layout, by turns (0: none)")
