@@ -82,6 +82,41 @@ def test_the_kernels_are_fitted_at_the_median_level_of_the_calibrations_referenc
     assert alone["kernels"]["gemm_fraction"] < 0.7 and alone["reference_step"]["level_s"] == pytest.approx(1.2 * reference)
 
 
+def test_a_grid_step_caught_slow_in_one_sweep_does_not_move_the_fit(monkeypatch):
+    """Three sweeps of the grid, one step 30% slow in one of them (as 1x2 was in a calibration
+    here, which more than doubled the fitted cost per kernel): each step's median is fitted, and
+    the true numbers come back; the sweeps are kept in the profile. Fitted on that one sweep
+    alone, the cost per kernel moves."""
+    rate, bandwidth = 5e10, 1e13
+    monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 3e-6))
+    monkeypatch.setattr(calibrate_kernels, "attention_fraction", lambda *a: 0.4)
+    monkeypatch.setattr(calibrate_kernels, "elementwise_fraction", lambda *a: 2.5)
+    monkeypatch.setattr(calibrate_kernels, "exponential_seconds", lambda *a: 1.2e-9)
+    cfg = calibrate_kernels.get_preset("tiny")
+    device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, Kernels(0.75, 3e-6, 0.4, 2.5, 37e-6, 1.2e-9))
+    timed = []
+
+    def step_time(model, b, m, seq_len):
+        true = estimate(workload(cfg, b * m, seq_len, "fp32"), Cluster(device, 1, 1, overlap=False),
+                        Layout(micro_batch=b)).step_time_s
+        slow = (b, m) == (1, 2) and sum(1 for point in timed if point == (1, 2)) == 1  # the second sweep's 1x2
+        timed.append((b, m))
+        return true * (1.3 if slow else 1.0)
+
+    monkeypatch.setattr(calibrate_kernels, "step_time", step_time)
+    fitted = calibrate_kernels.kernel_costs("tiny", rate, bandwidth, sweeps=3)
+    assert len(timed) == 3 * len(calibrate_kernels.STEP_GRID)
+    assert fitted["kernels"]["gemm_fraction"] == pytest.approx(0.75, rel=1e-4)
+    assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(37e-6, rel=1e-3)
+    one_by_two = fitted["measured_steps"]["1x2"]
+    assert one_by_two["sweeps_s"][1] == pytest.approx(1.3 * one_by_two["sweeps_s"][0], rel=1e-4)
+    assert one_by_two["timed_s"] == one_by_two["sweeps_s"][0]
+    timed[:] = [(1, 2)]  # the next 1x2 is the slow one
+    once = calibrate_kernels.kernel_costs("tiny", rate, bandwidth)
+    assert once["measured_steps"]["1x2"]["sweeps_s"] == [pytest.approx(1.3 * one_by_two["timed_s"], rel=1e-4)]
+    assert once["kernels"]["kernel_overhead_s"] > 1.05 * 37e-6  # the tiny model: 8% more
+
+
 def test_a_cost_per_kernel_is_never_fitted_below_zero(monkeypatch):
     """Steps faster than the GEMMs alone predict leave no time to kernels: 0, not a negative cost."""
     monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 0.0))
@@ -327,7 +362,7 @@ def test_calibrate_hands_its_timings_to_every_process_it_launches(tmp_path, monk
 
     from strata.cli.parser import build_parser
     from strata.cli.tools import calibrate_command
-    custom = calibrate.Effort(rate_s=0.1, step_window_s=0.2, collective_repeats=3, disk_bytes=1 << 20)
+    custom = calibrate.Effort(rate_s=0.1, step_window_s=0.2, collective_repeats=3, disk_bytes=1 << 20, grid_sweeps=2)
     timed_with = []
 
     def worker(out, model, effort=calibrate.FULL):
@@ -343,16 +378,17 @@ def test_calibrate_hands_its_timings_to_every_process_it_launches(tmp_path, monk
     monkeypatch.setattr(calibrate, "worker", worker)
     monkeypatch.setattr(calibrate, "launch_local", launch_local)
     monkeypatch.setattr(calibrate, "reference_step_seconds", lambda model: 0.5)
-    monkeypatch.setattr(calibrate, "kernel_costs", lambda *a, references: {
+    monkeypatch.setattr(calibrate, "kernel_costs", lambda *a, references, sweeps: timed_with.append(sweeps) or {
         "kernels": asdict(Kernels(0.8, 0.0, 0.5, 2.0, 1e-5)), "gemm_fraction_alone": 0.9,
-        "reference_step": {"steps": "4x1", "level_s": 0.5, "rounds_s": list(references), "grid_s": 0.5}})
+        "reference_step": {"steps": "4x1", "level_s": 0.5, "rounds_s": list(references), "grid_s": 0.5},
+        "measured_steps": {"4x1": {"timed_s": 0.5, "sweeps_s": [0.5] * sweeps}}})
     monkeypatch.setattr(calibrate, "collective_in_step", lambda *a: {"collective_in_step_points": [[1.0, 0.0]],
                                                                     "collective_in_step": []})
     monkeypatch.setattr(calibrate, "disk_rates", lambda directory, nbytes: {
         "directory": directory, "free_bytes": 1 << 30, "write_bytes_per_s": 1e8, "read_bytes_per_s": 1e9,
         "cached_read_bytes_per_s": 1e10})
     profile = calibrate.calibrate(2, "tiny", str(tmp_path / "profile.json"), rounds=1, effort=custom)
-    assert timed_with == [custom] * 3  # one process, two, one
+    assert timed_with == [custom] * 3 + [custom.grid_sweeps]  # one process, two, one; then the grid
     assert profile["reference_step"]["rounds_s"] == [0.5, 0.5]  # the reference step, in each one-process round
 
 

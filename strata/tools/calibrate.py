@@ -64,9 +64,11 @@ class Effort:
     # between two processes came out anywhere from 0.7 to 4.6 ms within one calibration
     collective_repeats: int = 32
     disk_bytes: int = 2 << 30  # written, synced and read back
+    grid_sweeps: int = 3  # times the kernels' grid of training steps is timed, each step's median kept
 
 
-FULL, QUICK = Effort(), Effort(rate_s=0.25, step_window_s=0.5, collective_repeats=8, disk_bytes=256 << 20)
+FULL, QUICK = Effort(), Effort(rate_s=0.25, step_window_s=0.5, collective_repeats=8, disk_bytes=256 << 20,
+                               grid_sweeps=1)
 
 
 def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
@@ -103,9 +105,9 @@ def _time_op(op: str, nbytes: int, repeats: int, group) -> tuple[float, float]:
         if op == "all_reduce":
             dist.all_reduce(full, group=group)
         elif op == "all_gather":
-            dist.all_gather_into_tensor(full, shard, group=group)
+            dist.all_gather_single(full, shard, group=group)
         elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(shard, full, group=group)
+            dist.reduce_scatter_single(shard, full, group=group)
         elif rank == 0:  # send: the group's first rank to its second, the others idle
             dist.send(full, peer)
         elif rank == 1:
@@ -351,11 +353,15 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
     torch.set_num_threads(1)
     profile["memory_bandwidth"] = profile["memory_bandwidth_per_process"]["1"]
     profile.update(kernel_costs(model, profile["matmul_flops"]["1"], profile["memory_bandwidth"],
-                                references=tuple(references)))
+                                references=tuple(references), sweeps=effort.grid_sweeps))
     ref = profile["reference_step"]
     print(f"the kernels' grid timed {ref['steps']} at {ref['grid_s']:.3f} s, the rounds at "
           + ", ".join(f"{t:.3f}" for t in ref["rounds_s"]) + f" s: fitted at their median, {ref['level_s']:.3f} s",
           flush=True)
+    if effort.grid_sweeps > 1:  # how far the machine moved under the grid, which the medians leave out
+        key, step = max(profile["measured_steps"].items(), key=lambda kv: max(kv[1]["sweeps_s"]) / min(kv[1]["sweeps_s"]))
+        print(f"the grid's {effort.grid_sweeps} sweeps: furthest apart on {key}, "
+              + ", ".join(f"{t:.3f}" for t in step["sweeps_s"]) + f" s (kept {step['timed_s']:.3f} s)", flush=True)
     if "2" in profile["matmul_flops"]:
         try:
             check_tensor_parallel(get_preset(model), 2)

@@ -135,7 +135,7 @@ def reference_step_seconds(model: str, seq_len: int = 128) -> float:
 
 
 def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
-                 references: tuple[float, ...] = ()) -> dict:
+                 references: tuple[float, ...] = (), sweeps: int = 1) -> dict:
     """This CPU's `Kernels` (strata/plan/compute.py): the GEMM curve, attention and the elementwise
     rate, each measured alone; then real training steps of `model` over STEP_GRID, and two numbers
     that bring the planner's step time closest to them (least squares in relative error): how much
@@ -145,7 +145,11 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
 
     `references`: REFERENCE_STEP timed earlier in the calibration. The grid's steps are scaled by
     the median of those and the grid's own REFERENCE_STEP over the latter before the fit: the
-    grid's shape (how a step grows with sequences and micro-batches), at the calibration's level."""
+    grid's shape (how a step grows with sequences and micro-batches), at the calibration's level.
+
+    `sweeps`: the grid is timed that many times over, each step's median kept. Timed once, one
+    step of seven caught in a slow spell (1x2 at 0.479 s, against 0.36 s in two other calibrations)
+    more than doubled the fitted cost per kernel, and every micro-batch-1 layout came out 10-20% slow."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
     alone, gemm_overhead = gemm_curve(cfg, rate, bandwidth, seq_len)
@@ -161,7 +165,8 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
 
     # The step is (near enough: its GEMMs are bound by their FLOPs) linear in both numbers:
     # other + u x gemms + x x kernels, u the GEMMs' time in a step over their time alone.
-    timed = {(b, m): step_time(model, b, m, seq_len) for b, m in STEP_GRID}
+    timings = [{(b, m): step_time(model, b, m, seq_len) for b, m in STEP_GRID} for _ in range(sweeps)]
+    timed = {point: statistics.median(sweep[point] for sweep in timings) for point in STEP_GRID}
     level = statistics.median([*references, timed[REFERENCE_STEP]])
     rows = []
     for b, m in STEP_GRID:
@@ -174,8 +179,9 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
     gemm_fraction = min(max(alone / max(scale, 1e-9), 0.2), 2.0)
     kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead, exp_s)
     return {"kernels": asdict(kernels), "kernels_model": model, "gemm_fraction_alone": alone,
-            # measured_s: as fitted, at the level; timed_s: as the grid timed it
+            # measured_s: as fitted, at the level; timed_s: as the grid timed it (the median of sweeps_s)
             "measured_steps": {step_key(b, m): {"measured_s": round(t, 6), "timed_s": round(timed[b, m], 6),
+                                            "sweeps_s": [round(sweep[b, m], 6) for sweep in timings],
                                             "predicted_s": round(predicted(b, m, gemm_fraction, overhead), 6)}
                                for (b, m), (t, *_) in zip(STEP_GRID, rows)},
             "reference_step": {"steps": REFERENCE_KEY, "level_s": level,
