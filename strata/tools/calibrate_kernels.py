@@ -147,7 +147,8 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
     the median of those and the grid's own REFERENCE_STEP over the latter before the fit: the
     grid's shape (how a step grows with sequences and micro-batches), at the calibration's level.
 
-    `sweeps`: the grid is timed that many times over, each step's median kept. Timed once, one
+    `sweeps`: the grid is timed that many times over, each step's median (against its sweep's
+    REFERENCE_STEP) kept. Timed once, one
     step of seven caught in a slow spell (1x2 at 0.479 s, against 0.36 s in two other calibrations)
     more than doubled the fitted cost per kernel, and every micro-batch-1 layout came out 10-20% slow."""
     cfg = get_preset(model)
@@ -166,7 +167,12 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
     # The step is (near enough: its GEMMs are bound by their FLOPs) linear in both numbers:
     # other + u x gemms + x x kernels, u the GEMMs' time in a step over their time alone.
     timings = [{(b, m): step_time(model, b, m, seq_len) for b, m in STEP_GRID} for _ in range(sweeps)]
-    timed = {point: statistics.median(sweep[point] for sweep in timings) for point in STEP_GRID}
+    # each step's median over the sweeps of its time against the sweep's own REFERENCE_STEP: the
+    # machine's speed moves between sweeps too (4x1 at 0.731, 0.720 and 0.621 s in one calibration),
+    # and a median of raw times takes one step from a slow sweep and another from a fast one
+    grid_reference = statistics.median(sweep[REFERENCE_STEP] for sweep in timings)
+    timed = {point: grid_reference * statistics.median(sweep[point] / sweep[REFERENCE_STEP] for sweep in timings)
+             for point in STEP_GRID}
     level = statistics.median([*references, timed[REFERENCE_STEP]])
     rows = []
     for b, m in STEP_GRID:
@@ -179,7 +185,7 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
     gemm_fraction = min(max(alone / max(scale, 1e-9), 0.2), 2.0)
     kernels = Kernels(gemm_fraction, gemm_overhead, attention, element_fraction, overhead, exp_s)
     return {"kernels": asdict(kernels), "kernels_model": model, "gemm_fraction_alone": alone,
-            # measured_s: as fitted, at the level; timed_s: as the grid timed it (the median of sweeps_s)
+            # measured_s: as fitted, at the level; timed_s: the grid's (sweeps_s' median, as above)
             "measured_steps": {step_key(b, m): {"measured_s": round(t, 6), "timed_s": round(timed[b, m], 6),
                                             "sweeps_s": [round(sweep[b, m], 6) for sweep in timings],
                                             "predicted_s": round(predicted(b, m, gemm_fraction, overhead), 6)}
