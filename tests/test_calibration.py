@@ -26,27 +26,36 @@ def _profile(**collectives) -> dict:
             "collectives": {"all_reduce": {key: {"points": points} for key, points in collectives.items()}}}
 
 
-def test_kernel_costs_recover_the_gemm_rate_and_the_cost_per_kernel_the_steps_were_made_with(monkeypatch):
-    """Steps that take what the planner predicts with GEMMs at 75% of the rate (timed alone: 90%)
-    and 37 us a kernel are fitted back to 75% and 37 us, and every step of the grid is then
-    reproduced."""
-    rate, bandwidth, true_fraction, true_overhead = 5e10, 1e13, 0.75, 37e-6
+RATE, BANDWIDTH = 5e10, 1e13  # the rate and bandwidth the kernels' fits are handed below
+
+
+def _steps_made_with_known_kernels(monkeypatch):
+    """Calibration's kernels timed alone replaced by known numbers (GEMMs at 90% of RATE, attention
+    40%, ...); returns the step time of `tiny` the planner predicts with its GEMMs at 75% of RATE
+    inside a step and 37 us a kernel, as the timed training steps the fit is handed."""
     monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 3e-6))
     monkeypatch.setattr(calibrate_kernels, "attention_fraction", lambda *a: 0.4)
     monkeypatch.setattr(calibrate_kernels, "elementwise_fraction", lambda *a: 2.5)
     monkeypatch.setattr(calibrate_kernels, "exponential_seconds", lambda *a: 1.2e-9)
     cfg = calibrate_kernels.get_preset("tiny")
-    made_with = Kernels(true_fraction, 3e-6, 0.4, 2.5, true_overhead, 1.2e-9)
-    device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, made_with)
+    device = Device(CPU_LOCAL, 2**40, {"fp32": RATE}, BANDWIDTH, None, Kernels(0.75, 3e-6, 0.4, 2.5, 37e-6, 1.2e-9))
 
-    def step_time(model, b, m, seq_len):
-        work = workload(cfg, b * m, seq_len, "fp32")
-        return estimate(work, Cluster(device, 1, 1, overlap=False), Layout(micro_batch=b)).step_time_s
+    def true_step(b, m, seq_len):
+        return estimate(workload(cfg, b * m, seq_len, "fp32"), Cluster(device, 1, 1, overlap=False),
+                        Layout(micro_batch=b)).step_time_s
 
-    monkeypatch.setattr(calibrate_kernels, "step_time", step_time)
-    fitted = calibrate_kernels.kernel_costs("tiny", rate, bandwidth)
-    assert fitted["kernels"]["gemm_fraction"] == pytest.approx(true_fraction, rel=1e-4)
-    assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(true_overhead, rel=1e-3)
+    return true_step
+
+
+def test_kernel_costs_recover_the_gemm_rate_and_the_cost_per_kernel_the_steps_were_made_with(monkeypatch):
+    """Steps that take what the planner predicts with GEMMs at 75% of the rate (timed alone: 90%)
+    and 37 us a kernel are fitted back to 75% and 37 us, and every step of the grid is then
+    reproduced."""
+    true_step = _steps_made_with_known_kernels(monkeypatch)
+    monkeypatch.setattr(calibrate_kernels, "step_time", lambda model, b, m, seq_len: true_step(b, m, seq_len))
+    fitted = calibrate_kernels.kernel_costs("tiny", RATE, BANDWIDTH)
+    assert fitted["kernels"]["gemm_fraction"] == pytest.approx(0.75, rel=1e-4)
+    assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(37e-6, rel=1e-3)
     assert fitted["gemm_fraction_alone"] == 0.9 and fitted["kernels"]["exp_s"] == 1.2e-9
     assert set(fitted["measured_steps"]) == {f"{b}x{m}" for b, m in calibrate_kernels.STEP_GRID}
     for step in fitted["measured_steps"].values():
@@ -58,27 +67,17 @@ def test_the_kernels_are_fitted_at_the_median_level_of_the_calibrations_referenc
     sets the level: grid steps made 20% slow against rounds that saw the true speed are scaled
     back by the median (the rounds' 1.0, 1.0 and the grid's 1.2) and fitted to the true numbers.
     Without rounds the grid's own level stands."""
-    rate, bandwidth = 5e10, 1e13
-    monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 3e-6))
-    monkeypatch.setattr(calibrate_kernels, "attention_fraction", lambda *a: 0.4)
-    monkeypatch.setattr(calibrate_kernels, "elementwise_fraction", lambda *a: 2.5)
-    monkeypatch.setattr(calibrate_kernels, "exponential_seconds", lambda *a: 1.2e-9)
+    true_step = _steps_made_with_known_kernels(monkeypatch)
     cfg = calibrate_kernels.get_preset("tiny")
-    device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, Kernels(0.75, 3e-6, 0.4, 2.5, 37e-6, 1.2e-9))
-
-    def true_step(b, m, seq_len):
-        return estimate(workload(cfg, b * m, seq_len, "fp32"), Cluster(device, 1, 1, overlap=False),
-                        Layout(micro_batch=b)).step_time_s
-
     monkeypatch.setattr(calibrate_kernels, "step_time", lambda model, b, m, seq_len: 1.2 * true_step(b, m, seq_len))
     reference = true_step(*calibrate_kernels.REFERENCE_STEP, cfg.max_seq_len)  # the grid caps 128 at it
-    fitted = calibrate_kernels.kernel_costs("tiny", rate, bandwidth, references=(reference, reference))
+    fitted = calibrate_kernels.kernel_costs("tiny", RATE, BANDWIDTH, references=(reference, reference))
     assert fitted["kernels"]["gemm_fraction"] == pytest.approx(0.75, rel=1e-4)
     assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(37e-6, rel=1e-3)
     assert fitted["reference_step"]["level_s"] == pytest.approx(reference)
     for step in fitted["measured_steps"].values():
         assert step["measured_s"] == pytest.approx(step["timed_s"] / 1.2, rel=1e-4)
-    alone = calibrate_kernels.kernel_costs("tiny", rate, bandwidth)
+    alone = calibrate_kernels.kernel_costs("tiny", RATE, BANDWIDTH)
     assert alone["kernels"]["gemm_fraction"] < 0.7 and alone["reference_step"]["level_s"] == pytest.approx(1.2 * reference)
 
 
@@ -89,24 +88,17 @@ def test_a_grid_step_caught_slow_in_one_sweep_does_not_move_the_fit(monkeypatch)
     4x1 is fitted, and the true numbers come back; a median of the raw times would take 1x2 from
     the two slow sweeps. The sweeps are kept in the profile. Fitted on the second sweep alone, the
     cost per kernel moves."""
-    rate, bandwidth = 5e10, 1e13
-    monkeypatch.setattr(calibrate_kernels, "gemm_curve", lambda *a: (0.9, 3e-6))
-    monkeypatch.setattr(calibrate_kernels, "attention_fraction", lambda *a: 0.4)
-    monkeypatch.setattr(calibrate_kernels, "elementwise_fraction", lambda *a: 2.5)
-    monkeypatch.setattr(calibrate_kernels, "exponential_seconds", lambda *a: 1.2e-9)
-    cfg = calibrate_kernels.get_preset("tiny")
-    device = Device(CPU_LOCAL, 2**40, {"fp32": rate}, bandwidth, None, Kernels(0.75, 3e-6, 0.4, 2.5, 37e-6, 1.2e-9))
+    true_step = _steps_made_with_known_kernels(monkeypatch)
     timed = []
 
     def step_time(model, b, m, seq_len):
-        true = estimate(workload(cfg, b * m, seq_len, "fp32"), Cluster(device, 1, 1, overlap=False),
-                        Layout(micro_batch=b)).step_time_s
+        true = true_step(b, m, seq_len)
         sweep = sum(1 for point in timed if point == (b, m))  # 0, 1, 2
         timed.append((b, m))
         return true * (1.3 if sweep == 1 and (b, m) == (1, 2) else 1.0) * (1.3 if sweep == 2 else 1.0)
 
     monkeypatch.setattr(calibrate_kernels, "step_time", step_time)
-    fitted = calibrate_kernels.kernel_costs("tiny", rate, bandwidth, sweeps=3)
+    fitted = calibrate_kernels.kernel_costs("tiny", RATE, BANDWIDTH, sweeps=3)
     assert len(timed) == 3 * len(calibrate_kernels.STEP_GRID)
     assert fitted["kernels"]["gemm_fraction"] == pytest.approx(0.75, rel=1e-4)
     assert fitted["kernels"]["kernel_overhead_s"] == pytest.approx(37e-6, rel=1e-3)
@@ -115,7 +107,7 @@ def test_a_grid_step_caught_slow_in_one_sweep_does_not_move_the_fit(monkeypatch)
     assert second == pytest.approx(1.3 * first, rel=1e-4) and third == pytest.approx(1.3 * first, rel=1e-4)
     assert one_by_two["timed_s"] == pytest.approx(first, rel=1e-4)
     timed[:] = [(b, m) for b, m in calibrate_kernels.STEP_GRID]  # the next sweep is the second
-    once = calibrate_kernels.kernel_costs("tiny", rate, bandwidth)
+    once = calibrate_kernels.kernel_costs("tiny", RATE, BANDWIDTH)
     assert once["measured_steps"]["1x2"]["sweeps_s"] == [pytest.approx(second, rel=1e-4)]
     assert once["kernels"]["kernel_overhead_s"] > 1.05 * 37e-6  # the tiny model: 8% more
 
