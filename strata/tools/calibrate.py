@@ -64,7 +64,7 @@ class Effort:
     # between two processes came out anywhere from 0.7 to 4.6 ms within one calibration
     collective_repeats: int = 32
     disk_bytes: int = 2 << 30  # written, synced and read back
-    grid_sweeps: int = 3  # times the kernels' grid of training steps is timed, each step's median kept
+    grid_sweeps: int = 3  # times the kernels' grid of training steps is timed (calibrate_kernels.kernel_costs)
 
 
 FULL, QUICK = Effort(), Effort(rate_s=0.25, step_window_s=0.5, collective_repeats=8, disk_bytes=256 << 20,

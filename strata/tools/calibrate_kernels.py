@@ -148,9 +148,9 @@ def kernel_costs(model: str, rate: float, bandwidth: float, seq_len: int = 128,
     grid's shape (how a step grows with sequences and micro-batches), at the calibration's level.
 
     `sweeps`: the grid is timed that many times over, each step's median (against its sweep's
-    REFERENCE_STEP) kept. Timed once, one
-    step of seven caught in a slow spell (1x2 at 0.479 s, against 0.36 s in two other calibrations)
-    more than doubled the fitted cost per kernel, and every micro-batch-1 layout came out 10-20% slow."""
+    REFERENCE_STEP) kept. Timed once, one step of seven caught in a slow spell (1x2 at 0.479 s,
+    against 0.36 s in two other calibrations) more than doubled the fitted cost per kernel, and
+    every micro-batch-1 layout came out 10-20% slow."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
     alone, gemm_overhead = gemm_curve(cfg, rate, bandwidth, seq_len)
