@@ -103,7 +103,9 @@ def test_a_hung_rank_is_named_in_the_last_line(tmp_path):
     """Rank 1 freezes (SIGSTOP) mid-run: rank 0's next collective times out, and the launcher's
     last line names rank 1 as the one that never arrived (rank 0 only waited for it)."""
     metrics = tmp_path / "metrics.jsonl"
-    job = _strata(*TRAIN[:-2], "--steps", "1000", "--timeout", "5", "--metrics", metrics, start_new_session=True)
+    # --timeout also bounds the ranks' start (gloo connects them under it): at 5 s a rank still
+    # importing torch on a loaded machine failed the start once ("wait timeout after 5000ms")
+    job = _strata(*TRAIN[:-2], "--steps", "1000", "--timeout", "15", "--metrics", metrics, start_new_session=True)
     frozen = []
     deadline = time.monotonic() + 120
     while not frozen and time.monotonic() < deadline and job.poll() is None:
