@@ -73,13 +73,15 @@ def listening_sockets(pid: int | str = "self") -> dict[int, str]:
     """inode -> 'address:port' of every listening TCP socket in the network namespace of `pid`."""
     found = {}
     for path, version in ((f"/proc/{pid}/net/tcp", 4), (f"/proc/{pid}/net/tcp6", 6)):
-        if not os.path.exists(path):
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:  # no IPv6, or the process exited (a poll can race its end)
             continue
-        with open(path) as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[3] == TCP_LISTEN:
-                    found[int(parts[9])] = _address(parts[1], version)
+        for line in lines:
+            parts = line.split()
+            if parts[3] == TCP_LISTEN:
+                found[int(parts[9])] = _address(parts[1], version)
     return found
 
 
