@@ -52,6 +52,12 @@ def _final_params(save_dir) -> dict:
         return shards.read_full(reader)
 
 
+def _records_written_so_far(metrics) -> list[dict]:
+    """The complete lines of a metrics file still being written: the last may be cut mid-record."""
+    text = metrics.read_text() if metrics.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
 def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
     straight = _strata(*TRAIN, "--save", tmp_path / "straight")
     kill_at = random.Random().randint(8, 40)
@@ -60,7 +66,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_uninterrupted
     killed = None
     deadline = time.monotonic() + 120
     while killed is None and time.monotonic() < deadline and job.poll() is None:
-        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        steps = [r.get("step", 0) for r in _records_written_so_far(metrics)]
         if steps and max(steps) >= kill_at:
             victims = _descendants_with_rank(job.pid, 1)
             if victims:
@@ -109,7 +115,7 @@ def test_a_hung_rank_is_named_in_the_last_line(tmp_path):
     frozen = []
     deadline = time.monotonic() + 120
     while not frozen and time.monotonic() < deadline and job.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+        if len(_records_written_so_far(metrics)) >= 3:
             frozen = _descendants_with_rank(job.pid, 1)
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)

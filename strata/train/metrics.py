@@ -108,12 +108,13 @@ class MetricsWriter:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             if resume_step > 0 and os.path.isfile(path):
                 _keep_records_up_to(path, resume_step)
-            self.file = open(path, "a" if resume_step > 0 else "w")
+            # unbuffered, one write a record: someone following the file (tail -f, a dashboard)
+            # never sees a record split across two writes, as a text buffer would split a long one
+            self.file = open(path, "ab" if resume_step > 0 else "wb", buffering=0)
 
     def write(self, record: dict) -> None:
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            self.file.write((json.dumps(record) + "\n").encode())
 
     def close(self) -> None:
         if self.file:
