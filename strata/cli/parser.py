@@ -220,8 +220,8 @@ def _calibrate(sub) -> None:
     cal.add_argument("--model", default="small", help="the preset whose GEMMs and training steps calibrate the kernels")
     cal.add_argument("--out", help="profile file (default: ~/.cache/strata/calibration.json)")
     cal.add_argument("--rounds", type=int,
-                     help="measure every process count this many times, spread over the calibration, and keep "
-                          "each number's median (default 2, 1 with --quick: quicker, at the mercy of one slow or "
+                     help="measure every process count and the tp steps this many times, spread over the calibration, "
+                          "and keep each number's median (default 2, 1 with --quick: quicker, at the mercy of one slow or "
                           "fast spell)")
     cal.add_argument("--quick", action="store_true",
                      help="a rough profile in about a minute: shorter timings, fewer repeats of each collective, "

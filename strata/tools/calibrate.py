@@ -236,13 +236,16 @@ def disk_rates(directory: str, nbytes: int = 2 << 30, chunk: int = 64 << 20) -> 
 TP_STEP_MICRO_BATCH_SIZES, TP_STEP_MICRO_BATCHES, TP_STEP_STEPS = (1, 4), 4, 6
 
 
-def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
+def collective_in_step(model: str, profile: dict, seq_len: int = 128, rounds: int = 1) -> dict:
     """What a tensor-parallel collective costs inside a training step beyond (or short of) its
     time in the loop (`_time_op`), at two message sizes: for each, a tp=2 step of `model` on 2
     processes, its tp collectives' seconds as strata's communication counter times them (call to
     return, the wait for the peer included), against what the planner prices for that step from
     the loop's points; the difference, over the collectives the planner counts in it, at the bytes
-    of each (`collective_in_step_points`: (bytes, seconds), either sign).
+    of each (`collective_in_step_points`: (bytes, seconds), either sign). Each size's step is timed
+    in `rounds` launches, the sizes taking turns, and the median kept: one 6-step launch a size put
+    the cost anywhere from -0.83 to +1.52 ms over four calibrations, and tp2 at micro-batch 1 runs
+    448 collectives a step, so 1 ms each moved its prediction 17%.
 
     In the loop both ranks arrive after the same burst of matmuls; in a step they arrive after a
     block's mix of kernels. On a freshly booted machine a collective cost about 0.7 ms more in a
@@ -251,8 +254,11 @@ def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
     and 0.5 ms less at 713 KiB. One number measured at one size could not follow the second."""
     cfg = get_preset(model)
     seq_len = min(seq_len, cfg.max_seq_len)
+    # the sizes take turns, so a spell of the machine being slow falls on both alike
+    timed = [[_tp_seconds_in_step(model, micro_batch, micro_batch * TP_STEP_MICRO_BATCHES, seq_len)
+              for micro_batch in TP_STEP_MICRO_BATCH_SIZES] for _ in range(rounds)]
     points, details = [], []
-    for micro_batch in TP_STEP_MICRO_BATCH_SIZES:
+    for i, micro_batch in enumerate(TP_STEP_MICRO_BATCH_SIZES):
         layout = Layout(tp=2, micro_batch=micro_batch)
         work = workload(cfg, micro_batch * TP_STEP_MICRO_BATCHES, seq_len, "fp32")
 
@@ -260,7 +266,8 @@ def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
             cluster = cpu_local_cluster(2, {**profile, "collective_in_step_points": [[1.0, in_step]]})
             return estimate(work, cluster, layout)
 
-        measured = _tp_seconds_in_step(model, micro_batch, work.global_batch, seq_len)
+        rounds_s = [seconds[i] for seconds in timed]
+        measured = statistics.median(rounds_s)
         # the planner's tp seconds are linear in the cost added to each collective: its slope is
         # the number of collectives it counts in the step
         alone = priced(0.0)
@@ -270,7 +277,8 @@ def collective_in_step(model: str, profile: dict, seq_len: int = 128) -> dict:
         nbytes = alone.comm_bytes["tp"] / calls
         points.append([nbytes, (measured - alone.comm_seconds["tp"]) / calls])
         details.append({"layout": layout.describe(), "global_batch": work.global_batch, "message_bytes": nbytes,
-                        "measured_s": measured, "priced_from_loop_s": alone.comm_seconds["tp"], "collectives": calls})
+                        "measured_s": measured, "measured_rounds_s": rounds_s,
+                        "priced_from_loop_s": alone.comm_seconds["tp"], "collectives": calls})
     return {"collective_in_step_points": points, "collective_in_step": details}
 
 
@@ -368,10 +376,11 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
         except ConfigError as error:  # the planner then prices tp collectives at the loop's time
             print(f"the collectives' cost inside a step is not measured: {model} cannot run tp=2 ({error})", flush=True)
         else:
-            profile.update(collective_in_step(model, profile))
+            profile.update(collective_in_step(model, profile, rounds=rounds))
             for (nbytes, seconds), fit in zip(profile["collective_in_step_points"], profile["collective_in_step"]):
                 print(f"a tensor-parallel collective of {nbytes / 1024:.0f} KiB inside a step: {seconds * 1e3:+.2f} ms "
-                      f"against the loop's time ({fit['collectives']:.0f} a step took {fit['measured_s']:.3f} s, "
+                      f"against the loop's time ({fit['collectives']:.0f} a step took {fit['measured_s']:.3f} s, the "
+                      "median of " + ", ".join(f"{t:.3f}" for t in fit["measured_rounds_s"]) + " s; "
                       f"priced from the loop at {fit['priced_from_loop_s']:.3f} s)", flush=True)
     profile["disk"] = disk_rates(disk_dir or os.path.join(tempfile.gettempdir(), "strata-offload"), effort.disk_bytes)
     d = profile["disk"]
