@@ -277,6 +277,31 @@ def test_gradient_passes_are_priced_per_micro_batch_as_the_runtime_makes_them():
     assert one.compute_s < eight.compute_s
 
 
+def test_zero_1_and_2_pay_a_latency_for_each_buckets_collective_as_the_runtime_issues_them():
+    """The runtime reduce-scatters each --bucket-mb bucket on its own (every micro-batch under
+    ZeRO-2) and all-gathers each bucket's updated shards after the step: on a link of latency only,
+    the planner's data-parallel time is that many latencies, with the bucket count the runtime's
+    own for `small` (3 buckets of 25 MB)."""
+    from dataclasses import replace
+
+    import torch
+
+    from strata.model.transformer import Transformer
+    from strata.parallel.buckets import bucket_elements, plan_buckets
+    from strata.plan.data_parallel import data_parallel_seconds
+    from strata.rules.constants import BUCKET_MB
+    model = Transformer(get_preset("small"))
+    buckets, _ = plan_buckets(list(reversed(list(model.parameters()))), bucket_elements(BUCKET_MB, torch.float32), 4)
+    params = sum(p.numel() for p in model.parameters())
+    latency = 1e-3
+    cluster = replace(_selene(1), intra_bandwidth=float("inf"), intra_latency=latency, overlap=False)
+    step = (4 - 1) * latency  # one ring collective over 4 ranks: 3 steps
+    for zero, m, collectives in ((1, 2, len(buckets) * (1 + 1)), (2, 2, len(buckets) * (2 + 1)),
+                                 (2, 4, len(buckets) * (4 + 1))):
+        total, exposed, _ = data_parallel_seconds(cluster, Layout(dp=4, zero=zero), params, m, 0.0, 0.0, 6)
+        assert len(buckets) == 3 and total == exposed == pytest.approx(collectives * step)
+
+
 def test_a_bubble_slot_lasts_the_other_stages_micro_batch():
     """With strata's uneven cut (the head on the last stage), the fill and drain wait on the
     stages that are not the slowest: the bubble is shorter than (p-1) of the slowest's micro-batch."""

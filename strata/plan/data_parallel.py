@@ -47,13 +47,13 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
         # ready only when the backward ends; after a pipeline schedule, all of them at the end
         exposed = total if lay.pp > 1 else max(total / buckets, total - t_bwd)
         return total, exposed, 2 * ring * grad_bytes
-    # ZeRO-1: one reduce-scatter per step (overlapping the last backward unless a pipeline schedule
-    # ran), ZeRO-2: one every micro-batch, the last bucket of each exposed; then an all-gather of the
-    # updated shards
+    # ZeRO-1: one reduce-scatter per bucket a step (overlapping the last backward unless a pipeline
+    # schedule ran), ZeRO-2: every micro-batch, the last bucket of each exposed; then an all-gather
+    # of each bucket's updated shards. Each collective pays its own latency, as ZeRO-0's all-reduces
     reductions = m if lay.zero == 2 else 1
     gather_bytes = params_local * BYTES[lay.gather_dtype]
-    rs = collective_seconds(cluster, "reduce_scatter", grad_bytes, d, stride, together=True)
-    ag = collective_seconds(cluster, "all_gather", gather_bytes, d, stride, together=True)
+    rs = buckets * collective_seconds(cluster, "reduce_scatter", grad_bytes / buckets, d, stride, together=True)
+    ag = buckets * collective_seconds(cluster, "all_gather", gather_bytes / buckets, d, stride, together=True)
     hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
     exposed = max(rs / buckets if hidden else rs, rs - hidden) * reductions + ag
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
