@@ -41,19 +41,23 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
         exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
         return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
     buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # gradients reduce in --bucket-mb buckets
+
+    def bucket_by_bucket(op: str, nbytes: float) -> float:
+        """`op` over `nbytes` as the runtime issues it: one collective per bucket, each with its latency."""
+        return buckets * collective_seconds(cluster, op, nbytes / buckets, d, stride, together=True)
+
     if lay.zero == 0:  # one all-reduce per bucket
-        total = buckets * collective_seconds(cluster, "all_reduce", grad_bytes / buckets, d, stride, together=True)
+        total = bucket_by_bucket("all_reduce", grad_bytes)
         # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
         # ready only when the backward ends; after a pipeline schedule, all of them at the end
         exposed = total if lay.pp > 1 else max(total / buckets, total - t_bwd)
         return total, exposed, 2 * ring * grad_bytes
     # ZeRO-1: one reduce-scatter per bucket a step (overlapping the last backward unless a pipeline
     # schedule ran), ZeRO-2: every micro-batch, the last bucket of each exposed; then an all-gather
-    # of each bucket's updated shards. Each collective pays its own latency, as ZeRO-0's all-reduces
+    # of each bucket's updated shards
     reductions = m if lay.zero == 2 else 1
     gather_bytes = params_local * BYTES[lay.gather_dtype]
-    rs = buckets * collective_seconds(cluster, "reduce_scatter", grad_bytes / buckets, d, stride, together=True)
-    ag = buckets * collective_seconds(cluster, "all_gather", gather_bytes / buckets, d, stride, together=True)
+    rs, ag = bucket_by_bucket("reduce_scatter", grad_bytes), bucket_by_bucket("all_gather", gather_bytes)
     hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
     exposed = max(rs / buckets if hidden else rs, rs - hidden) * reductions + ag
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
