@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from strata.distributed.mesh import ParallelDims, pipeline_links  # noqa: E402
 from strata.parallel.pipeline.executor import PipelineExecutor  # noqa: E402
 from strata.parallel.pipeline.versions import WeightVersions  # noqa: E402
 from strata.rules.pipeline_cut import PipelineLayout  # noqa: E402
@@ -62,7 +63,8 @@ def _rank(schedule: str, p: int, m: int, steps: int, forward_s: float, backward_
     stage = SleepStage(rank == p - 1, forward_s, backward_s)
     spec = SCHEDULES[schedule]
     versions = WeightVersions(list(stage.named_parameters()), spec.delay(p, rank)) if spec.asynchronous else None
-    executor = PipelineExecutor({rank: stage}, PipelineLayout(p, 1, (1,) * p), schedule, dist.group.WORLD,
+    links = pipeline_links(ParallelDims(pp=p), rank, wraps=False, timeout_s=300)
+    executor = PipelineExecutor({rank: stage}, PipelineLayout(p, 1, (1,) * p), schedule, dist.group.WORLD, links,
                                 (1, 1, WIDTH), torch.float32, torch.device("cpu"), versions=versions)
     optimizer = torch.optim.SGD([stage.weight.data if versions else stage.weight], lr=0.0)
     batch = (torch.ones(1, 1, WIDTH), torch.zeros(1, 1, dtype=torch.long))

@@ -11,9 +11,18 @@ Parts, in order (each timed; when the --budget-s budget is spent the rest are sk
                 equals the run kept on the device bit for bit; greedy generation gives the CPU's tokens;
                 context parallelism's ring attention, its blocks computed by the device's kernel and
                 merged, equals one attention over the whole sequence (fp32, bf16; causal, a window)
-  mfu           bf16 training of the ~1B LLaMA-shaped preset at 2048 tokens and of gpt2-124m: MFU
-                against the device table's peak, and the measured matmul peak beside it; eager
-                and --compile, with the compile time
+  mfu           the trainer's MFU denominator on this device without --peak-flops (bf16, fp32: its
+                number and source, the table's number, a measured matmul beside it) and the record
+                a 2-step run writes (its peak and source, the allocator's reserved bytes, retries
+                and largest allocation); bf16 training of the ~1B LLaMA-shaped preset at 2048 tokens
+                and of gpt2-124m: MFU against the device table's peak, and the measured matmul peak
+                beside it; eager and --compile, with the compile time
+  event_timing  step-like workloads (matmuls; tiny's and gpt2-124m's forward, backward and AdamW step)
+                timed by CUDA events (strata.distributed.timing) against the wall time of the same
+                work bracketed by torch.cuda.synchronize(), and the host's launch time beside them
+  collectives   a world-1 NCCL process group started with the flight recorder's variables (as `strata
+                launch` sets them): all-reduces and a barrier through comm under NCCL's rules, a host
+                tensor refused, the dump written, read back and diagnosed
   generation    TTFT and time per output token at batch 1 and 8 against `strata plan --inference`
                 (uncalibrated, and calibrated on this device as `strata calibrate --inference` does)
   memory        the planner's peak for micro-batch 1/4 x checkpointing none/selective/full against
@@ -40,7 +49,8 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_check_parts, however this is started
 STARTED = time.perf_counter()  # the budget counts from here: importing torch takes time too
 BUDGET_S = 480.0
-PART_NAMES = ("environment", "correctness", "mfu", "generation", "memory", "step_time")
+PART_NAMES = ("environment", "correctness", "mfu", "event_timing", "collectives", "generation", "memory",
+              "step_time")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,7 +137,9 @@ def stub_missing_modules() -> list[str]:
 def run_parts(check, names: list[str], results: dict, write) -> None:
     import gpu_check_parts as parts
     functions = {"environment": parts.environment, "correctness": parts.correctness, "mfu": parts.mfu,
-                 "generation": parts.generation, "memory": parts.memory, "step_time": parts.step_time}
+                 "event_timing": parts.event_timing, "collectives": parts.collectives,
+                 "generation": parts.generation, "memory": parts.memory,
+                 "step_time": parts.step_time}
     for name in names:
         if name != "environment" and not check.budget.allows():  # the environment costs nothing: always said
             check.skip(name, "all", f"budget of {check.budget.seconds:.0f} s spent")
@@ -165,7 +177,11 @@ def _bytes(x) -> str:
 
 
 def _flops(x) -> str:
-    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+    return "-" if x is None else f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+
+
+def _ms(x) -> str:
+    return f"{x * 1e3:.2f} ms"
 
 
 def report_lines(r: dict) -> list[str]:
@@ -190,7 +206,8 @@ def report_lines(r: dict) -> list[str]:
 
 def _report_environment(p: dict) -> list[str]:
     stubbed = f"; stand-ins for {', '.join(p['stubbed_modules'])}" if p["stubbed_modules"] else ""
-    return [f"environment: CUDA {p['cuda']}, predictions for the table's {p['plan_device']}{stubbed}"]
+    unmatched = " (not in the table)" if p.get("name") and p.get("table_entry") is None else ""
+    return [f"environment: CUDA {p['cuda']}, predictions for the table's {p['plan_device']}{unmatched}{stubbed}"]
 
 
 def _report_correctness(p: dict) -> list[str]:
@@ -215,11 +232,39 @@ def _mfu_line(run: dict) -> str:
 def _report_mfu(p: dict) -> list[str]:
     lines = [f"MFU, bf16: peak {_flops(p['peak_flops_table'])} ({p['table_device']} table), "
              f"measured matmul {_flops(p['peak_flops_measured_matmul'])}"]
+    for dtype, d in p["denominator"].items():
+        ratio = f", {d['measured_over_table']:.2f}x the table" if d["measured_over_table"] is not None else ""
+        lines.append(f"  trainer's {dtype} denominator: {_flops(d['trainer_peak_flops'])} ({d['trainer_source']}); "
+                     f"table {_flops(d['table_peak_flops'])}, "
+                     f"measured matmul {_flops(d['measured_matmul_flops'])}{ratio}")
+    r = p["trainer_record"]
+    retries = "-" if r["alloc_retries"] is None else r["alloc_retries"]
+    lines.append(f"  a 2-step record: peak {_flops(r['peak_flops'])} ({r['peak_flops_source']}, "
+                 f"{'as above' if r['agrees'] else 'DIFFERS from the above'}), "
+                 f"reserved {_bytes(r['memory_reserved_bytes'])}, alloc retries {retries}, "
+                 f"largest allocation {_bytes(r['largest_alloc_bytes'])}")
     for m in p["models"]:
         eager, compiled = (_mfu_line(m[key]) for key in ("eager", "compile"))
         shape = f"{m['model']} seq {m['seq_len']} mb {m['micro_batch']}"
         lines.append(f"  {shape}: {eager}; --compile: {compiled}")
     return lines
+
+
+def _report_event_timing(p: dict) -> list[str]:
+    lines = [f"event timing ({p['clock']}) vs the wall time of a synchronised step, medians"]
+    for w in p["workloads"]:
+        lines.append(f"  {w['workload']}: events {_ms(w['events_s'])}, wall {_ms(w['wall_s'])} "
+                     f"({w['events_over_wall']:.2f}), stream-synchronised {_ms(w['stream_s'])}, "
+                     f"launches returned after {_ms(w['launch_s'])} ({w['launch_over_wall']:.2f})")
+    return lines
+
+
+def _report_collectives(p: dict) -> list[str]:
+    if not p["ok"] and "stderr" in p:
+        return [f"collectives: world-1 process group failed ({p['seconds']:.1f} s): {p['stderr'][-300:]}"]
+    return [f"collectives: world-1 {p['backend']} group with the flight recorder's variables "
+            f"({', '.join(sorted(p['variables']))}): {'ok' if p['ok'] else 'FAIL'}; "
+            f"{p['all_reduces_recorded']} all-reduces in the dump, host tensor refused: {p['refused'] is not None}"]
 
 
 def _report_generation(p: dict) -> list[str]:

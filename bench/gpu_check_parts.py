@@ -20,16 +20,18 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from strata.config import TrainConfig
+from strata.distributed.timing import DeviceClock, synchronize_stream
 from strata.infer.generate import generate
 from strata.model.layers import attention_bias
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.parallel.ring_attention import blocks_in_one_process
-from strata.plan.hardware import DEVICES
+from strata.plan.hardware import DEVICES, device_for_cuda_name
+from strata.rules.dtypes import torch_dtype
 from strata.rules.pipeline_cut import unit_costs
 from strata.tools.bench_generate import Run, time_strata
 from strata.tools.calibrate_inference import inference_overheads
-from strata.train.metrics import measure_matmul_flops, synchronize
+from strata.train.metrics import measure_matmul_flops, mfu_peak
 from strata.train.trainer import train
 
 # Correctness: strata's equivalence tests use these tolerances between layouts; a device change
@@ -62,12 +64,13 @@ class Shapes:
     generation_batches: tuple[int, ...]
     generation_runs: int
     calibration_widths: tuple[int, ...] | None  # None: strata calibrate's own
+    timing_repeats: int = 5  # event timing: timed runs of each workload, after one warm-up
 
 
 FULL = Shapes("llama-1b", 2048, "gpt2-124m", 1024, 16, 4, (1, 4), ("none", "selective", "full"), 5, 8192,
               128, 64, (1, 8), 3, None)
 QUICK = Shapes("tiny", 64, "tiny-gpt2", 64, 4, 4, (1, 4), ("none", "selective", "full"), 2, 256,
-               8, 8, (1, 8), 1, (64, 128, 256))
+               8, 8, (1, 8), 1, (64, 128, 256), 3)
 
 
 class Budget:
@@ -121,20 +124,24 @@ class Check:
         self.skipped.append({"part": part, "item": item, "reason": reason})
 
 
+def table_entry(device: torch.device) -> str | None:
+    """The device table's entry for this GPU, matched by name as the trainer's MFU peak matches it
+    (strata/plan/hardware.py: device_for_cuda_name); None for a CPU or a GPU the table lacks."""
+    return device_for_cuda_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
 def plan_device_for(device: torch.device) -> str:
-    """The planner's table entry for this GPU (by its name); an H200 otherwise (a CPU in quick mode,
-    where the predictions only exercise the code)."""
-    if device.type != "cuda":
-        return "H200"
-    name = torch.cuda.get_device_name(device)
-    by_name = [("H200", "H200"), ("H100", "H100-80G"), ("A800", "A800-80G"), ("V100", "V100-32G"),
-               ("4090", "RTX-4090")]
-    for needle, entry in by_name:
-        if needle in name:
-            return entry
-    if "A100" in name:
-        return "A100-80G" if torch.cuda.get_device_properties(device).total_memory > 50e9 else "A100-40G"
-    return "H200"
+    """The planner's table entry for this GPU; an H200 for one the table lacks (the environment part
+    says so: `table_entry` is None) and for a CPU in quick mode, where the predictions only exercise
+    the code."""
+    return table_entry(device) or "H200"
+
+
+def synchronize(device: torch.device) -> None:
+    """The whole device, every stream: a bracket for wall times here (the runtime itself waits for its
+    compute stream only: strata.distributed.timing.synchronize_stream)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def release_memory(device: torch.device) -> None:
@@ -166,7 +173,8 @@ def environment(check: Check) -> dict:
     import numpy
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "numpy": numpy.__version__,
-            "device": str(check.device), "plan_device": check.plan_device, "threads": torch.get_num_threads(),
+            "device": str(check.device), "plan_device": check.plan_device, "table_entry": table_entry(check.device),
+            "threads": torch.get_num_threads(),
             "stubbed_modules": check.stubbed, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     if check.device.type == "cuda":
         props = torch.cuda.get_device_properties(check.device)
@@ -342,13 +350,188 @@ def mfu_entry(check: Check, model: str, seq_len: int, micro_batch: int) -> dict:
     return entry
 
 
+def mfu_denominator(check: Check) -> dict:
+    """What the trainer divides MFU by on this device without --peak-flops (metrics.mfu_peak: the
+    number and its source), per compute dtype, beside the table's number for the device and a
+    matmul measured here (measured / table: how far a host-timed matmul would have put MFU off)."""
+    entry = table_entry(check.device)
+    rows = {}
+    for dtype in ("bf16", "fp32"):
+        peak = mfu_peak(check.device, dtype)
+        table = DEVICES[entry].peak_flops.get(dtype) if entry else None
+        measured = check.matmul_peak if dtype == "bf16" else \
+            measure_matmul_flops(check.device, torch_dtype(dtype), size=check.shapes.matmul_size)
+        rows[dtype] = {"trainer_peak_flops": peak.flops, "trainer_source": peak.source, "note": peak.note,
+                       "table_device": entry, "table_peak_flops": table, "measured_matmul_flops": measured,
+                       "measured_over_table": measured / table if table else None}
+    return rows
+
+
+RECORD_FIELDS = ("peak_flops", "peak_flops_source", "mfu", "peak_mem_bytes", "memory_reserved_bytes", "alloc_retries",
+                 "largest_alloc_bytes")
+
+
+def trainer_record(check: Check, denominator: dict) -> dict:
+    """The last metrics record of `tiny` trained 2 steps in bf16 without --peak-flops: the peak and
+    source the trainer wrote (`agrees`: those mfu_denominator found), and the allocator's numbers."""
+    cfg = replace(tiny_config("bf16", check.device.type), steps=2, peak_flops=None)
+    last = train(cfg)["records"][-1]
+    expected = denominator["bf16"]
+    return {**{key: last.get(key) for key in RECORD_FIELDS},
+            "agrees": last.get("peak_flops") == expected["trainer_peak_flops"]
+            and last.get("peak_flops_source") == expected["trainer_source"]}
+
+
 def mfu(check: Check) -> dict:
     s = check.shapes
     check.matmul_peak = measure_matmul_flops(check.device, torch.bfloat16, size=s.matmul_size)
+    denominator = mfu_denominator(check)
     return {"peak_flops_table": check.table_peak, "table_device": check.plan_device,
             "peak_flops_measured_matmul": check.matmul_peak, "matmul_size": s.matmul_size,
+            "denominator": denominator, "trainer_record": trainer_record(check, denominator),
             "models": [mfu_entry(check, s.llm, s.llm_seq, s.mfu_micro_batch),
                        mfu_entry(check, s.gpt2, s.gpt2_seq, s.gpt2_micro_batch)]}
+
+
+# --- event timing: CUDA events against the wall time of a synchronised step ------------------------
+def timed_once(device: torch.device, work) -> dict:
+    """One run of `work`, timed four ways: CUDA events around it on the current stream (DeviceClock,
+    read after synchronize_stream), the host clock when the launches returned (what an
+    unsynchronised timestamp measures), when synchronize_stream returned, and when a device-wide
+    torch.cuda.synchronize() returned (the wall time of a synchronised step; the bracket opens with
+    one too, so nothing queued before is counted). On a CPU all four are host times."""
+    clock = DeviceClock(device)
+    synchronize(device)
+    started = time.perf_counter()
+    start = clock.mark()
+    work()
+    end = clock.mark()
+    launch_s = time.perf_counter() - started
+    synchronize_stream(device)
+    stream_s = time.perf_counter() - started
+    synchronize(device)
+    wall_s = time.perf_counter() - started
+    return {"events_s": clock.seconds(start, end), "launch_s": launch_s, "stream_s": stream_s, "wall_s": wall_s}
+
+
+def matmul_work(device: torch.device, size: int, count: int = 4):
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+
+    def work():
+        out = a
+        for _ in range(count):
+            out = out @ b
+    return work
+
+
+def train_step_work(device: torch.device, model_name: str, seq_len: int, micro_batch: int):
+    """Forward, backward and an AdamW step of a preset under bf16 autocast, as a training step runs."""
+    cfg = get_preset(model_name)
+    model = build_model(cfg, device, torch.float32, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), device=device,
+                           generator=torch.Generator(device).manual_seed(0))
+
+    def work():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return work
+
+
+def event_timing(check: Check) -> dict:
+    """A few step-like workloads timed with CUDA events (strata.distributed.timing, what the runtime
+    times device work with) against the wall time of the same work bracketed by
+    torch.cuda.synchronize(): medians over the repeats, and events / wall (near 1: the events time
+    the work; the rest is the synchronisation's cost) and launch / wall (how much of the step an
+    unsynchronised host timestamp sees)."""
+    s = check.shapes
+    workloads = {f"matmuls 4x{s.matmul_size} bf16": lambda: matmul_work(check.device, s.matmul_size),
+                 "tiny train step (bf16, mb 4, seq 64)": lambda: train_step_work(check.device, "tiny", 64, 4),
+                 f"{s.gpt2} train step (bf16, mb {s.gpt2_micro_batch}, seq {s.gpt2_seq})":
+                     lambda: train_step_work(check.device, s.gpt2, s.gpt2_seq, s.gpt2_micro_batch)}
+    rows = []
+    for name, make in workloads.items():
+        if not check.budget.allows(ANALYSIS_RESERVE_S):
+            check.skip("event_timing", name, "budget spent")
+            continue
+        release_memory(check.device)
+        work = make()
+        timed_once(check.device, work)  # warm-up: kernels chosen, memory allocated
+        samples = [timed_once(check.device, work) for _ in range(s.timing_repeats)]
+        median = {key: statistics.median(sample[key] for sample in samples) for key in samples[0]}
+        rows.append({"workload": name, **median, "repeats": len(samples),
+                     "events_over_wall": median["events_s"] / median["wall_s"],
+                     "launch_over_wall": median["launch_s"] / median["wall_s"]})
+        del work
+        release_memory(check.device)
+    return {"clock": "CUDA events" if check.device.type == "cuda" else "the host clock", "workloads": rows}
+
+
+# --- collectives: a world-1 NCCL process group with the flight recorder's variables ------------------
+COLLECTIVES_PROGRAM = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+from strata.distributed import comm, flight_recorder
+device = torch.device(sys.argv[1])
+backend = "nccl" if device.type == "cuda" else "gloo"
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+dist.init_process_group(backend, rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
+comm.configure("nccl", device)
+x = torch.ones(1 << 20, device=device)
+comm.all_reduce(x, None, "world")
+comm.all_reduce(x, None, "world", async_op=True).wait()
+comm.barrier(None, "world")
+refused = None
+try:  # a host tensor handed to the device group: refused by comm on a GPU as in the rehearsal
+    comm.all_reduce(torch.ones(4), None, "world")  # made without a device: the host
+except Exception as e:
+    refused = str(e).splitlines()[0]
+path = flight_recorder.dump()
+dumps = flight_recorder.read_dumps(os.path.dirname(path)) if path else {}
+names = [e.get("profiling_name") for d in dumps.values() for e in d.get("entries", [])]
+print(json.dumps({"backend": backend, "dump": path, "entries": names, "refused": refused,
+                  "diagnosis": flight_recorder.diagnose(dumps, world_size=1) if dumps else None}))
+dist.destroy_process_group()
+"""
+
+
+def collectives(check: Check) -> dict:
+    """A world-1 process group (NCCL on a GPU, gloo on a CPU) started in a fresh process with the
+    flight-recorder variables `strata launch` sets (flight_recorder.nccl_debug_environment): it
+    initialises, runs all-reduces and a barrier through comm under NCCL's rules, refuses a host
+    tensor, and writes a dump that strata reads back and diagnoses (nothing hangs: no diagnosis)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from strata.distributed.flight_recorder import nccl_debug_environment
+    with tempfile.TemporaryDirectory(prefix="strata-fr-") as dumps:
+        variables = nccl_debug_environment(dumps)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, **variables, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", COLLECTIVES_PROGRAM, str(check.device)], env=env,
+                              capture_output=True, text=True, timeout=180)
+        seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        return {"ok": False, "variables": variables, "seconds": seconds, "stderr": done.stderr[-2000:]}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    reduces = sum(1 for name in result["entries"] if name and name.endswith("all_reduce"))
+    return {"ok": reduces >= 2 and result["refused"] is not None and result["diagnosis"] is None,
+            "variables": variables, "seconds": seconds, "all_reduces_recorded": reduces, **result}
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --- memory: the planner's peak against the measured one -------------------------------------------

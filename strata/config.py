@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
+from strata.rules.comm_semantics import resolve_semantics
 from strata.rules.constants import BUCKET_MB
 from strata.rules.devices import check_device
 from strata.rules.dtypes import DTYPES
@@ -106,6 +107,9 @@ class TrainConfig:
     bucket_mb: float = _key(BUCKET_MB, "gradient bucket size (MB) for data parallelism and ZeRO-1/2")
     device: str = _key("auto", "auto | cpu | cuda")
     timeout: float = _key(300.0, "seconds a collective may take before it fails")
+    comm_semantics: str | None = _key(None, "native | nccl: communicate as the backend does, or by NCCL's rules "
+                                            "on any backend (on a CPU: gloo run as NCCL would, a rehearsal of a GPU "
+                                            "layout; default: $STRATA_COMM_SEMANTICS, else native)")
     # evaluation, output, checkpoints
     eval_every: int = _key(0, "validate every N steps (0: only at the start and the end)")
     eval_batches: int = _key(4, "validation batches (of the global batch) each time")
@@ -271,6 +275,7 @@ def check_run_settings(cfg: TrainConfig) -> None:
     _need(cfg.data == "synthetic" or os.path.isfile(os.path.join(cfg.data, "meta.json")), "data", cfg.data,
           f"no meta.json there; run `strata data prepare --out {cfg.data}` first, or use --data synthetic")
     check_device(cfg.device)
+    resolve_semantics(cfg.comm_semantics)
     for name in ("steps", "micro_batch", "nproc", "tp", "cp", "pp", "virtual_stages", "eval_batches",
                  "loss_scale_window"):
         _need(getattr(cfg, name) >= 1, name, getattr(cfg, name), "must be >= 1")

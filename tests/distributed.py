@@ -3,6 +3,7 @@
 - Each rank is a process forked from a fork server that has torch imported already (quick to start,
   and safe: the server has no threads of its own), with 1 compute thread.
 - A free port for the rendezvous; every collective times out after `collective_timeout` seconds.
+- Communication under $STRATA_COMM_SEMANTICS (`make test` sets nccl: NCCL's rules on gloo).
 - The first rank to fail ends the run: its traceback is raised in the test, the others are killed.
 - The whole run is bounded by `timeout` seconds: a hang fails the test, naming the ranks that did
   not finish."""
@@ -63,12 +64,16 @@ def _worker(fn, rank, world_size, port, collective_timeout, results, args, kwarg
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout))
+        from strata.distributed import comm
+        comm.configure()  # $STRATA_COMM_SEMANTICS from the start: tensors made on the host are marked
         # Plain pickle, not torch's shared-memory reductions: the rank exits right after, and a
         # tensor shared by file descriptor would be gone before the test reads it.
         results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        from strata.distributed import comm
+        comm.close_streams(wait_s=2.0)  # under NCCL's rules: no stream inside gloo while its groups go
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -342,10 +342,18 @@ SLURM_CASES = [  # (args, needle, environment)
     ([*TRAIN, "--max-restarts", "1"], "--max-restarts 1: srun starts each rank itself", SRUN_TASK),
     ([*TRAIN, "--lr", "-1"], "--lr -1.0: must be > 0", SRUN_TASK),
 ]
+# The communication semantics, as a flag and from the environment (checked before any process starts).
+SEMANTICS_CASES = [
+    ([*TRAIN, "--comm-semantics", "mpi"], "--comm-semantics mpi: valid: native, nccl", None),
+    ([*TRAIN, "--nproc", "2"], "$STRATA_COMM_SEMANTICS gloo: valid: native, nccl", {"STRATA_COMM_SEMANTICS": "gloo"}),
+    (["bench", "comm", "--nproc", "2"], "$STRATA_COMM_SEMANTICS gloo: valid: native, nccl",
+     {"STRATA_COMM_SEMANTICS": "gloo"}),
+]
 
 
-@pytest.mark.parametrize("args,needle,env", [(a, n, None) for a, n in CASES] + SLURM_CASES,
-                         ids=[" ".join(a)[:60] for a, _ in CASES] + [f"srun: {n[:50]}" for _, n, _ in SLURM_CASES])
+@pytest.mark.parametrize("args,needle,env", [(a, n, None) for a, n in CASES] + SLURM_CASES + SEMANTICS_CASES,
+                         ids=[" ".join(a)[:60] for a, _ in CASES] + [f"srun: {n[:50]}" for _, n, _ in SLURM_CASES]
+                         + [f"semantics: {' '.join(a[-2:])} {e}" for a, _, e in SEMANTICS_CASES])
 def test_bad_input_is_one_line_exit_code_2_and_no_traceback(fx, args, needle, env):
     result = run_strata(*(_fill(a, fx) for a in args), cwd=fx["root"], env=env)
     lines = result.stderr.strip().splitlines()

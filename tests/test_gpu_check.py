@@ -13,18 +13,20 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-PARTS = ("environment", "correctness", "mfu", "generation", "memory", "step_time")
+PARTS = ("environment", "correctness", "mfu", "event_timing", "collectives", "generation", "memory", "step_time")
 
 
-def gpu_check(*args, timeout=600):
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, env=ENV,
+def gpu_check(*args, timeout=600, cache=None):
+    """The check in a subprocess; the measured-peak cache in `cache` (else the tests' own), never the user's."""
+    env = {**ENV, "STRATA_CACHE_DIR": str(cache or os.environ["STRATA_CACHE_DIR"])}
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
-    result = gpu_check("--device", "cpu", "--quick", "--out", out)
+    result = gpu_check("--device", "cpu", "--quick", "--out", out, cache=out / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.txt").read_text()
 
@@ -71,6 +73,47 @@ def test_quick_mode_reports_mfu_memory_step_time_and_generation(quick):
     assert generation["calibration"]["per_layer_s"] >= 0
 
 
+def test_quick_mode_on_a_cpu_reports_a_measured_mfu_denominator_and_no_allocator(quick):
+    results, report = quick
+    assert results["environment"]["table_entry"] is None  # a CPU: the planner's H200 stands in
+    denominator = results["mfu"]["denominator"]
+    assert set(denominator) == {"bf16", "fp32"}
+    for d in denominator.values():
+        assert d["trainer_source"] == "measured" and d["note"] is None and d["trainer_peak_flops"] > 0
+        assert d["table_device"] is None and d["table_peak_flops"] is None and d["measured_over_table"] is None
+        assert d["measured_matmul_flops"] > 0
+    record = results["mfu"]["trainer_record"]
+    assert record["agrees"] and record["peak_flops_source"] == "measured"
+    assert record["peak_flops"] == denominator["bf16"]["trainer_peak_flops"]
+    assert record["memory_reserved_bytes"] is None and record["alloc_retries"] is None
+    assert record["largest_alloc_bytes"] is None
+    assert "trainer's bf16 denominator:" in report and "(measured, as above)" in report
+
+
+def test_quick_mode_times_the_workloads_by_the_clock_and_the_wall(quick):
+    results, report = quick
+    timing = results["event_timing"]
+    assert timing["clock"] == "the host clock"  # DeviceClock on a CPU
+    assert [w["workload"] for w in timing["workloads"]] == [
+        "matmuls 4x256 bf16", "tiny train step (bf16, mb 4, seq 64)", "tiny-gpt2 train step (bf16, mb 4, seq 64)"]
+    for w in timing["workloads"]:
+        assert w["repeats"] == 3
+        assert set(w) >= {"events_s", "launch_s", "stream_s", "wall_s", "events_over_wall", "launch_over_wall"}
+        assert all(isinstance(w[key], float) for key in ("events_s", "wall_s", "events_over_wall"))
+    assert "event timing (the host clock)" in report
+
+
+def test_quick_mode_starts_a_world_1_group_with_the_flight_recorders_variables(quick):
+    """On a GPU: NCCL; here the same program on gloo, under NCCL's rules."""
+    results, report = quick
+    part = results["collectives"]
+    assert part["ok"] and part["backend"] == "gloo", part
+    assert {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"} <= set(part["variables"])
+    assert part["all_reduces_recorded"] >= 2 and "a tensor made on the host" in part["refused"]
+    assert part["diagnosis"] is None  # nothing hung
+    assert "collectives: world-1 gloo group with the flight recorder's variables" in report
+
+
 def test_a_spent_budget_skips_the_parts_and_says_so(tmp_path):
     result = gpu_check("--device", "cpu", "--quick", "--out", tmp_path, "--budget-s", 0.001, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -79,6 +122,7 @@ def test_a_spent_budget_skips_the_parts_and_says_so(tmp_path):
     assert all(results[name]["status"] == "skipped" for name in PARTS[1:])
     assert [s["part"] for s in results["skipped"]] == list(PARTS[1:])
     assert "skipped: correctness all (budget of 0 s spent)" in (tmp_path / "gpu_check.txt").read_text()
+    assert "event_timing all (budget of 0 s spent)" in (tmp_path / "gpu_check.txt").read_text()
 
 
 def test_without_tqdm_and_safetensors_the_check_runs_on_stand_ins(tmp_path):

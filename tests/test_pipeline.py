@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strata.config import TrainConfig
+from strata.distributed.mesh import ParallelDims, pipeline_links
 from strata.errors import ConfigError
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
@@ -59,7 +60,8 @@ def pipelined(p, dtype):
     return run_on_ranks(_every_schedule, p, p, dtype, timeout=600)
 
 
-@pytest.mark.parametrize("dtype,rtol", [("fp64", 1e-10), ("fp32", 1e-5)])
+# fp64 to 1e-10: every schedule, on 2 and 4 stages, alone and composed, in tests/test_pipeline_matrix.py
+@pytest.mark.parametrize("dtype,rtol", [("fp32", 1e-5)])
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_schedule_reproduces_the_single_process_losses(p, dtype, rtol):
     ranks = pipelined(p, dtype)
@@ -182,7 +184,9 @@ def _measure_bubble(schedule, p, m, v, cost):
     shape = (1, 4, 8)
     layout = make_layout(get_preset("tiny").with_overrides(n_layers=p * v), p, v, 4, ",".join(["1"] * (p * v)))
     chunks = {c: _TimedChunk(shape, cost, c == p * v - 1) for c in layout.chunks_of(dist.get_rank())}
-    executor = PipelineExecutor(chunks, layout, schedule, dist.group.WORLD, shape, torch.float32, torch.device("cpu"))
+    links = pipeline_links(ParallelDims(pp=p), dist.get_rank(), wraps=v > 1, timeout_s=60)
+    executor = PipelineExecutor(chunks, layout, schedule, dist.group.WORLD, links, shape, torch.float32,
+                                torch.device("cpu"))
     for chunk in chunks.values():
         chunk.store = executor.store
     batch = [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))] * m

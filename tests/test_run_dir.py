@@ -37,7 +37,7 @@ def test_a_config_reads_back_exactly():
                       offload_dir="/tmp/o", reduce_dtype="bf16", bucket_mb=12.5, device="cpu", timeout=60.0,
                       eval_every=5, metrics="m.jsonl", tensorboard="tb", save="ck", save_every=2, keep=3,
                       async_save=True, resume="auto", max_restarts=1, progress=False, trace="t.json",
-                      peak_flops=1e12, pp_split="1,1")
+                      peak_flops=1e12, pp_split="1,1", comm_semantics="nccl")
     values = tomllib.loads(config_toml(cfg))
     assert values == {k: v for k, v in cfg.to_dict().items() if v is not None}
     assert make_config(values, {}) == cfg

@@ -22,7 +22,11 @@ from strata.cli.tools import (
 )
 from strata.cli.train import launch_command, train_command
 from strata.errors import CollectiveError, ConfigError, StrataError, as_flag
+from strata.rules.comm_semantics import resolve_semantics
 
+# The commands whose processes communicate: their semantics (flag or environment) is checked here,
+# before any process starts.
+COMMUNICATING = ("train", "generate", "launch", "doctor", "bench", "calibrate")
 COMMANDS = {"train": train_command, "data": data_command, "generate": generate_command, "convert": convert_command,
             "plan": plan_command, "launch": launch_command, "doctor": doctor_command, "bench": bench_command,
             "calibrate": calibrate_command, "plot": plot_command, "schedule": schedule_command}
@@ -32,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
+        if args.command in COMMUNICATING:
+            resolve_semantics(getattr(args, "comm_semantics", None))
         check_outputs(args)
         return COMMANDS[args.command](args, argv)
     except CollectiveError as e:  # the run failed (not the input): one line, and the launcher is told who hung

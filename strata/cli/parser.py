@@ -212,6 +212,9 @@ def _doctor(sub) -> None:
     doc.add_argument("--global-batch", type=int, default=8)
     doc.add_argument("--seq-len", type=int)
     doc.add_argument("--precision", default="bf16")
+    doc.add_argument("--flight-recorder", metavar="DIR",
+                     help="read a hung job's flight-recorder dumps (one file per rank, e.g. the directory `strata "
+                          "launch` names in its last line) and name the collective it hung in")
 
 
 def _calibrate(sub) -> None:

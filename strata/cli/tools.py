@@ -117,7 +117,8 @@ def plot_command(args, argv: list[str]) -> int:
 
 
 def check_doctor_flags(args) -> None:
-    """The planned job's flags go with --bandwidth, and are checked as `strata plan` checks them."""
+    """The planned job's flags go with --bandwidth, and are checked as `strata plan` checks them;
+    --flight-recorder names a directory holding at least one dump."""
     from strata.plan.hardware import DEVICES
     from strata.tools.commbench import parse_size
     try:
@@ -134,6 +135,18 @@ def check_doctor_flags(args) -> None:
         raise ConfigError(f"--device {args.device}: valid: {', '.join(DEVICES)}")
     if args.global_batch < 1:
         raise ConfigError(f"--global-batch {args.global_batch}: must be >= 1")
+    if args.flight_recorder is not None:
+        _check_flight_recorder_dir(args.flight_recorder)
+
+
+def _check_flight_recorder_dir(directory: str) -> None:
+    from strata.distributed.flight_recorder import read_dumps
+    if not os.path.isdir(directory):
+        what = "is a file" if os.path.exists(directory) else "no such directory"
+        raise ConfigError(f"--flight-recorder {directory}: {what}; want the directory of the ranks' dumps")
+    if not read_dumps(directory):
+        raise ConfigError(f"--flight-recorder {directory}: no flight-recorder dump in it (a dump is a file named "
+                          f"<prefix><rank>, e.g. rank_0, written on a timeout with TORCH_FR_BUFFER_SIZE set)")
 
 
 def _bench_comm(args, argv) -> int:

@@ -4,17 +4,28 @@ machine and for `strata launch` on many.
 Nothing of a job listens beyond the address it needs: torchrun's store is bound to one address
 (strata/distributed/rendezvous.py) and gloo and NCCL bind the interface named by
 GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME. A local run uses loopback for all of them, so it cannot be
-reached from the network at all."""
+reached from the network at all.
+
+When a rank fails, the last line names why. On gloo a rank that timed out in a collective leaves a
+note (`report_failure`) naming the rank that never arrived. On NCCL the watchdog ends the process
+without one; the ranks run with PyTorch's flight recorder on (flight_recorder.py), which writes
+every rank's last collectives to this job's dump directory on a timeout, and the line is read from
+those dumps. The directory is a new temporary one per job (`strata-flight-recorder-...`), removed
+after the run unless the run failed and left dumps there: then the line says where it is, and
+`strata doctor --flight-recorder DIR` reads it again. A dump location the user set
+(TORCH_FR_DUMP_TEMP_FILE) is theirs: nothing is read or removed there."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import uuid
 from contextlib import contextmanager
 
+from strata.distributed.flight_recorder import diagnose, nccl_debug_environment, read_dumps
 from strata.distributed.hostfile import local_addresses, plan
 from strata.distributed.rendezvous import BACKEND, register
 from strata.errors import CollectiveError
@@ -36,11 +47,11 @@ def run_torchrun(strata_argv: list[str], nproc_per_node: int, *, nnodes: int = 1
     process); node 0 hosts the rendezvous store on store_address only. Every node of a job gives the
     same run_id (the store's keys are prefixed with it). When a rank fails, torchrun restarts all of
     them up to max_restarts times (each restart finds its checkpoint through --save). `env` is added
-    to the ranks' environment (set here only while they run)."""
+    to the ranks' environment (set here only while they run), after the flight recorder's variables
+    (`nccl_debug_environment`, those the user has not set)."""
     run_id = run_id or uuid.uuid4().hex
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
-
 
     register()
     args = get_args_parser().parse_args([
@@ -50,16 +61,26 @@ def run_torchrun(strata_argv: list[str], nproc_per_node: int, *, nnodes: int = 1
     # Set the workers' arguments directly: parsed by torchrun, a strata flag could be taken for an
     # abbreviation of one of torchrun's own.
     args.training_script_args = strata_argv
-    with tempfile.TemporaryDirectory(prefix="strata-failures-") as reports, \
-            _environment({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # ranks share the cores
-                          **(env or {}), FAILURE_DIR: reports}):
-        try:
-            run(args)
-        except ChildFailedError as e:
-            rank, failure = e.get_first_failure()
-            print(f"strata: error: {_what_failed(reports, rank, failure.exitcode)}", file=sys.stderr)
-            return failure.exitcode if failure.exitcode > 0 else 1
-    return 0
+    dumps = tempfile.mkdtemp(prefix="strata-flight-recorder-")
+    failed = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="strata-failures-") as reports, \
+                _environment({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # ranks share the cores
+                              **nccl_debug_environment(dumps), **(env or {}), FAILURE_DIR: reports}):
+            try:
+                run(args)
+            except ChildFailedError as e:
+                failed = True
+                rank, failure = e.get_first_failure()
+                # one node's launcher holds its own ranks' dumps only: the others are not missing
+                world_size = nproc_per_node if nnodes == 1 else None
+                print(f"strata: error: {_what_failed(reports, rank, failure.exitcode, dumps, world_size)}",
+                      file=sys.stderr)
+                return failure.exitcode if failure.exitcode > 0 else 1
+        return 0
+    finally:
+        if not (failed and os.listdir(dumps)):
+            shutil.rmtree(dumps, ignore_errors=True)
 
 
 def report_failure(error: CollectiveError) -> None:
@@ -70,9 +91,12 @@ def report_failure(error: CollectiveError) -> None:
             json.dump({"rank": int(os.environ.get("RANK", 0)), "where": error.where, "missing": error.missing}, f)
 
 
-def _what_failed(reports: str, first_rank: int, exitcode: int) -> str:
+def _what_failed(reports: str, first_rank: int, exitcode: int, dump_dir: str | None = None,
+                 world_size: int | None = None) -> str:
     """The launcher's last line: the rank a collective waited for in vain, when a rank said so
-    (the rank that timed out is only the messenger); else the first rank that failed."""
+    (the rank that timed out is only the messenger); else, when the ranks left flight-recorder
+    dumps in dump_dir (NCCL's watchdog writes them), the collective they show the job hung in;
+    else the first rank that failed."""
     for name in sorted(os.listdir(reports)):
         with open(os.path.join(reports, name)) as f:
             report = json.load(f)
@@ -80,7 +104,13 @@ def _what_failed(reports: str, first_rank: int, exitcode: int) -> str:
             missing = ", ".join(map(str, report["missing"]))
             return (f"rank {missing} did not arrive at {report['where']}; rank {report['rank']} waited for it "
                     f"until the timeout (--timeout); the ranks' output is above")
-    return f"rank {first_rank} failed with exit code {exitcode}; its output is above"
+    dumps = read_dumps(dump_dir) if dump_dir else {}
+    kept = (f"the ranks' flight-recorder dumps are in {dump_dir} (`strata doctor --flight-recorder {dump_dir}` "
+            f"reads them)")
+    hung_in = diagnose(dumps, world_size) if dumps else None
+    if hung_in:
+        return f"{hung_in}; {kept}"
+    return f"rank {first_rank} failed with exit code {exitcode}; its output is above" + (f"; {kept}" if dumps else "")
 
 
 def launch_local(nproc: int, strata_argv: list[str], max_restarts: int = 0, env: dict[str, str] | None = None) -> int:

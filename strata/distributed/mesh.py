@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from strata.distributed import comm
 from strata.rules.experts import expert_dp_members
 from strata.rules.tensor_modes import GROUP_AXES, TensorGrid, group_members
 
@@ -113,19 +114,76 @@ def expert_axes(dims: ParallelDims, ep: int, rank: int, timeout_s: float) -> tup
     return axes[0], axes[1]
 
 
+
+@dataclass(frozen=True)
+class PipelineLinks:
+    """The pipeline's point-to-point links at one rank's (dp, cp, tp) place: a process group of two
+    ranks for each direction and kind of message, so that every group carries one stream of
+    messages from one sender to one receiver, posted and received in the same order. On NCCL a
+    group's operations run one at a time in issue order and match without tags; with each stream
+    on a group of its own, a send waiting for its receive can hold up only later sends of the
+    same stream (which that receive precedes), never a receive, a collective or the other
+    direction, so the schedule's own order of actions is the only thing that can deadlock, and
+    the schedules are checked for that (rules/schedules.simulate). PyTorch does the same for
+    unbatched NCCL sends (a communicator per pair of ranks); this also keeps an activation and a
+    gradient between the same two ranks apart (with p = 2 and interleaving, both go 0 -> 1).
+
+    Kinds: "activation" (stage s to s + 1), "gradient" (s to s - 1), both modulo p when chunks
+    wrap around (interleaving); "control" (generation: the last stage to each other one)."""
+    peers: tuple[int, ...]  # the global rank of each stage at this place
+    groups: dict  # (kind, from stage, to stage) -> the group, for the links this rank is on
+
+    def group(self, kind: str, sender: int, receiver: int):
+        return self.groups[(kind, sender, receiver)]
+
+
+def _link_ends(kind: str, stages: int, wraps: bool) -> list[tuple[int, int]]:
+    if kind == "control":
+        return [(stages - 1, s) for s in range(stages - 1)]
+    step = 1 if kind == "activation" else -1
+    return [(s, (s + step) % stages) for s in range(stages) if wraps or 0 <= s + step < stages]
+
+
+def pipeline_links(dims: ParallelDims, rank: int, wraps: bool, timeout_s: float,
+                   kinds: tuple[str, ...] = ("activation", "gradient")) -> PipelineLinks:
+    """This rank's pipeline links (`PipelineLinks`) of the given kinds; wraps: chunks go from the
+    last stage back to the first (interleaving), so the links do too. Every rank takes part in
+    creating every group, in the same order, as torch.distributed requires."""
+    places = [(dp, cp, tp) for dp in range(dims.dp) for cp in range(dims.cp) for tp in range(dims.tp)]
+    where = dims.coordinates(rank)
+    groups = {}
+    for kind in kinds:
+        for sender, receiver in _link_ends(kind, dims.pp, wraps):
+            everywhere = [[dims.rank_at(sender, dp, tp, cp), dims.rank_at(receiver, dp, tp, cp)]
+                          for dp, cp, tp in places]
+            mine, _ = dist.new_subgroups_by_enumeration(everywhere, timeout=timedelta(seconds=timeout_s),
+                                                        group_desc=f"pp_{kind}_{sender}_to_{receiver}")
+            if mine is not None:
+                groups[(kind, sender, receiver)] = mine
+                comm.label(mine, f"pp {kind} {sender}->{receiver}")
+    peers = tuple(dims.rank_at(s, where["dp"], where["tp"], where["cp"]) for s in range(dims.pp))
+    return PipelineLinks(peers, groups)
+
+
 def pick_device(choice: str = "auto") -> torch.device:
-    """cuda (one device per local rank) when asked for or available, else cpu."""
+    """cuda (one device per local rank) when asked for or available, else cpu. The device is the
+    local rank modulo the devices this process sees: all of the node's under torchrun, one under
+    Slurm's --gpus-per-task=1 (or CUDA_VISIBLE_DEVICES set per task), where local rank 3's device
+    is ordinal 0."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        ordinal = local_rank % max(torch.cuda.device_count(), 1)
+        torch.cuda.set_device(ordinal)
+        return torch.device("cuda", ordinal)
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int, bool]:
+def init_distributed(device: torch.device, timeout_s: float, semantics: str | None = None) -> tuple[int, int, bool]:
     """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU) with a timeout on every
-    collective. Returns (rank, world_size, created): (0, 1, False) when not launched by torchrun;
-    created is False when the caller had initialised the group already (and will tear it down)."""
+    collective, its communication following `semantics` (comm.configure; None: the environment's).
+    Returns (rank, world_size, created): (0, 1, False) when not launched by torchrun; created is
+    False when the caller had initialised the group already (and will tear it down)."""
+    comm.configure(semantics, device)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1:
         return 0, 1, False

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from strata.checkpoint import store
 from strata.checkpoint.shards import read_full
 from strata.data.tokenizer import END_OF_TEXT, load_tokenizer
+from strata.distributed import comm
 from strata.distributed.launch import launch_local
-from strata.distributed.mesh import ParallelDims, expert_axes, init_distributed, pick_device
+from strata.distributed.mesh import ParallelDims, expert_axes, init_distributed, pick_device, pipeline_links
 from strata.errors import ConfigError
 from strata.infer.generate import FINISHED, Sampling, check_length, generate
 from strata.infer.pipeline import generate_pipelined
@@ -167,7 +168,7 @@ def run_generate(args, argv: list[str]) -> int:
         _requests(args)  # every check that can fail on input, once, before any process starts
         return launch_local(world, argv)
     if not launched or int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return _generate(args, _requests(args), tp_group=None, stage=None, peers=None, experts=None)
+        return _generate(args, _requests(args), tp_group=None, stage=None, links=None, experts=None)
     _, size, _ = init_distributed(pick_device(args.device), timeout_s=args.timeout)
     try:
         if size != world:
@@ -177,13 +178,15 @@ def run_generate(args, argv: list[str]) -> int:
         mesh = dims.build_mesh(pick_device(args.device).type)
         where = dims.coordinates(dist.get_rank())
         tp_group = mesh["tp"].get_group() if args.tp > 1 else None
-        requests, stage, peers = _requests(args), None, None
+        requests, stage, links = _requests(args), None, None
         if args.pp > 1:
             stage = (requests.layout, where["pp"])
-            peers = [dims.rank_at(s, 0, where["tp"]) for s in range(args.pp)]
+            links = pipeline_links(dims, dist.get_rank(), wraps=False, timeout_s=args.timeout,
+                                   kinds=("activation", "control"))
         experts = ExpertAxes(*expert_axes(dims, args.ep, dist.get_rank(), args.timeout)) if args.ep > 1 else None
-        return _generate(args, requests, tp_group, stage, peers, experts)
+        return _generate(args, requests, tp_group, stage, links, experts)
     finally:
+        comm.close_streams()
         dist.destroy_process_group()
 
 
@@ -255,7 +258,7 @@ def end_of_text_ids(state: dict, tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
-def _generate(args, requests: Requests, tp_group, stage, peers, experts) -> int:
+def _generate(args, requests: Requests, tp_group, stage, links, experts) -> int:
     sampling = _sampling(args)
     prompts, texts, tokenizer, stops = requests.prompts, requests.texts, requests.tokenizer, requests.stops
     model, _ = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage,
@@ -271,7 +274,7 @@ def _generate(args, requests: Requests, tp_group, stage, peers, experts) -> int:
         steps = ((range(len(prompts)), ids) for ids in generate(model, prompts, args.max_new_tokens, sampling, stops))
     else:
         micro_batches = args.micro_batches or min(pp, len(prompts))
-        steps = generate_pipelined(model, prompts, args.max_new_tokens, sampling, stops, micro_batches, pp_rank, pp, peers)
+        steps = generate_pipelined(model, prompts, args.max_new_tokens, sampling, stops, micro_batches, pp_rank, pp, links)
     started, first = time.perf_counter(), None
     for rows, next_ids in steps:
         first = first or time.perf_counter()

@@ -10,7 +10,10 @@ that have finished:
   - the last stage computes the logits, samples, and sends the ids, with whether micro-batch j goes
     on, to every other stage, which reads them before its item (t + 1, j).
 Each item waits only on items earlier in that order, so nothing deadlocks; sends are
-asynchronous and a round's sends are waited for at the end of the next round. With one
+asynchronous and a round's sends are waited for at the end of the next round. Hidden states and
+the last stage's words each travel on links of their own (distributed/mesh.PipelineLinks: one
+process group per sender and receiver), so every group carries one stream of messages that its
+receiver takes in the order they were sent, as NCCL needs. With one
 micro-batch the stages run one after another (the bubble is (p - 1)/p); with p or more every stage
 can be busy."""
 
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from strata.distributed import comm
+from strata.distributed.mesh import PipelineLinks
 from strata.infer.generate import Sampler, Sampling, check_length, left_pad
 from strata.infer.kv_cache import KVCache
 
@@ -41,10 +45,10 @@ def split_rows(batch: int, micro_batches: int) -> list[range]:
 @torch.inference_mode()
 def generate_pipelined(stage, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                        stop: Callable[[int, list[int]], bool] | None, micro_batches: int,
-                       pp_rank: int, pp_size: int, peers: list[int]) -> Iterator[tuple[range, torch.Tensor]]:
+                       pp_rank: int, pp_size: int, links: PipelineLinks) -> Iterator[tuple[range, torch.Tensor]]:
     """On the last stage, yield (rows, next ids) as each micro-batch's step completes (ids are
     FINISHED for rows already stopped); on the other stages, yield nothing and return when all
-    micro-batches have finished. peers[s]: the global rank of stage s at this rank's tp place."""
+    micro-batches have finished. links: the "activation" and "control" links at this rank's tp place."""
     stage.eval()
     cfg = stage.cfg
     check_length(prompts, max_new_tokens, cfg.max_seq_len)
@@ -62,15 +66,15 @@ def generate_pipelined(stage, prompts: list[list[int]], max_new_tokens: int, sam
     inputs = [ids[r.start:r.stop].to(device) for r in rows]  # the first stage's next input per micro-batch
     alive = [True] * micro_batches
     pending, previous = [], []
+    peers = links.peers
     step = 0
     while any(alive):
         for j, r in enumerate(rows):
             if not alive[j]:
                 continue
-            tag = (step * micro_batches + j) * 2
             if step > 0 and not last:  # the last stage's word on micro-batch j: its ids, and whether it goes on
                 control = torch.empty(len(r) + 1, dtype=torch.long, device=device)
-                _recv(control, peers[-1], tag - 2 * micro_batches + 1)
+                _recv(control, links, "control", pp_size - 1, pp_rank)
                 if not control[-1]:
                     alive[j] = False
                     continue
@@ -79,15 +83,17 @@ def generate_pipelined(stage, prompts: list[list[int]], max_new_tokens: int, sam
                 x = inputs[j]
             else:
                 x = torch.empty(len(r), prompt_len if step == 0 else 1, cfg.d_model, dtype=dtype, device=device)
-                _recv(x, peers[pp_rank - 1], tag)
+                _recv(x, links, "activation", pp_rank - 1, pp_rank)
             out = stage(x, cache=caches[j], last_only=True)
             if not last:
-                pending += comm.send_recv([(out, peers[pp_rank + 1], tag)], [], None, GROUP)
+                pending.append(comm.send_recv([(out.contiguous(), peers[pp_rank + 1])], [],
+                                              links.group("activation", pp_rank, pp_rank + 1), GROUP))
                 continue
             next_ids = samplers[j].choose(out[:, -1])
             alive[j] = not samplers[j].done
-            control = torch.cat([next_ids, torch.tensor([int(alive[j])])]).to(device)
-            pending += comm.send_recv([(control, peer, tag + 1) for peer in peers[:-1]], [], None, GROUP)
+            control = torch.cat([next_ids.to(device), torch.tensor([int(alive[j])], device=device)])
+            pending += [comm.send_recv([(control, peer)], [], links.group("control", pp_rank, s), GROUP)
+                        for s, peer in enumerate(peers[:-1])]
             yield r, next_ids
         for handle in previous:  # last round's sends: their receivers have posted them by now or soon
             handle.wait()
@@ -97,5 +103,5 @@ def generate_pipelined(stage, prompts: list[list[int]], max_new_tokens: int, sam
         handle.wait()
 
 
-def _recv(tensor: torch.Tensor, peer: int, tag: int) -> None:
-    comm.send_recv([], [(tensor, peer, tag)], None, GROUP)[0].wait()
+def _recv(tensor: torch.Tensor, links: PipelineLinks, kind: str, sender: int, receiver: int) -> None:
+    comm.send_recv([], [(tensor, links.peers[sender])], links.group(kind, sender, receiver), GROUP).wait()

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from strata.distributed.timing import synchronize_stream
 from strata.memory import tiers
 
 
@@ -59,8 +60,8 @@ class HostOffloadAdamW:
         for p, master in zip(self.device_params, self.masters):
             if master is not p:
                 master.grad = p.grad.to("cpu", master.dtype, non_blocking=True) if p.grad is not None else None
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the gradients have landed in host memory
+        if any(master is not p for p, master in zip(self.device_params, self.masters)):
+            synchronize_stream(self.device_params[0].device)  # the copies above have landed in host memory
         self.inner.step()
         for p, master in zip(self.device_params, self.masters):
             if master is not p:

@@ -205,17 +205,19 @@ def _attend(q, keys, values, found: list[Block], out, lse, kernel, scale: float)
         out[rows], lse[rows] = _merge(out[rows], lse[rows], block_out.to(out.dtype), block_lse)
 
 
-def _exchange(tensor: torch.Tensor, settings, tag: int):
+def _exchange(tensor: torch.Tensor, settings):
     """Send `tensor` to the next rank on the ring and receive the previous rank's into a new
-    buffer; returns (buffer, handles)."""
+    buffer, as one batched operation; returns (buffer, its handle). Every rank exchanges the same
+    messages in the same order (K/V, then in backward the K/V gradients between them), so the
+    messages match in order, as NCCL matches them, without tags."""
     previous, following = settings.peers
     received = torch.empty_like(tensor)
-    handles = comm.send_recv([(tensor, following, tag)], [(received, previous, tag)], settings.axis.group, GROUP)
-    return received, handles
+    handle = comm.send_recv([(tensor, following)], [(received, previous)], settings.axis.group, GROUP)
+    return received, handle
 
 
-def _wait(handles) -> None:
-    for handle in handles:
+def _wait(handle) -> None:
+    if handle is not None:
         handle.wait()
 
 
@@ -241,12 +243,12 @@ class _Ring(torch.autograd.Function):
         kv = torch.stack([k, v])  # one message per hop
         n = settings.axis.size
         for step in range(n):
-            handles = []
+            handle = None
             if step < n - 1:  # the next block travels while this one is attended to
-                incoming, handles = _exchange(kv, settings, step)
+                incoming, handle = _exchange(kv, settings)
             keys, values = (_per_query_head(t, heads) for t in kv)
             _attend(q, keys, values, _step_blocks(settings, step, q.dtype, q.device), out, lse, kernel, scale)
-            _wait(handles)
+            _wait(handle)
             if step < n - 1:
                 kv = incoming
         # laid out (b, L, heads, d) as FlashAttention's output is, so that the output projection's
@@ -277,9 +279,9 @@ class _Ring(torch.autograd.Function):
         n = settings.axis.size
         travelling = None  # the K/V gradient of the block before, on its way to its owner
         for step in range(n):
-            handles = []
+            handle = None
             if step < n - 1:
-                incoming, handles = _exchange(kv, settings, 2 * step)
+                incoming, handle = _exchange(kv, settings)
             keys, values = (_per_query_head(t, heads) for t in kv)
             dkv = torch.zeros((2, b, heads, length, d), dtype=acc, device=q.device)
             for block in _step_blocks(settings, step, q.dtype, q.device):
@@ -292,8 +294,8 @@ class _Ring(torch.autograd.Function):
             if travelling is not None:  # what the ranks before added to this block's gradient
                 _wait(travelling[1])
                 dkv += travelling[0]
-            travelling = _exchange(dkv, settings, 2 * step + 1)
-            _wait(handles)
+            travelling = _exchange(dkv, settings)
+            _wait(handle)
             if step < n - 1:
                 kv = incoming
         _wait(travelling[1])  # the last hop: this rank's own block, every rank's part summed

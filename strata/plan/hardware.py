@@ -5,6 +5,7 @@ direction. `cpu-local` has no datasheet: `strata calibrate` measures it (planner
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 GB = 10**9
@@ -104,6 +105,30 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     Device("RTX-4090", 24 * GB, {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}, 1008 * GB, None,
            _kernels(0.8, 0.5), PCIE4, NVME_READ, NVME_WRITE, host_memory_bytes=64 * GB, disk_bytes=2000 * GB),
 )}
+
+# `torch.cuda.get_device_name()` -> the table's entry, for the parts whose datasheet is the entry's:
+# peak FLOP/s and memory. Left out on purpose, as other parts with other peaks: H100 PCIe (756 TFLOP/s
+# bf16) and NVL (835), H200 NVL, GH200, V100 PCIe (112 fp16) and V100S, RTX 4090 D, V100 16 GB, and any MIG
+# slice (a fraction of the device). A100 and A800 PCIe have the SXM4 peak; their name carries the memory.
+CUDA_NAMES: tuple[tuple[str, str], ...] = (
+    (r"\bH100 80GB HBM3$|\bH100 SXM", "H100-80G"),  # "NVIDIA H100 80GB HBM3" is the SXM5 part
+    (r"\bH200$", "H200"),
+    (r"\bA100\b.*\b80GB\b", "A100-80G"),
+    (r"\bA100\b.*\b40GB\b", "A100-40G"),
+    (r"\bA800\b.*\b80GB\b", "A800-80G"),
+    (r"\bV100-SXM2-32GB$", "V100-32G"),
+    (r"\bRTX 4090$", "RTX-4090"),
+)
+
+
+def device_for_cuda_name(name: str) -> str | None:
+    """The table entry of a CUDA device, from `torch.cuda.get_device_name()`; None for a device
+    the table does not describe (another part, a MIG slice)."""
+    name = " ".join(name.split())
+    if re.search(r"\bMIG\b", name):
+        return None
+    return next((entry for pattern, entry in CUDA_NAMES if re.search(pattern, name, re.IGNORECASE)), None)
+
 
 # Links between devices, bytes/s per direction: PCIe 4.0 x16 inside a node; Ethernet and
 # InfiniBand (HDR 200 Gb/s, NDR 400 Gb/s) per node between nodes.

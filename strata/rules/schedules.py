@@ -42,6 +42,33 @@ class Action:
 Schedule = list[list[Action]]  # per rank
 
 
+@dataclass(frozen=True)
+class Message:
+    """What passes between two stages: an activation (forward, to the next chunk) or a gradient
+    (backward, to the chunk before), for one micro-batch, from stage `sender` to stage `receiver`."""
+    kind: Literal["activation", "gradient"]
+    sender: int
+    receiver: int
+    microbatch: int
+    chunk: int  # the chunk that receives it
+
+
+def messages(action: Action, p: int, num_chunks: int) -> tuple[Message | None, Message | None]:
+    """What an action receives before it runs and what it sends once it has run, each None where
+    there is none: F(i, c) receives chunk c-1's activation (c > 0) and sends its own to c+1
+    (c < last); B(i, c) receives chunk c+1's gradient (c < last) and sends one to c-1 (c > 0); W
+    neither. Chunk c lives on stage c % p. The executor posts these, and the tests replay them
+    under NCCL's ordering rules for every schedule."""
+    i, c, last = action.microbatch, action.chunk, num_chunks - 1
+    if action.kind == "F":
+        return (Message("activation", (c - 1) % p, c % p, i, c) if c > 0 else None,
+                Message("activation", c % p, (c + 1) % p, i, c + 1) if c < last else None)
+    if action.kind == "B":
+        return (Message("gradient", (c + 1) % p, c % p, i, c) if c < last else None,
+                Message("gradient", c % p, (c - 1) % p, i, c - 1) if c > 0 else None)
+    return None, None
+
+
 def gpipe(p: int, m: int) -> Schedule:
     """All forwards, then all backwards: m micro-batches of activations in flight on every stage."""
     return [[Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)] for r in range(p)]

@@ -93,8 +93,9 @@ def _time_op(op: str, nbytes: int, repeats: int, group) -> tuple[float, float]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = dist.get_global_rank(group, 1 - rank) if rank < 2 else None
     elements = nbytes // 4
-    full = torch.ones(elements - elements % world)
-    shard = torch.ones(full.numel() // world)
+    cpu = torch.device("cpu")  # calibration measures this machine: its ranks' device is the CPU, over gloo
+    full = torch.ones(elements - elements % world, device=cpu)
+    shard = torch.ones(full.numel() // world, device=cpu)
     a = torch.randn(256, 256)
 
     def burst():  # about 10 ms on one core of this machine
@@ -126,7 +127,7 @@ def _time_op(op: str, nbytes: int, repeats: int, group) -> tuple[float, float]:
     # processes that took part (a send's pair in each group)
     takes_part = op != "send" or rank < 2
     spent = torch.tensor([statistics.median(seconds), statistics.median(cpu_seconds), 1.0] if takes_part else [0.0] * 3,
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=cpu)
     dist.all_reduce(spent)
     return (spent[0] / spent[2]).item(), (spent[1] / spent[2]).item()
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 from strata.distributed.mesh import pick_device
+from strata.distributed.timing import synchronize_stream
 from strata.infer.generate import generate
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
@@ -25,7 +26,7 @@ def decode_seconds(model, tokens: int = 32, repeats: int = 2, batch: int = 1) ->
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         stamps = [time.perf_counter() for _ in generate(model, [[1, 2, 3, 4]] * batch, tokens)]
-        _sync_device(next(model.parameters()).device)
+        synchronize_stream(next(model.parameters()).device)
         times.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     return statistics.median(times[1:])
 
@@ -41,18 +42,13 @@ def decode_bandwidth(device: torch.device, dtype, batches=(1, 2, 4, 8, 16, 32), 
         x = torch.randn(b, n, dtype=dtype, device=device)
         times = []
         for _ in range(8):
-            _sync_device(device)
+            synchronize_stream(device)
             started = time.perf_counter()
             F.linear(x, weight)
-            _sync_device(device)
+            synchronize_stream(device)
             times.append(time.perf_counter() - started)
         out[str(b)] = weight.numel() * weight.element_size() / statistics.median(times[2:])
     return out
-
-
-def _sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def device_matmul_rate(device: torch.device, dtype, n: int = 1024, seconds: float = 1.0) -> float:
@@ -61,11 +57,11 @@ def device_matmul_rate(device: torch.device, dtype, n: int = 1024, seconds: floa
         return matmul_rate(seconds, 512)
     a = torch.randn(n * 4, n * 4, dtype=dtype, device=device)
     torch.mm(a, a)
-    torch.cuda.synchronize(device)
+    synchronize_stream(device)
     done, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         torch.mm(a, a)
-        torch.cuda.synchronize(device)
+        synchronize_stream(device)
         done += 1
     return done * 2 * (4 * n) ** 3 / (time.perf_counter() - started)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
+from strata.distributed.timing import synchronize_stream
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -61,23 +62,27 @@ def _call(op: str, group, name: str, full: torch.Tensor, shard: torch.Tensor):
         comm.broadcast(full, 0, group, name)
     else:  # a ring of send/recv pairs: each rank sends to the next and receives from the previous
         nxt, prv = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
-        for work in comm.send_recv([(full, nxt, 0)], [(shard.new_empty(full.numel()), prv, 0)], group, name):
-            work.wait()
+        comm.send_recv([(full, nxt)], [(shard.new_empty(full.numel()), prv)], group, name).wait()
 
 
-def measure(op: str, nbytes: int, group=None, name: str = "world", iters: int = 10, warmup: int = 2) -> dict:
-    """One row: op, bytes, seconds per call, algorithm and bus bandwidth (bytes/s)."""
+def measure(op: str, nbytes: int, group=None, name: str = "world", iters: int = 10, warmup: int = 2,
+            device: torch.device | None = None) -> dict:
+    """One row: op, bytes, seconds per call, algorithm and bus bandwidth (bytes/s). The buffers
+    are made on `device` (the group's: NCCL takes device tensors only); the time is the slowest
+    rank's, after its stream has finished the calls."""
+    device = device or torch.device("cpu")
     n = dist.get_world_size(group)
     elements = max(n, nbytes // 4 // n * n)  # divisible by the group size
-    full = torch.ones(elements)
-    shard = torch.ones(elements // n)
+    full = torch.ones(elements, device=device)
+    shard = torch.ones(elements // n, device=device)
     for _ in range(warmup):
         _call(op, group, name, full, shard)
     comm.barrier(group, name)
     started = time.perf_counter()
     for _ in range(iters):
         _call(op, group, name, full, shard)
-    elapsed = torch.tensor([(time.perf_counter() - started) / iters], dtype=torch.float64)
+    synchronize_stream(device)
+    elapsed = torch.tensor([(time.perf_counter() - started) / iters], dtype=torch.float64, device=device)
     comm.all_reduce(elapsed, group, name, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     seconds = elapsed.item()
     size = elements * 4
@@ -110,9 +115,10 @@ def run(args) -> int:
     if args.dim:
         dims = ParallelDims(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp)
         group, name = dims.build_mesh(device.type)[args.dim].get_group(), args.dim
-    rows = [measure(op, size, group, name, args.iters) for op in args.ops
+    rows = [measure(op, size, group, name, args.iters, device=device) for op in args.ops
             for size in sizes_between(args.min_bytes, args.max_bytes, args.factor)]
     if dist.get_rank() == 0:
         print(json.dumps({"rows": rows}, indent=1) if args.json else table(rows), flush=True)
+    comm.close_streams()
     dist.destroy_process_group()
     return 0

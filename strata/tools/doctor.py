@@ -5,7 +5,8 @@ Alone it checks this node: torch and its backends, devices, the rendezvous addre
 `--hostfile`, every host (resolves, not to loopback, reachable) and the socket interface gloo and
 NCCL will use. Launched on every node (`strata launch --hostfile H -- doctor --bandwidth --model M
 --layout L`) it also measures the bandwidth between the nodes and asks the planner whether the
-planned layout can live with it."""
+planned layout can live with it. With `--flight-recorder DIR` it reads a hung job's flight-recorder
+dumps and names the collective the job hung in."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from strata.checkpoint.models import resolve_model
-from strata.distributed import hostfile
+from strata.distributed import flight_recorder, hostfile
 from strata.distributed.mesh import init_distributed, pick_device
 from strata.errors import ConfigError
 from strata.plan.cost import estimate
@@ -190,8 +191,23 @@ def check_bandwidth(args) -> list[Finding]:
     return found
 
 
+def check_flight_recorder(directory: str) -> Finding:
+    """The collective a hung job's dumps show it waiting in (strata/distributed/flight_recorder.py)."""
+    dumps = flight_recorder.read_dumps(directory)
+    read = f"{len(dumps)} dump{'s' if len(dumps) > 1 else ''} (rank{'s' if len(dumps) > 1 else ''} " \
+           f"{flight_recorder.rank_list(dumps)})"
+    hung_in = flight_recorder.diagnose(dumps)
+    if hung_in is None:
+        return Finding("ok", "flight recorder", f"{read}: no collective in them waits for a rank")
+    return Finding("FAIL", "flight recorder", f"{read}: {hung_in}",
+                   "find what the ranks named did instead (their output); `python -m "
+                   f"torch.distributed.flight_recorder.fr_trace {directory}` lists the mismatches")
+
+
 def run(args) -> int:
     findings = check_runtime() + check_rendezvous()
+    if args.flight_recorder:
+        findings.append(check_flight_recorder(args.flight_recorder))
     if args.hostfile:
         findings += check_hosts(args.hostfile)
     if args.bandwidth:

@@ -18,14 +18,18 @@ class RunLog:
     def __init__(self, run):
         cfg = run.cfg
         self.is_main = run.rank == 0
-        self.writer = RunOutputs(cfg, self.is_main, run.start_step, run.world_size)  # metrics, TensorBoard, --run-dir
-        self.peak = cfg.peak_flops or m.device_peak(run.device, cfg.dtype)
+        # metrics, TensorBoard, --run-dir
+        self.writer = RunOutputs(cfg, self.is_main, run.start_step, run.world_size, comm.semantics(), run.device.type)
+        self.peak = m.mfu_peak(run.device, cfg.dtype, cfg.peak_flops)
+        self.allocator = m.AllocatorStats(run.device)
         seq_len = run.train_data.seq_len
         self.tokens_per_step = cfg.global_batch * seq_len
         self.flops_per_token = run.model_cfg.flops_per_token(seq_len)
         self.summary = {"losses": [], "val_losses": [], "step_times": [], "records": [], "checkpoint": None}
         self.progress = tqdm(total=cfg.steps, initial=run.start_step, disable=not (self.is_main and cfg.progress),
                              desc="train", unit="step", dynamic_ncols=True)
+        if self.is_main and self.peak.note:  # a GPU without a datasheet rate: the MFU read is optimistic
+            self.progress.write(f"MFU: {self.peak.note}")
 
     def emit(self, record: dict, loss: float, grad_norm: float) -> dict:
         record.update(loss=loss, grad_norm=grad_norm)
@@ -62,11 +66,12 @@ class RunLog:
         tokens_per_s = self.tokens_per_step / elapsed
         record = {"kind": "train", "step": step + 1, "loss": None, "lr": lr_at(step, run.cfg), "grad_norm": None,
                   "tokens_per_s": tokens_per_s,
-                  "mfu": tokens_per_s * self.flops_per_token / (self.peak * run.world_size), "step_time_s": elapsed,
+                  "mfu": tokens_per_s * self.flops_per_token / (self.peak.flops * run.world_size),
+                  "peak_flops": self.peak.flops, "peak_flops_source": self.peak.source, "step_time_s": elapsed,
                   "model_state_bytes": sum(states.values()), "model_state_breakdown": _by_location(run, states),
                   "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
                   "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device),
-                  "optimizer_step_s": run.update_s}
+                  **self.allocator.read(), "optimizer_step_s": run.update_s}
         if any(setting != "none" for setting in (run.cfg.offload, run.cfg.offload_params, run.cfg.offload_activations)):
             record["offload"] = {"read_bytes": dict(tiers.io.read), "written_bytes": dict(tiers.io.written),
                                  "io_wait_s": tiers.io.wait_s}

@@ -7,12 +7,15 @@ import os
 import platform
 import resource
 import time
+from dataclasses import dataclass
 
 import torch
 
 from strata.distributed import comm
+from strata.distributed.timing import synchronize_stream
 from strata.files import cache_dir
 from strata.parallel.expert import routed_rows
+from strata.plan.hardware import DEVICES, device_for_cuda_name
 from strata.rules.dtypes import DTYPES, torch_dtype
 
 
@@ -28,20 +31,20 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2
     # size: time a small matmul first and shrink the size so one product takes ~0.2 s at most.
     small = torch.randn(256, 256, device=device).to(dtype)
     small @ small
-    synchronize(device)
+    synchronize_stream(device)
     start = time.perf_counter()
     small @ small
-    synchronize(device)
+    synchronize_stream(device)
     size = matmul_size_for(2 * 256 ** 3 / max(time.perf_counter() - start, 1e-9), size)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     a @ b  # warm-up: kernels chosen, caches and clocks up
     best = float("inf")
     for _ in range(repeats):
-        synchronize(device)
+        synchronize_stream(device)
         start = time.perf_counter()
         a @ b
-        synchronize(device)
+        synchronize_stream(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
 
@@ -74,20 +77,45 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return cache[key]
 
 
+@dataclass(frozen=True)
+class Peak:
+    """The FLOP/s MFU divides by, and where it came from: "flag" (--peak-flops), "table:<entry>"
+    (strata/plan/hardware.py's dense rate for the detected CUDA device), or "measured" (a timed
+    matmul: the CPU, or a CUDA device or dtype the table lacks, `note` saying which)."""
+    flops: float
+    source: str
+    note: str | None = None
+
+
+def mfu_peak(device: torch.device, dtype_name: str, flag: float | None = None) -> Peak:
+    """The peak a run's MFU is measured against. On a GPU a matmul timed from the host reads
+    1.5-2.5x above what the device sustains in a step (an H100's measured bf16 matmul against its
+    989 TFLOP/s datasheet rate): the datasheet's dense rate for the run's compute dtype is the
+    denominator there (bf16 and fp16 under autocast: their 16-bit rate; fp32: the plain, non-TF32
+    rate, as strata leaves TF32 off)."""
+    if flag:
+        return Peak(flag, "flag")
+    if device.type != "cuda":
+        return Peak(device_peak(device, dtype_name), "measured")
+    name = torch.cuda.get_device_name(device)
+    entry = device_for_cuda_name(name)
+    rate = DEVICES[entry].peak_flops.get(dtype_name) if entry else None
+    if rate:
+        return Peak(rate, f"table:{entry}")
+    note = (f"{name} is not in the device table" if entry is None
+            else f"the device table has no {dtype_name} rate for {entry}")
+    return Peak(device_peak(device, dtype_name), "measured", f"{note}: MFU divides by a measured matmul, which reads "
+                "high on a GPU; --peak-flops sets the datasheet's rate")
+
+
 def device_peak(device: torch.device, dtype_name: str) -> float:
-    """The peak MFU is measured against for a run in this dtype. Under autocast (bf16, fp16) it is
-    at least the fp32 rate: where the 16-bit kernels are slower (fp16 on most CPUs), autocast's
-    matmuls do not run below what fp32 would give, and MFU must not read above 1."""
+    """The measured peak for a run in this dtype: `mfu_peak`'s where no datasheet applies. Under
+    autocast (bf16, fp16) it is at least the fp32 rate: where the 16-bit kernels are slower (fp16 on
+    most CPUs), autocast's matmuls do not run below what fp32 would give, and MFU must not read
+    above 1."""
     if not DTYPES[dtype_name].autocast:
         return peak_flops(device, torch_dtype(dtype_name))
     return max(peak_flops(device, torch_dtype(dtype_name)), peak_flops(device, torch.float32))
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work: CUDA runs ahead of the host, so a clock read without it
-    times the launches, not the kernels."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -95,6 +123,50 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class AllocatorStats:
+    """What the CUDA caching allocator says at a step's end: the bytes it reserves from the device
+    (`memory_reserved`), its cudaMalloc retries since the run started (`num_alloc_retries`: a failed
+    cudaMalloc that freed the cache and tried again, the sign of a run at the edge of the memory)
+    and the largest allocation. The allocator's statistics count bytes and blocks but keep no
+    largest allocation, so that one is the largest segment (cudaMalloc) it has held during the run,
+    from its snapshot: an allocation of more than 10 MiB gets a segment of its own, its size rounded
+    up to 2 MiB; smaller ones share 2 or 20 MiB segments, and with expandable_segments a segment
+    grows to hold many; an upper bound, then, close for the large tensors that decide a peak. The
+    snapshot is read only after a step in which the allocator called cudaMalloc (a count in its
+    statistics), so a run in its steady state reads one dict per step. A CPU has no such allocator:
+    None for all three."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.device_allocs = None  # cudaMalloc calls counted when the snapshot was last read
+        self.largest_segment = 0
+        self.retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if self.cuda else 0
+
+    def read(self) -> dict:
+        if not self.cuda:
+            return {"memory_reserved_bytes": None, "alloc_retries": None, "largest_alloc_bytes": None}
+        stats = torch.cuda.memory_stats(self.device)
+        device_allocs = stats.get("num_device_alloc", stats.get("segment.all.allocated", 0))
+        if device_allocs != self.device_allocs:
+            self.device_allocs = device_allocs
+            self.largest_segment = max(self.largest_segment, largest_segment_bytes(self.device))
+        return {"memory_reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+                "alloc_retries": stats.get("num_alloc_retries", 0) - self.retries_before,
+                "largest_alloc_bytes": self.largest_segment}
+
+
+def largest_segment_bytes(device: torch.device) -> int:
+    """The largest segment the CUDA caching allocator holds on `device` now (its snapshot, without
+    the allocation history's traces where this torch can leave them out)."""
+    try:
+        segments = torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # a torch before include_traces: its snapshot has no traces unless recording
+        segments = torch.cuda.memory_snapshot()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max((s["total_size"] for s in segments if s.get("device", index) == index), default=0)
 
 
 class MetricsWriter:

@@ -20,6 +20,7 @@ import time
 from strata.config import run_dir_outputs
 from strata.errors import ConfigError
 from strata.files import check_output_dir
+from strata.rules.comm_semantics import describe as describe_semantics
 from strata.train import tensorboard
 from strata.train.metrics import MetricsWriter
 from strata.train.plot import plot_losses
@@ -89,8 +90,11 @@ class RunOutputs:
     """Where a run's records go: the metrics file, TensorBoard, and with --run-dir the log; with
     --run-dir also the config at the start and the loss plot at the end. Rank 0 writes (is_main)."""
 
-    def __init__(self, cfg, is_main: bool, start_step: int = 0, world_size: int = 1):
-        self.cfg, self.is_main = cfg, is_main
+    def __init__(self, cfg, is_main: bool, start_step: int = 0, world_size: int = 1, semantics: str = "native",
+                 device_type: str = "cpu"):
+        """semantics: the run's communication semantics (strata/rules/comm_semantics.py), in every
+        record and in the log's first line."""
+        self.cfg, self.is_main, self.semantics = cfg, is_main, semantics
         self.sinks = [MetricsWriter(cfg.metrics, is_main, resume_step=start_step),
                       tensorboard.TensorBoardWriter(cfg.tensorboard, is_main, resume_step=start_step)]
         self.log = None
@@ -99,9 +103,11 @@ class RunOutputs:
             _write_atomically(os.path.join(cfg.run_dir, CONFIG), config_toml(cfg))
             self.log = open(os.path.join(cfg.run_dir, LOG), "a" if start_step else "w", encoding="utf-8")
             self._log(f"{'resumed at' if start_step else 'started at'} step {start_step} of {cfg.steps}, "
-                      f"{world_size} process(es), model {cfg.model}, data {cfg.data}")
+                      f"{world_size} process(es), model {cfg.model}, data {cfg.data}; "
+                      f"{describe_semantics(semantics, device_type)}")
 
     def write(self, record: dict) -> None:
+        record.setdefault("comm_semantics", self.semantics)
         for sink in self.sinks:
             sink.write(record)
         if self.log is not None:

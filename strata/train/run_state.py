@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from strata.checkpoint import shards, store
+from strata.distributed import comm
 from strata.errors import ConfigError
 from strata.parallel.expert import gather_experts
 from strata.parallel.tensor import gather_tensor_parallel, shard_specs
@@ -97,8 +98,7 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
         names = getattr(run.parallel.sharding, "expert_names", set())  # a stage may hold no MoE layer
         state = gather_experts(state, shard_specs(run.model), names, run.expert_axes)
     if run.pp_group is not None:  # every stage's layers (a tied embedding's copies are equal)
-        stages = [None] * run.dims.pp
-        dist.all_gather_object(stages, {k: v.cpu() for k, v in state.items()}, group=run.pp_group)
+        stages = comm.gather_objects({k: v.cpu() for k, v in state.items()}, run.pp_group, "pp")
         state = {k: v.to(run.device) for stage in stages for k, v in stage.items()}
     return state
 

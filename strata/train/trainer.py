@@ -17,7 +17,16 @@ from strata.checkpoint import shards, store
 from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length, zero_stage
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
-from strata.distributed.mesh import Axis, ParallelDims, expert_axes, grid_axes, init_distributed, pick_device
+from strata.distributed.mesh import (
+    Axis,
+    ParallelDims,
+    expert_axes,
+    grid_axes,
+    init_distributed,
+    pick_device,
+    pipeline_links,
+)
+from strata.distributed.timing import synchronize_stream
 from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
 from strata.memory.offload import StreamingAdamW
@@ -52,7 +61,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     this rank, the optimizer, and the state to start from. checked: the run's files were checked
     already (train/preflight.py), in this process."""
     device = pick_device(cfg.device)
-    rank, world_size, owns_process_group = init_distributed(device, cfg.timeout)
+    rank, world_size, owns_process_group = init_distributed(device, cfg.timeout, cfg.comm_semantics)
     base = checked_model(cfg, world_size)
     cfg.global_batch = global_batch_size(cfg, world_size)
     cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
@@ -119,8 +128,9 @@ def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) 
     grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
     shape = (cfg.micro_batch // grid.batch_parts, seq_len // cfg.cp // (cfg.tp if cfg.sequence_parallel else 1),
              run.model_cfg.d_model // grid.hidden_parts)
+    links = pipeline_links(run.dims, run.rank, wraps=stage_layout.virtual_stages > 1, timeout_s=cfg.timeout)
     run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, cfg.schedule,
-                                    pp_group, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
+                                    pp_group, links, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
                                     run.model, run.versions[0] if run.versions else None)
 
 
@@ -211,7 +221,7 @@ def update(run: Run) -> dict[str, int]:
     run.parallel.prepare_step()
     run.optimizer.step()
     run.parallel.after_step()
-    m.synchronize(run.device)  # its kernels, not the next step's, own the time
+    synchronize_stream(run.device)  # its kernels, not the next step's, own the time
     run.update_s = time.perf_counter() - started
     for versions in run.versions or ():
         versions.updated()
@@ -327,7 +337,7 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
                 metrics, states = async_pipeline_step(run, step)
             else:
                 loss, grad_norm, states = train_step(run, step)
-            m.synchronize(run.device)  # the optimizer's kernels belong to this step, not the next
+            synchronize_stream(run.device)  # the optimizer's kernels belong to this step, not the next
             record = log.measure(run, step, states, time.perf_counter() - started)
             if run.versions and run.pipeline is not None:
                 if pending is not None:  # the step before: its sums are in by now, or soon
@@ -391,6 +401,7 @@ def finish(run: Run, log: RunLog, keep_state: bool) -> dict:
     if keep_state:
         summary["state"] = full_model_state(run)
     run.parallel.close()
+    comm.close_streams()
     if run.owns_process_group:
         dist.destroy_process_group()
     return summary

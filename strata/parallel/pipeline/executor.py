@@ -8,18 +8,22 @@ This runs them on the rank's chunks; communication follows from each action:
   B(i, c)  the last chunk starts from its loss; an earlier one receives the output gradient from
            chunk c+1. The input gradient goes to chunk c-1.
   W(i, c)  zero-bubble only: the weight gradients B left for later.
-Sends are posted without waiting, right after the action that made them, or together with the
-next action's receive in one batched call (Megatron's send_forward_recv_backward); a receive is
-waited for only when the action needs it. Shapes are known ahead (micro-batch, sequence or its
-1/tp slice, d_model), so no shapes are exchanged. An output whose send has completed keeps no
-storage (Megatron's trick: backward needs only its autograd node, not its values); its node and
-saved activations go once its backward has run.
+Messages travel on the pipeline's links (distributed/mesh.PipelineLinks): one process group per
+direction and kind between two stages, carrying one stream of messages posted and received in the
+same order, as NCCL needs (it runs a group's operations one at a time, matches them without tags,
+and a send waits for its receive). A send is posted without waiting, right after the action that
+made it, and waited for only when the pipeline drains; a receive is posted and waited for when
+its action needs it, and nothing else is waited for. Shapes are known ahead (micro-batch,
+sequence or its 1/tp slice, d_model), so no shapes are exchanged. An output whose send has
+completed keeps no storage (Megatron's trick: backward needs only its autograd node, not its
+values); its node and saved activations go once its backward has run.
 
 The asynchronous schedules run through `segment` instead of `step`: one step's part of a pipeline
 that does not flush between steps, each action computing with its step's weight version
 (versions.py), the forwards run ahead for later steps left in flight to the next call.
 
-Each action's compute time is recorded (the timeline), from which the step's idle fraction per rank
+Each action's compute time is recorded (the timeline: CUDA events on a GPU, read once the step's
+compute stream has finished; the host clock on a CPU), from which the step's idle fraction per rank
 is measured, and the bytes a chunk's forward saves for backward are counted (on its first forward;
 the shapes never change), so the peak activation memory of the schedule is measured, not
 estimated."""
@@ -35,11 +39,13 @@ import torch.distributed as dist
 from torch import nn
 
 from strata.distributed import comm
+from strata.distributed.mesh import PipelineLinks
+from strata.distributed.timing import DeviceClock, synchronize_stream
 from strata.memory.activations import count_saved_activations
 from strata.parallel.pipeline.versions import WeightVersions
 from strata.parallel.pipeline.zero_bubble import DeferWeightGrads, WeightGradStore
 from strata.rules.pipeline_cut import PipelineLayout
-from strata.rules.schedules import SCHEDULES, Action, build, segment
+from strata.rules.schedules import SCHEDULES, Action, Message, build, messages, segment
 
 GROUP = "pp"
 
@@ -61,15 +67,16 @@ def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
 
 class PipelineExecutor:
     def __init__(self, chunks: dict[int, nn.Module], layout: PipelineLayout, schedule: str, group,
-                 activation_shape: tuple[int, ...], activation_dtype: torch.dtype, device: torch.device,
-                 autocast=contextlib.nullcontext, model_states: nn.Module | None = None,
+                 links: PipelineLinks, activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
+                 device: torch.device, autocast=contextlib.nullcontext, model_states: nn.Module | None = None,
                  versions: WeightVersions | None = None):
         self.chunks, self.layout, self.schedule, self.group = chunks, layout, schedule, group
+        self.links = links
         self.shape, self.dtype, self.device, self.autocast = activation_shape, activation_dtype, device, autocast
         self.model_states = model_states  # its parameters are not activations
         self.versions = versions  # asynchronous schedules: this stage's weight versions
         self.rank = dist.get_rank(group)
-        self.peers = [dist.get_global_rank(group, r) for r in range(layout.stages)]
+        self.clock = DeviceClock(device)
         self.last_chunk = layout.num_chunks - 1
         self.store = WeightGradStore() if SCHEDULES[schedule].splits_backward else None
         self.timeline: list[Timed] = []
@@ -85,7 +92,7 @@ class PipelineExecutor:
         last chunk, 0 elsewhere."""
         m = len(micro_batches)
         actions = build(self.schedule, self.layout.stages, m, self.layout.virtual_stages)[self.rank]
-        self._begin(m)
+        self._begin()
         comm.barrier(self.group, GROUP)  # a common start, so the ranks' timelines line up
         loss_sum = self._run(actions, lambda k: micro_batches[k], m, step=0)
         self._wait_sends()
@@ -102,9 +109,7 @@ class PipelineExecutor:
         on the last stage's rank, 0 elsewhere."""
         drain = stop == (step + 1) * m
         if fill:
-            # Live micro-batches span at most this step's m and the p-1 forwarded ahead: their tags
-            # stay apart modulo m + p.
-            self._begin(m + self.layout.stages)
+            self._begin()
             self.held, self.live, self.peak = {}, 0, 0
             self.previous_end = None
         actions = segment(self.layout.stages, m, self.rank, step, fill, stop)
@@ -121,14 +126,15 @@ class PipelineExecutor:
         if self.versions is None:  # a step holds its own micro-batches only
             self.held, self.live, self.peak = {}, 0, 0
         releases = "W" if self.store is not None else "B"
-        t0 = self.t0 = time.perf_counter()
-        for n, action in enumerate(actions):
+        marks = []  # (action, start, end) in the device clock's marks
+        self.t0_host, t0 = time.perf_counter(), self.clock.mark()
+        for action in actions:
             key = (action.microbatch, action.chunk)
             if self.versions is not None:  # weight stashing: forward and backward see the step's version
                 self.versions.use_step(action.microbatch // m)
             if action.kind == "F":
                 x = self._input(action, micro_batch)
-                start = time.perf_counter()
+                start = self.clock.mark()
                 loss, self.held[key] = self._forward(action, x, micro_batch, m)
                 if loss is not None and action.microbatch // m == step:
                     loss_sum += loss.double()
@@ -136,36 +142,37 @@ class PipelineExecutor:
                 self.peak = max(self.peak, self.live)
             elif action.kind == "B":
                 grad = self._output_grad(action)
-                start = time.perf_counter()
+                start = self.clock.mark()
                 self._backward(action, grad)
             else:
-                start = time.perf_counter()
+                start = self.clock.mark()
                 self.store.run(key)
             if action.kind == releases:
                 self.live -= self.held.pop(key)
-            self.timeline.append(Timed(action, start - t0, time.perf_counter() - t0))
-            if n + 1 == len(actions) or not self._receives(actions[n + 1]):
-                self._post_sends()  # else they go out with that receive, in one batch
+            marks.append((action, start, self.clock.mark()))
+            self._free_sent()
         if self.versions is not None:
             self.versions.use_masters()
         self.peak_activation_bytes = self.peak
+        synchronize_stream(self.device)  # the compute stream only: run-ahead sends may stay in flight
+        self.timeline = [Timed(action, self.clock.seconds(t0, start), self.clock.seconds(t0, end))
+                         for action, start, end in marks]
         return loss_sum
 
-    def _begin(self, tag_window: int) -> None:
-        """A pipeline run from empty; messages are tagged by micro-batch modulo tag_window (more than
-        the micro-batches ever in flight at once)."""
-        self.tag_window = tag_window
+    def _begin(self) -> None:
+        """A pipeline run from empty."""
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        # sends not yet posted: (tensor, peer, tag, the output it was detached from, or None)
-        self.queued: list[tuple[torch.Tensor, int, int, torch.Tensor | None]] = []
         self.sending: list[tuple[comm._Pending, torch.Tensor | None]] = []  # posted: (handle, output to free)
 
+    def _messages(self, action: Action) -> tuple[Message | None, Message | None]:
+        return messages(action, self.layout.stages, self.layout.num_chunks)
+
     def _input(self, action: Action, micro_batch) -> torch.Tensor:
-        if action.chunk == 0:  # its own copy: a view would keep (and count) the whole batch
+        incoming, _ = self._messages(action)
+        if incoming is None:  # chunk 0, its own copy: a view would keep (and count) the whole batch
             return micro_batch(action.microbatch)[0].to(self.device, copy=True)
-        x = self._receive(self._tag(action.chunk, action.microbatch, grad=False), action.chunk - 1)
-        return x.requires_grad_(torch.is_grad_enabled())
+        return self._receive(incoming).requires_grad_(torch.is_grad_enabled())
 
     def _forward(self, action: Action, x, micro_batch, m: int):
         """Run chunk c on micro-batch i; returns (its unscaled loss or None, bytes saved for backward)."""
@@ -191,16 +198,16 @@ class PipelineExecutor:
             if out.dtype != self.dtype or tuple(out.shape) != self.shape:
                 raise RuntimeError(f"pipeline chunk {c} produced {tuple(out.shape)} {out.dtype}; the receiving "
                                    f"stage expects {self.shape} {self.dtype}")
-            self.queued.append((out.detach(), self.peers[self.layout.rank_of(c + 1)],
-                                self._tag(c + 1, i, grad=False), out if torch.is_grad_enabled() else None))
+            self._send(self._messages(action)[1], out.detach(), out if torch.is_grad_enabled() else None)
         if torch.is_grad_enabled():
             self.inputs[(i, c)], self.outputs[(i, c)] = x, out
         return loss, self.saved_bytes.get(c, 0)
 
     def _output_grad(self, action: Action) -> torch.Tensor:
-        if action.chunk == self.last_chunk:
+        incoming, _ = self._messages(action)
+        if incoming is None:  # the last chunk starts from its loss
             return torch.ones((), dtype=self.outputs[(action.microbatch, action.chunk)].dtype, device=self.device)
-        return self._receive(self._tag(action.chunk, action.microbatch, grad=True), action.chunk + 1)
+        return self._receive(incoming)
 
     def _backward(self, action: Action, grad: torch.Tensor) -> None:
         key = (action.microbatch, action.chunk)
@@ -208,33 +215,30 @@ class PipelineExecutor:
         if self.store is not None:
             self.store.current = key
         _backward(out, grad)
-        if action.chunk > 0:
-            self.queued.append((x.grad, self.peers[self.layout.rank_of(action.chunk - 1)],
-                                self._tag(action.chunk - 1, action.microbatch, grad=True), None))
+        _, outgoing = self._messages(action)
+        if outgoing is not None:
+            self._send(outgoing, x.grad, None)
 
     # --- communication --------------------------------------------------------------------------
-    def _tag(self, receiving_chunk: int, microbatch: int, grad: bool) -> int:
-        return (2 * receiving_chunk + int(grad)) * self.tag_window + microbatch % self.tag_window
+    def _send(self, message: Message, tensor: torch.Tensor, output: torch.Tensor | None) -> None:
+        """Post a message on its link, without waiting; `output`, once sent, gives up its storage."""
+        link = self.links.group(message.kind, message.sender, message.receiver)
+        handle = comm.send_recv([(tensor.contiguous(), self.links.peers[message.receiver])], [], link, GROUP)
+        self.sending.append((handle, output))
 
-    def _receive(self, tag: int, from_chunk: int) -> torch.Tensor:
-        """Post the queued sends with this receive (one batched call) and wait for the receive."""
+    def _receive(self, message: Message) -> torch.Tensor:
+        """Post the receive of a message on its link, and wait for it (only it)."""
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        handles = comm.send_recv([q[:3] for q in self.queued],
-                                 [(buffer, self.peers[self.layout.rank_of(from_chunk)], tag)], self.group, GROUP)
-        self._track_sends(handles[:-1])
-        handles[-1].wait()
+        link = self.links.group(message.kind, message.sender, message.receiver)
+        comm.send_recv([], [(buffer, self.links.peers[message.sender])], link, GROUP).wait()
         self._free_sent()
         return buffer
-
-    def _track_sends(self, handles) -> None:
-        self.sending += [(handle, queued[3]) for handle, queued in zip(handles, self.queued)]
-        self.queued = []
 
     def _free_sent(self) -> None:
         """Outputs whose send has completed give up their storage (their autograd node stays)."""
         still = []
         for handle, output in self.sending:
-            if handle.work.is_completed():
+            if handle.is_completed():
                 handle.wait()
                 if output is not None:
                     output.data = torch.empty(0, dtype=output.dtype, device=output.device)
@@ -242,15 +246,7 @@ class PipelineExecutor:
                 still.append((handle, output))
         self.sending = still
 
-    def _receives(self, action: Action) -> bool:
-        return (action.kind == "F" and action.chunk > 0) or (action.kind == "B" and action.chunk < self.last_chunk)
-
-    def _post_sends(self) -> None:
-        if self.queued:
-            self._track_sends(comm.send_recv([q[:3] for q in self.queued], [], self.group, GROUP))
-
     def _wait_sends(self) -> None:
-        self._post_sends()
         for handle, _ in self.sending:
             handle.wait()
         self.sending = []
@@ -261,14 +257,14 @@ class PipelineExecutor:
         rank's previous segment ended (from its start, after a fill), the steady-state idle fraction."""
         busy = sum(t.end - t.start for t in self.timeline)
         end = time.perf_counter()
-        span = end - (self.previous_end if self.previous_end is not None else self.t0)
+        span = end - (self.previous_end if self.previous_end is not None else self.t0_host)
         self.previous_end = end
         self.idle_fraction = 1 - busy / span if span > 0 else 0.0
 
     def _measure_idle(self) -> None:
         """Idle fraction of this rank over the step: 1 - compute time / the slowest rank's span."""
         busy = sum(t.end - t.start for t in self.timeline)
-        span = torch.tensor([self.timeline[-1].end if self.timeline else 0.0], dtype=torch.float64)
+        span = torch.tensor([self.timeline[-1].end if self.timeline else 0.0], dtype=torch.float64, device=self.device)
         comm.all_reduce(span, self.group, GROUP, op=dist.ReduceOp.MAX)
         self.idle_fraction = 1 - busy / span.item() if span.item() > 0 else 0.0
 
@@ -276,13 +272,12 @@ class PipelineExecutor:
     @torch.no_grad()
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One batch through every chunk, in order; the loss on the last stage's rank, 0 elsewhere."""
-        self._begin(1)
+        self._begin()
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         batch = [(inputs, targets)].__getitem__
         for c in self.layout.chunks_of(self.rank):
             out, _ = self._forward(Action("F", 0, c), self._input(Action("F", 0, c), batch), batch, 1)
             if out is not None:
                 loss += out.double()
-            self._post_sends()
         self._wait_sends()
         return loss

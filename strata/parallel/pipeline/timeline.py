@@ -11,6 +11,7 @@ import json
 
 import torch.distributed as dist
 
+from strata.distributed import comm
 from strata.errors import CorruptError
 from strata.rules.schedules import Schedule, simulate
 
@@ -22,8 +23,7 @@ def gather_timeline(executor) -> list[dict] | None:
     """Every rank's timeline of the last step, on global rank 0 (None elsewhere); all ranks call it."""
     mine = [{"kind": t.action.kind, "microbatch": t.action.microbatch, "chunk": t.action.chunk,
              "start": t.start, "end": t.end} for t in executor.timeline]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"rank": dist.get_rank(), "stage": executor.rank, "actions": mine})
+    everyone = comm.gather_objects({"rank": dist.get_rank(), "stage": executor.rank, "actions": mine}, None, "world")
     return everyone if dist.get_rank() == 0 else None
 
 
