@@ -165,6 +165,9 @@ def run_torch_pipeline(schedule, cfg, rank, world, micro_batches):
 
 def run_strata(impl, cfg, world, micro_batches=1):
     from strata.train.trainer import train
+    # "-nccl": the same run under NCCL's rules on gloo (bench/comm_semantics.py); else gloo's own
+    cfg.comm_semantics = "nccl" if impl.endswith("-nccl") else "native"
+    impl = impl.removesuffix("-nccl")
     if impl.startswith("strata-pp-"):  # all ranks one pipeline
         cfg.schedule = impl.removeprefix("strata-pp-")
         cfg.pp, cfg.dp, cfg.virtual_stages, cfg.grad_clip = world, 1, PIPELINE_V[cfg.schedule], 0.0
@@ -181,7 +184,8 @@ def run_strata(impl, cfg, world, micro_batches=1):
 def main() -> None:
     parser = argparse.ArgumentParser()
     # strata-z0..3, ddp, fsdp2, deepspeed-z0..3 (data parallel); strata-tp[-sp], dtensor-tp[-sp];
-    # strata-pp-{gpipe,1f1b,interleaved}, torch-pp-{gpipe,1f1b,interleaved} (pipelines)
+    # strata-pp-{gpipe,1f1b,interleaved}, torch-pp-{gpipe,1f1b,interleaved} (pipelines); a strata
+    # impl ending in -nccl runs under NCCL's rules (--comm-semantics nccl)
     parser.add_argument("--impl", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=128)

@@ -27,7 +27,7 @@ from strata.train.trainer import train
 from distributed import SharedLaunches
 
 STAGES = (2, 4)
-BASE = dict(seq_len=16, steps=2, progress=False, peak_flops=1e10, eval_batches=1, lr=3e-3, seed=5, micro_batch=1,
+BASE = dict(seq_len=16, progress=False, peak_flops=1e10, eval_batches=1, lr=3e-3, seed=5, micro_batch=1,
             dtype="fp64", grad_clip=0.0, comm_semantics="nccl")
 COMBOS = {"alone": {}, "tp2+sp": dict(tp=2, sequence_parallel=True), "dp2+zero1": dict(dp=2, zero=1),
           "cp2": dict(cp=2), "ep2": dict(model="tiny-moe", dp=2, ep=2)}
@@ -41,8 +41,12 @@ def _layers(p: int, v: int) -> int:
 def _settings(p: int, combo: str, schedule: str, v: int, m: int) -> dict:
     extra = COMBOS[combo]
     dp = extra.get("dp", 1)
+    # One step checks a synchronous schedule whole: the losses of its forward, then its gradients and
+    # update through the validation loss after it. An asynchronous one needs a second: its stale
+    # weights differ from the synchronous update's only from there on.
+    steps = 2 if SCHEDULES[schedule].asynchronous else 1
     return {"model": "tiny", **BASE, **extra, "n_layers": _layers(p, v), "pp": p, "schedule": schedule,
-            "virtual_stages": v, "global_batch": m * dp}
+            "virtual_stages": v, "global_batch": m * dp, "steps": steps}
 
 
 def _accepted(settings: dict) -> bool:

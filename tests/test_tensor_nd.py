@@ -229,7 +229,7 @@ def _skip_a_row_collective(timeout_s):
     """2-D on 4 ranks: rank 1 never joins its row's second all-reduce."""
     rank = dist.get_rank()
     row = grid_axes(ParallelDims(dp=1, tp=4, pp=1), grid_of("2d", 4), rank, None, timeout_s)["row"]
-    x = torch.ones(4)
+    x = torch.ones(4, device="cpu")
     comm.all_reduce(x, row.group, row.name)
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:  # asleep until rank 0 has its answer (timeout_s + 15 at most)

@@ -25,7 +25,6 @@ import math
 import threading
 import time
 from collections import defaultdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -250,9 +249,10 @@ def _stream(group, group_name: str) -> rehearsal.Stream:
     key = group if group is not None else "world"
     if key not in _streams:
         timeout_s = _timeout_s(group)
+        stream = rehearsal.Stream(_labels.get(key, group_name), timeout_s)
         if "watchdog" in _settings.rules:  # gloo's own timeout later, so that the watchdog is what ends a hang
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=2 * timeout_s + 10), group)
-        _streams[key] = rehearsal.Stream(_labels.get(key, group_name), timeout_s)
+            dist.distributed_c10d._set_pg_timeout(stream.backend_timeout, group)
+        _streams[key] = stream
         rehearsal.watchdog.watch(_streams[key])
     return _streams[key]
 

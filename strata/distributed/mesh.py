@@ -202,5 +202,18 @@ def init_distributed(device: torch.device, timeout_s: float, semantics: str | No
     return dist.get_rank(), dist.get_world_size(), created
 
 
+def process_groups() -> frozenset:
+    """The process groups this process holds now (see `release_groups`)."""
+    return frozenset(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else frozenset()
+
+
+def release_groups(before: frozenset) -> None:
+    """Destroy the process groups made since `before` was taken: a run inside a process group it
+    did not create (a library caller's, or the tests', which run many in one process) releases
+    what it made, each group's threads and sockets, instead of leaving them to the process."""
+    for group in process_groups() - before:
+        dist.destroy_process_group(group)
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))

@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 
@@ -68,6 +69,7 @@ class Stream:
 
     def __init__(self, group_name: str, timeout_s: float):
         self.group_name, self.timeout_s = group_name, timeout_s
+        self.backend_timeout = timedelta(seconds=2 * timeout_s + 10)
         self.queue: queue.SimpleQueue[Operation | None] = queue.SimpleQueue()
         self.pending: list[Operation] = []  # issued and not finished, in order
         self.current: Operation | None = None
@@ -99,7 +101,9 @@ class Stream:
                 try:
                     with torch.inference_mode(operation.inference), torch.set_grad_enabled(operation.grad_enabled):
                         for work in operation.launch():
-                            work.wait()
+                            # with the watchdog on, gloo's own timeout comes later (a send's is the
+                            # wait's), so that the watchdog is what ends a hang, as on NCCL
+                            work.wait(self.backend_timeout) if watchdog.enabled else work.wait()
                     operation.finish()
                 except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
                     if watchdog.enabled:  # a failed operation aborts the communicator, as on NCCL

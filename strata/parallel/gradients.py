@@ -50,10 +50,16 @@ class BucketReductions:
         self._ready = [0] * len(buckets)
         self._launched = [False] * len(buckets)
         self._pending: list = []
-        if hooked:
-            for bucket in buckets:
-                for p in bucket.params:
-                    p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket))
+        # A hook is held by the parameter's C++ side, where Python's collector cannot see the cycle
+        # (parameter -> hook -> this -> the buckets -> parameter): removed at close(), or a run
+        # inside a longer process would keep its model, its buffers and its process groups.
+        self.handles = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket))
+                        for bucket in buckets for p in bucket.params] if hooked else []
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
         # Into place on every micro-batch: after the first, autograd adds into the buffer's view,
@@ -144,7 +150,8 @@ class _Buckets:
     offloaded_bytes = 0
 
     def close(self) -> None:
-        """Nothing to release (ZeRO-3's tier files are)."""
+        """The gradient hooks (ZeRO-3 also releases its tier files)."""
+        self.reductions.remove_hooks()
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state: every rank holds it already."""

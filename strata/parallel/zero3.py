@@ -106,6 +106,7 @@ class ShardParameters:
         specs, named = shard_specs(model), {id(p): n for n, p in model.named_parameters()}
         self.partial = {i for i, pc in enumerate(self.pieces) if specs[named[id(pc.param)]].partial_grad} \
             if tier is not None and settings.tp_group is not None else set()
+        self.grad_hooks: list = []
         for unit in self.units:
             self._register_hooks(unit)
         model.register_forward_hook(self._after_model_forward)
@@ -240,8 +241,9 @@ class ShardParameters:
             module.register_forward_pre_hook(partial(self._before_forward, unit))
             module.register_full_backward_pre_hook(partial(self._before_backward, unit))
         unit.modules[-1].register_forward_hook(partial(self._after_forward, unit))
-        for param in unit.bucket.params:
-            param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+        # held by the parameters' C++ side: removed at close() (see gradients.BucketReductions)
+        self.grad_hooks += [param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+                            for param in unit.bucket.params]
 
     def _before_forward(self, unit: Unit, module, args) -> None:
         self._ensure_gathered(unit)
@@ -406,6 +408,9 @@ class ShardParameters:
         return self.tier.bytes_held() if self.tier is not None else 0
 
     def close(self) -> None:
+        for handle in self.grad_hooks:
+            handle.remove()
+        self.grad_hooks = []
         if self.tier is not None:
             self.tier.close()
 

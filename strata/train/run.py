@@ -39,6 +39,7 @@ class Run:
     val_data: BatchLoader
     start_step: int = 0
     owns_process_group: bool = False
+    groups_before: frozenset = frozenset()  # the process groups that existed before this run made its own
     pp_group: object = None
     pipeline: PipelineExecutor | None = None  # with --pp > 1: runs the schedule
     embedding_group: object = None  # first and last stage, when the embedding is tied

@@ -25,6 +25,8 @@ from strata.distributed.mesh import (
     init_distributed,
     pick_device,
     pipeline_links,
+    process_groups,
+    release_groups,
 )
 from strata.distributed.timing import synchronize_stream
 from strata.memory import tiers
@@ -62,6 +64,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     already (train/preflight.py), in this process."""
     device = pick_device(cfg.device)
     rank, world_size, owns_process_group = init_distributed(device, cfg.timeout, cfg.comm_semantics)
+    groups_before = process_groups()
     base = checked_model(cfg, world_size)
     cfg.global_batch = global_batch_size(cfg, world_size)
     cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
@@ -91,7 +94,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
               optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
-              owns_process_group=owns_process_group, expert_axes=experts)
+              owns_process_group=owns_process_group, expert_axes=experts, groups_before=groups_before)
     if cfg.dtype == "fp16":
         run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
     if SCHEDULES[cfg.schedule].asynchronous:
@@ -404,4 +407,6 @@ def finish(run: Run, log: RunLog, keep_state: bool) -> dict:
     comm.close_streams()
     if run.owns_process_group:
         dist.destroy_process_group()
+    else:  # inside a caller's process group: the groups this run made go, the caller's stay
+        release_groups(run.groups_before)
     return summary
