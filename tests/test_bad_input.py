@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+import bad_input_checkpoints
+import bad_input_flags
+import bad_input_hosts
 from bad_input_files import bad_input_files
 from cli_runner import run_strata
 
@@ -351,9 +354,14 @@ SEMANTICS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("args,needle,env", [(a, n, None) for a, n in CASES] + SLURM_CASES + SEMANTICS_CASES,
+MORE_CASES = bad_input_checkpoints.CASES + bad_input_flags.CASES + bad_input_hosts.CASES
+
+
+@pytest.mark.parametrize("args,needle,env", [(a, n, None) for a, n in CASES] + SLURM_CASES + SEMANTICS_CASES
+                         + MORE_CASES,
                          ids=[" ".join(a)[:60] for a, _ in CASES] + [f"srun: {n[:50]}" for _, n, _ in SLURM_CASES]
-                         + [f"semantics: {' '.join(a[-2:])} {e}" for a, _, e in SEMANTICS_CASES])
+                         + [f"semantics: {' '.join(a[-2:])} {e}" for a, _, e in SEMANTICS_CASES]
+                         + [f"{' '.join(a)[:50]}: {n[:30]}" for a, n, _ in MORE_CASES])
 def test_bad_input_is_one_line_exit_code_2_and_no_traceback(fx, args, needle, env):
     result = run_strata(*(_fill(a, fx) for a in args), cwd=fx["root"], env=env)
     lines = result.stderr.strip().splitlines()
