@@ -10,6 +10,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 
 from strata.errors import ConfigError
+from strata.files import check_output_dir, check_output_file
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
 from strata.rules.comm_semantics import resolve_semantics
@@ -17,6 +18,7 @@ from strata.rules.constants import BUCKET_MB
 from strata.rules.devices import check_device
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout, check_layout, check_transfer_dtypes
+from strata.rules.limits import CEILINGS, FLOORS, PROCESS_BYTES, check_ceiling, check_fits_machine
 from strata.rules.pipeline_cut import make_layout
 from strata.rules.schedules import SCHEDULES
 
@@ -167,12 +169,14 @@ def load_toml(path: str) -> dict:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
     valid = TrainConfig.keys()
-    out = {}
+    out, spelled = {}, {}
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in valid:
             raise ConfigError(f"--config {path}: unknown key {key!r}; valid keys: {', '.join(valid)}")
-        out[name] = value
+        if name in out:  # seq-len and seq_len: one value would win and the other vanish
+            raise ConfigError(f"--config {path}: {spelled[name]!r} and {key!r} both set {name}; keep one")
+        out[name], spelled[name] = value, key
     return out
 
 
@@ -202,6 +206,52 @@ def make_config(file_values: dict, flag_values: dict, source: str = "--config") 
     return cfg
 
 
+def given_settings(file_values: dict, flag_values: dict) -> set[str]:
+    """The settings the user set: every flag given, and the config file's keys whose value is not
+    the default (a config.toml that --run-dir wrote lists every key, defaults included)."""
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    return {k for k, v in flag_values.items() if v is not None} | \
+        {k for k, v in file_values.items() if v != defaults[k]}
+
+
+def check_given(cfg: TrainConfig, given: set[str]) -> None:
+    """Settings the user set that the run would not use: each refused in one line, never dropped.
+    (Run in the process the user started: the ranks' argv also holds the launcher's choices.)"""
+    if cfg.dtype != "fp16":
+        for name in ("loss_scale", "min_loss_scale", "loss_scale_window"):
+            _need(name not in given, name, getattr(cfg, name),
+                  f"only with dtype fp16: loss scaling keeps fp16's small gradients from flushing to zero, and "
+                  f"{cfg.dtype} needs none")
+    _need("allow_async" not in given or cfg.parallel == "auto", "allow_async", True,
+          "only with --parallel auto (it lets the planner choose an asynchronous schedule); with a manual layout, "
+          "name one with --schedule 2bw, pipedream or pipedream-vs")
+    _need("model" not in given or cfg.init_from is None, "model", cfg.model,
+          "not with --init-from (the checkpoint fixes the model)")
+
+
+# The paths a run writes: (field, a directory?, a file whose directory the writer makes?). The run
+# directory first: it implies the others' defaults, and its error should name it.
+OUTPUT_PATHS = (("run_dir", True, False), ("save", True, False), ("tensorboard", True, False),
+                ("offload_dir", True, False), ("metrics", False, True), ("trace", False, False))
+
+
+def check_output_paths(cfg: TrainConfig) -> None:
+    """Every path the run writes can be written (strata/files.py's checks: a directory, or one
+    made under an existing one, on storage, a file made and removed there), before any process
+    starts."""
+    for name, wants_dir, make_parents in OUTPUT_PATHS:
+        path = getattr(cfg, name)
+        if path is None:
+            continue
+        if path and "\0" not in path and os.path.exists(path) and os.path.isdir(path) != wants_dir:
+            want, other = ("a directory", "a file") if wants_dir else ("a file", "a directory")
+            raise ConfigError(f"is {other}; want {want}", name, path)
+        if wants_dir:
+            check_output_dir(path, name)
+        else:
+            check_output_file(path, name, make_parents)
+
+
 def _need(ok: bool, field: str, value, reason: str) -> None:
     if not ok:
         raise ConfigError(reason, field, value)
@@ -211,13 +261,16 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
+def validate(cfg: TrainConfig, world_size: int, model: ModelConfig, memory: int | None = None) -> None:
     """Check every setting against the others, the world size and the model (the shape the run
-    builds: see strata/train/preflight.model_shape); raise ConfigError naming the first bad field,
-    its value and what would be valid. Pure: no file is read."""
+    builds: see strata/train/preflight.model_shape), and what it holds against this machine's
+    memory (bytes; None: read it); raise ConfigError naming the first bad field, its value and what
+    would be valid. Pure: no file is read."""
     check_run_settings(cfg)
     _need(cfg.nproc == 1 or world_size == cfg.nproc, "nproc", cfg.nproc,
           f"does not match the {world_size} processes launched")
+    _need(cfg.max_restarts == 0 or world_size > 1, "max_restarts", cfg.max_restarts,
+          "only with --nproc 2 or more: one process has no ranks to restart (run it again with --resume auto)")
     seq_len = sequence_length(cfg, model)
     _need(world_size % (cfg.tp * cfg.pp) == 0, "tp", cfg.tp,
           f"tp x pp = {cfg.tp * cfg.pp} does not divide the world size {world_size}")
@@ -226,11 +279,43 @@ def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
     check_layout(model, layout_of(cfg, world_size), world_size, seq_len, global_batch_size(cfg, world_size))
     _need(cfg.pp > 1 or not cfg.trace, "trace", cfg.trace, "only with pp 2 or more")
     check_asynchronous_run(cfg, model)
+    check_run_memory(cfg, world_size, model, memory)
     # Zero-bubble's W step intercepts the torch functions the forward calls; compiled code calls none.
     _need(not (cfg.compile and cfg.pp > 1 and cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].splits_backward),
           "schedule", cfg.schedule, "not with --compile: its deferred weight gradients intercept torch functions, "
           "which compiled code does not call; valid with --compile: "
           + ", ".join(name for name, spec in SCHEDULES.items() if not spec.splits_backward))
+
+
+def check_run_memory(cfg: TrainConfig, world_size: int, model: ModelConfig, memory: int | None = None) -> None:
+    """What this machine's processes of the run hold at least, against its memory (rules/limits.py):
+    lower bounds, so that a run which fits is never refused, and one that cannot is refused before
+    it allocates. Each process: the interpreter; its share of the weights (one copy over the whole
+    world, none in memory with offload_params disk); a step's token windows (the loader's int64
+    rows); one micro-batch's embedding output (split at most over cp x tp); the rotary tables
+    (strata/model/layers.rope_tables: cos and sin, float64, max_seq_len x head_dim each)."""
+    local = cfg.nproc if world_size == cfg.nproc else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    seq_len, dp = sequence_length(cfg, model), data_parallel_size(cfg, world_size)
+    weight_bytes = 8 if cfg.dtype == "fp64" else 4
+    shape_field = next((f for f in ("n_layers", "vocab_size", "max_seq_len") if getattr(cfg, f) is not None), "model")
+    context_field = "max_seq_len" if cfg.max_seq_len is not None else "model"
+    rows = global_batch_size(cfg, world_size) // max(dp, 1)
+    needs = [
+        ("nproc", cfg.nproc, local * PROCESS_BYTES, f"{local} process(es) of Python and torch"),
+        (shape_field, getattr(cfg, shape_field), 0 if cfg.offload_params == "disk" else
+         model.num_params() * weight_bytes * local / world_size, f"this machine's share of the weights "
+                                                                 f"({model.num_params():,} parameters)"),
+        ("global_batch", global_batch_size(cfg, world_size),
+         local * (global_batch_size(cfg, world_size) + rows * (seq_len + 1)) * 8,
+         f"a step's token windows ({rows} x {seq_len + 1} int64 on each process)"),
+        ("micro_batch", cfg.micro_batch, local * cfg.micro_batch * seq_len * model.d_model *
+         DTYPES[cfg.dtype].bytes / (cfg.cp * cfg.tp), f"one micro-batch's embedding output on each process "
+                                                       f"({cfg.micro_batch} x {seq_len} x {model.d_model})"),
+        (context_field, getattr(cfg, context_field),
+         local * 2 * model.max_seq_len * model.head_dim * 8 if model.position == "rope" else 0,
+         f"the rotary tables of a {model.max_seq_len:,}-token context on each process"),
+    ]
+    check_fits_machine(needs, memory)
 
 
 def check_asynchronous_run(cfg: TrainConfig, model: ModelConfig) -> None:
@@ -281,7 +366,6 @@ def check_run_settings(cfg: TrainConfig) -> None:
         _need(getattr(cfg, name) >= 1, name, getattr(cfg, name), "must be >= 1")
     for name in ("warmup_steps", "save_every", "eval_every"):
         _need(getattr(cfg, name) >= 0, name, getattr(cfg, name), "must be >= 0")
-    _need(0 <= cfg.seed < 2**63, "seed", cfg.seed, "must be between 0 and 2**63 - 1")
     _need(cfg.warmup_steps <= cfg.steps, "warmup_steps", cfg.warmup_steps,
           f"must be at most steps {cfg.steps} (the learning rate would never reach lr)")
     _need(cfg.dp is None or cfg.dp >= 1, "dp", cfg.dp, "must be >= 1")
@@ -297,6 +381,14 @@ def check_run_settings(cfg: TrainConfig) -> None:
           cfg.min_loss_scale, f"must be > 0 and at most loss_scale {cfg.loss_scale}")
     _need(cfg.peak_flops is None or (_finite(cfg.peak_flops) and cfg.peak_flops > 0), "peak_flops", cfg.peak_flops,
           "must be > 0 FLOP/s")
+    # AdamW multiplies the weights by 1 - lr x weight_decay each step: from 1 on, it zeroes or flips them
+    blamed = "weight_decay" if cfg.weight_decay != TrainConfig.weight_decay or cfg.lr == TrainConfig.lr else "lr"
+    _need(cfg.lr * cfg.weight_decay < 1, blamed, getattr(cfg, blamed),
+          f"lr x weight_decay = {cfg.lr * cfg.weight_decay:g} must be below 1 (AdamW multiplies the weights by "
+          f"1 - lr x weight_decay each step)")
+    for f in fields(TrainConfig):  # the ceilings (and floors) of rules/limits.py
+        if f.name in CEILINGS or f.name in FLOORS:
+            check_ceiling(f.name, getattr(cfg, f.name))
     _need(cfg.vocab_size is None or cfg.vocab_size >= 2, "vocab_size", cfg.vocab_size, "must be >= 2")
     _need(cfg.vocab_size is None or cfg.data == "synthetic", "vocab_size", cfg.vocab_size,
           "only for --data synthetic; a data set brings its tokenizer's")
@@ -324,6 +416,7 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
     for name in ("keep", "max_restarts"):
         _need(getattr(cfg, name) >= 0, name, getattr(cfg, name), "must be >= 0")
     _need(not cfg.keep or bool(cfg.save), "keep", cfg.keep, "only with --save DIR")
+    _need(not cfg.save_every or bool(cfg.save), "save_every", cfg.save_every, "only with --save DIR")
     _need(not cfg.async_save or bool(cfg.save), "async_save", True, "only with --save DIR")
 
 

@@ -5,6 +5,7 @@ the wrong kind. `bad_input_files(root)` returns their paths by group and name.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from strata.checkpoint import shards, store
 from strata.config import TrainConfig
 from strata.data.prepare import prepare
 from strata.train.trainer import train
@@ -91,9 +93,36 @@ def _checkpoints(root, data_dir) -> dict[str, str]:
         text = (ckpt / "tokenizer.json").read_bytes()
         (ckpt / "tokenizer.json").write_bytes(text.replace(b"the", b"THE", 1) if b"the" in text else text[::-1])
 
+    def rewrite(ckpt, name, change):  # a damaged file, and a manifest that agrees with it
+        data = change(bytearray((ckpt / name).read_bytes()))
+        (ckpt / name).write_bytes(bytes(data))
+        manifest(ckpt, lambda m: m["files"][name].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+
+    def header_length(data, length):
+        data[:8] = length.to_bytes(8, "little")
+        return data
+
+    def flip_last_byte(data):  # the same size, other bytes; the manifest not told
+        data[-1] ^= 0xFF
+        return data
+
+    def link_out(ckpt, name):  # the file replaced by a link to an identical copy outside the checkpoint
+        outside = root / f"outside_{name}_{len(found)}"
+        shutil.copy(ckpt / name, outside)
+        os.remove(ckpt / name)
+        os.symlink(outside, ckpt / name)
+
+    broken("copy", lambda c: None)  # intact, in a save directory of its own
+    broken("shard_truncated", lambda c: rewrite(c, "shard_0.safetensors", lambda d: d[:len(d) // 2]))
+    broken("shard_header_length", lambda c: rewrite(c, "shard_0.safetensors", lambda d: header_length(d, 10 ** 15)))
+    broken("shard_wrong_sha", lambda c: (c / "shard_0.safetensors").write_bytes(
+        bytes(flip_last_byte(bytearray((c / "shard_0.safetensors").read_bytes())))))
+    broken("tokenizer_link", lambda c: link_out(c, "tokenizer.json"))
+    broken("shard_link", lambda c: link_out(c, "shard_0.safetensors"))
     broken("manifest_not_json", lambda c: (c / "manifest.json").write_text("{"))
     broken("manifest_array", lambda c: (c / "manifest.json").write_text("[]"))
     broken("manifest_no_model", lambda c: manifest(c, lambda m: m.pop("model_config")))
+    broken("huge_width", lambda c: manifest(c, lambda m: m["model_config"].update(d_model=10 ** 12)))
     broken("manifest_escape", lambda c: manifest(c, lambda m: m["files"].update({"../../outside/x": {"bytes": 1,
                                                                                    "sha256": "0" * 64}})))
     broken("shard_escape", rename_shard)
@@ -102,12 +131,19 @@ def _checkpoints(root, data_dir) -> dict[str, str]:
     shutil.copytree(save, escape)
     (escape / "latest").write_text("../other/step_000005")
     found["latest_escape"] = str(escape)
-    converted = root / "ck_converted"  # weights only: nothing to --resume
-    from strata.checkpoint.store import Checkpointer, read_state
-    state = read_state(str(step))
-    tensors = {"embed.weight": torch.zeros(2)}
-    Checkpointer(str(converted), 0, 1).save(0, tensors, {"regions": {}, "optimizer_step": None, "rng": {}},
-                                            {"model_config": state["model_config"], "config": {"dtype": "fp32"}})
+    latest_link = root / "ck_latest_link"  # `latest` names a step directory that is a link to another run's
+    shutil.copytree(save, latest_link)
+    shutil.copytree(step, root / "other_run" / "step_000009")
+    os.symlink(root / "other_run" / "step_000009", latest_link / "step_000009")
+    (latest_link / "latest").write_text("step_000009")
+    found["latest_link"] = str(latest_link)
+    converted = root / "ck_converted"  # weights only, as `convert --from-hf` writes them: nothing to --resume
+    _, state, reader = store.open_checkpoint(str(step))
+    with reader:
+        weights = shards.read_full(reader)
+    pieces = [shards.LocalPiece(name, shards.Region.whole(t.shape), t, True) for name, t in sorted(weights.items())]
+    store.Checkpointer(str(converted), 0, 1).save(0, *shards.snapshot(pieces, None),
+                                                  {"model_config": state["model_config"], "config": {"dtype": "fp32"}})
     found["weights_only"] = str(converted / "step_000000")
     return found
 
@@ -145,7 +181,7 @@ def _planner_configs(root) -> dict[str, str]:
     configs = {"array": [GPT2], "no_heads": {k: v for k, v in GPT2.items() if k != "n_head"},
                "zero_heads": {**GPT2, "n_head": 0}, "string_layers": {**GPT2, "n_layer": "96"},
                "no_ffn": {k: v for k, v in LLAMA.items() if k != "intermediate_size"},
-               "zero_layers": {**GPT2, "n_layer": 0}}
+               "zero_layers": {**GPT2, "n_layer": 0}, "huge_layers": {**LLAMA, "num_hidden_layers": 10 ** 9}}
     return {name: _json(root / f"plan_{name}.json", c) for name, c in configs.items()}
 
 
@@ -164,9 +200,11 @@ def _files(root) -> dict[str, str]:
     (root / "bad_tokenizer.json").write_text('{"model": 42}')
     (root / "binary.toml").write_bytes(b"\x00\xff\xfe garbage \x89PNG")
     (root / "a_dir").mkdir()
+    (root / "both_spellings.toml").write_text("seq-len = 16\nseq_len = 32\n")
     return {name: str(root / name) for name in
             ("binary.txt", "empty.txt", "a_file", "bad_tokenizer.json", "binary.toml", "a_dir", "src_dirs", "src_broken",
-             "hosts_binary", "hosts_lo", "no_loss.jsonl", "empty_trace.json", "not_json.json")}
+             "hosts_binary", "hosts_lo", "no_loss.jsonl", "empty_trace.json", "not_json.json",
+             "both_spellings.toml")}
 
 
 def bad_input_files(root) -> dict:

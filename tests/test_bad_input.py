@@ -82,7 +82,7 @@ CASES = [
     (["train", "--model", "bloom-176b", "--nproc", "3", "--tp", "3"], "--tp 3: must divide the model's 112 attention"),
     (["train", "--zero", "2"], "--zero 2: ZeRO shards states across data-parallel ranks, and dp is 1"),
     (["train", "--zero", "4"], "--zero 4: valid: 0, 1, 2, 3"),
-    (["train", "--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),
+    (["train", "--bucket-mb", "0"], "--bucket-mb 0.0: must be at least 0.001"),
     (["train", "--nproc", "4", "--pp", "2", "--zero", "2"], "--zero 2: with pp 2: ZeRO-2/3 would reduce-scatter"),
     (["train", "--nproc", "2", "--pp", "2", "--schedule", "zigzag"], "--schedule zigzag: valid: gpipe, 1f1b"),
     (["train", "--nproc", "2", "--pp", "2", "--pp-split", "a,b"], "--pp-split a,b: give blocks per chunk"),
@@ -114,12 +114,12 @@ CASES = [
     (["train", "--dtype", "fp16", "--loss-scale", "0"], "--loss-scale 0.0: must be > 0"),
     (["train", "--beta1", "2"], "--beta1 2.0: must be in [0, 1)"),
     (["train", "--beta2", "-1"], "--beta2 -1.0: must be in [0, 1)"),
-    (["train", "--seed", "-1"], "--seed -1: must be between 0 and 2**63 - 1"),
-    (["train", "--lr", "nan"], "--lr nan: must be > 0"),
+    (["train", "--seed", "-1"], "--seed -1: must be at least 0"),
+    (["train", "--lr", "nan"], "--lr nan: must be a number"),
     (["train", "--lr", "inf"], "--lr inf: must be > 0"),
     (["train", "--weight-decay", "-1"], "--weight-decay -1.0: must be >= 0"),
-    (["train", "--grad-clip", "nan"], "--grad-clip nan: must be >= 0"),
-    (["train", "--timeout", "nan"], "--timeout nan: must be > 0"),
+    (["train", "--grad-clip", "nan"], "--grad-clip nan: must be a number"),
+    (["train", "--timeout", "nan"], "--timeout nan: must be a number"),
     (["train", "--eval-batches", "0"], "--eval-batches 0: must be >= 1"),
     (["train", "--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
     (["train", "--keep", "-1", "--save", "{root}"], "--keep -1: must be >= 0"),
@@ -217,7 +217,7 @@ CASES = [
     (["plan", "--model", "tiny", "--network", "inf"], "--network inf"),
     (["plan", "--model", "tiny", "--seq-len", "0"], "--seq-len 0: must be between 1"),
     (["plan", "--model", "tiny", "--inference", "--context", "0"], "--context 0: must be between 1"),
-    (["plan", "--model", "tiny", "--efficiency", "nan"], "--efficiency nan: must be in (0, 1]"),
+    (["plan", "--model", "tiny", "--efficiency", "nan"], "--efficiency nan: must be a number"),
     (["plan", "--model", "tiny", "--inference", "--efficiency", "0"], "--efficiency 0.0: must be in (0, 1]"),
     (["plan", "--model", "tiny", "--tokens", "lots"], "--tokens lots: give a positive number"),
     (["plan", "--model", "tiny", "--tokens", "0T"], "--tokens 0T: give a positive number"),
@@ -249,7 +249,7 @@ CASES = [
     (["plot", "{file.empty.txt}", "--out", "p.png"], "holds no train or eval records"),
     (["plot", "{file.binary.txt}", "--out", "p.png"], "not a metrics file"),
     # --- what a hostile probe found next ----------------------------------------------------------------
-    (["train", "--seed", "99999999999999999999999"], "must be between 0 and 2**63 - 1"),
+    (["train", "--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be at most 9,223,372,036,854,775,807"),
     (["train", "--warmup-steps", "5", "--steps", "2"], "--warmup-steps 5: must be at most steps 2"),
     (["train", "--device", "cuda"], "--device cuda: no CUDA device here"),
     (["train", "--device", "tpu"], "--device tpu: valid: auto, cpu, cuda"),
@@ -269,7 +269,7 @@ CASES = [
     (["bench", "comm", "--ops", ""], "--ops '': give at least one"),
     (["bench", "comm", "--tp", "0"], "--tp 0, --pp 1: must be >= 1"),
     (["bench", "comm", "--pp", "-1"], "--pp -1: must be >= 1"),
-    (["bench", "comm", "--timeout", "nan"], "--timeout nan: must be > 0"),
+    (["bench", "comm", "--timeout", "nan"], "--timeout nan: must be a number"),
     (["bench", "comm", "--timeout", "-1"], "--timeout -1.0: must be > 0"),
     (["bench", "comm", "--device", "tpu"], "--device tpu: valid"),
     (["bench", "generate", "--model", "tiny", "--threads", "0"], "--threads 0: must be >= 1"),
@@ -298,7 +298,7 @@ CASES = [
     (["doctor", "--device", "bogus"], "--device: only with --bandwidth"),
     (["doctor", "--global-batch", "0"], "--global-batch: only with --bandwidth"),
     (["doctor", "--hostfile", "{file.hosts_binary}"], "not UTF-8 text"),
-    (["calibrate", "--nproc", "1000"], "--nproc 1000: must be between 1 and"),
+    (["calibrate", "--nproc", "1000"], "--nproc 1000: the run needs at least"),
     (["calibrate", "--rounds", "0"], "--rounds 0: must be 1 or more"),
     (["calibrate", "--worker", "part.json", "--worker-effort", "{oops"], "--worker-effort {oops: not the JSON of"),
     (["calibrate", "--worker", "part.json", "--worker-effort", "[0.1]"], "--worker-effort [0.1]: not the JSON"),
@@ -357,11 +357,17 @@ SEMANTICS_CASES = [
 MORE_CASES = bad_input_checkpoints.CASES + bad_input_flags.CASES + bad_input_hosts.CASES
 
 
+def _stable(text: str) -> str:
+    """A test id without the hostfiles' temporary directory: pytest-xdist's workers each import
+    the table, and must collect the same ids."""
+    return text.replace(bad_input_hosts.HOSTFILES, "{hosts}")
+
+
 @pytest.mark.parametrize("args,needle,env", [(a, n, None) for a, n in CASES] + SLURM_CASES + SEMANTICS_CASES
                          + MORE_CASES,
                          ids=[" ".join(a)[:60] for a, _ in CASES] + [f"srun: {n[:50]}" for _, n, _ in SLURM_CASES]
                          + [f"semantics: {' '.join(a[-2:])} {e}" for a, _, e in SEMANTICS_CASES]
-                         + [f"{' '.join(a)[:50]}: {n[:30]}" for a, n, _ in MORE_CASES])
+                         + [f"{_stable(' '.join(a))[:50]}: {_stable(n)[:30]}" for a, n, _ in MORE_CASES])
 def test_bad_input_is_one_line_exit_code_2_and_no_traceback(fx, args, needle, env):
     result = run_strata(*(_fill(a, fx) for a in args), cwd=fx["root"], env=env)
     lines = result.stderr.strip().splitlines()

@@ -105,3 +105,17 @@ def test_the_planner_prices_the_data_parallel_bytes_each_transfer_dtype_moves():
         scalars = 8 + (16 if zero else 0)  # the loss's fp64 all-reduce; the norm's two fp64 squares (sharded states)
         # what remains is the padding of flat buffers to a multiple of dp: a few elements
         assert nbytes - scalars == pytest.approx(planned, rel=1e-3), (zero, reduce_dtype, gather_dtype)
+
+
+@pytest.mark.parametrize("dtype,advice,not_advised", [("bf16", "try fp32", "use bf16"), ("fp16", "use bf16", "fp32"),
+                                                      ("fp32", "lower --lr", "bf16")])
+def test_a_diverged_validation_loss_advises_a_precision_other_than_the_runs(monkeypatch, dtype, advice, not_advised):
+    """A NaN validation loss under bf16 must not advise bf16 (issue 51)."""
+    from types import SimpleNamespace
+
+    from strata.train import trainer
+    monkeypatch.setattr(trainer, "evaluate", lambda run: float("nan"))
+    with pytest.raises(FloatingPointError) as stopped:
+        trainer.validate_and_log(SimpleNamespace(cfg=SimpleNamespace(dtype=dtype)), None, 5)
+    assert "step 5: the validation loss is nan" in str(stopped.value)
+    assert advice in str(stopped.value) and not_advised not in str(stopped.value)

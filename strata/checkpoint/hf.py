@@ -66,8 +66,14 @@ def hf_config_from_model(cfg: ModelConfig, original: dict | None) -> dict:
     Refused when the family's config.json cannot say what the model computes (read back, it would
     describe another model)."""
     family = converting_family(cfg)
-    hf = family.config_to_hf(cfg, dict(original or {}))
-    described = family.config_from_hf(hf, "export")
+    try:
+        hf = family.config_to_hf(cfg, dict(original or {}))
+        described = family.config_from_hf(hf, "export")
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # a recorded config.json
+        raise CorruptError(f"the config.json recorded with the model cannot describe it ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
     # d_head and n_kv_heads may be None or the value they default to: compare what they mean
     names = [f.name for f in fields(ModelConfig) if f.name not in ("d_head", "n_kv_heads")] + ["head_dim", "kv_heads"]
     differing = [name for name in names if getattr(described, name) != getattr(cfg, name)]
@@ -121,7 +127,8 @@ def _index_files(index: str, directory: str) -> list[str]:
     weight_map = read_json_object(index, "an index of safetensors files").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CorruptError(f"{index}: 'weight_map' must map tensor names to file names")
-    return sorted({os.path.basename(inside(directory, name, index)) for name in weight_map.values()})
+    # links_out: a Hugging Face hub snapshot's files are links into the cache's blobs/ directory
+    return sorted({os.path.basename(inside(directory, name, index, links_out=True)) for name in weight_map.values()})
 
 
 def convert_from_hf(directory: str, out: str) -> str:
@@ -180,8 +187,8 @@ def convert_to_hf(checkpoint: str, out: str) -> str:
     if clash:
         raise ConfigError(f"holds a model already ({clash[0]}); convert into a new directory", "out", out)
     path, manifest, reader = store.open_checkpoint(checkpoint)
-    cfg = store.model_config(manifest, path)
     with reader:
+        cfg = store.checked_model_config(path, manifest, reader)
         tensors = shards.read_full(reader)
     return save_hf(tensors, cfg, out, manifest.get("hf", {}), store.verified_file(path, "tokenizer.json"))
 

@@ -18,18 +18,18 @@ safetensors file per rank, the regions and the rank's random streams into a JSON
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import re
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from strata.checkpoint.safetensors_file import read_header
 from strata.errors import ConfigError, CorruptError
+from strata.files import inside, read_json_object
 
 _SHARD_META = re.compile(r"^shard_(\d+)\.json$")
 
@@ -126,36 +126,81 @@ def snapshot(pieces: list[LocalPiece], optimizer, versions: dict[int, dict[str, 
 
 class ShardReader:
     """Reads any region of any logical tensor from a checkpoint's shard files, opening only the
-    files that hold part of it and checking each file's checksum the first time it is opened."""
+    files that hold part of it and checking each file's checksum the first time it is opened.
+
+    What can be checked without the data is checked when the reader is made: each rank's JSON
+    (its checksum, then every region, step, random stream and version), and each data file's
+    safetensors header against the file's size and against the regions (every piece there, as
+    many elements as its region says, every tensor's pieces as many elements as its shape). A
+    damaged file is one line naming it, and no read allocates more than the files hold."""
 
     def __init__(self, path: str, files: dict[str, dict], verify):
         self.path, self.verify = path, verify
         self.index: dict[str, list[tuple[str, Region]]] = {}
         self.steps, self.rngs = set(), {}
         self.version_ages: dict[str, set[int]] = {}  # data file -> the older weight versions it holds
+        self._kinds: dict[str, tuple[str, ...]] = {}  # data file -> the kinds each of its pieces has
+        self._pieces: dict[str, list[tuple[str, Region]]] = {}  # data file -> (tensor, region) of its pieces
         for name in sorted(files):
             found = _SHARD_META.match(name)
-            if found is None:
-                continue
-            self.verify(name)
-            try:
-                self._index_shard(name, int(found.group(1)))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CorruptError(f"checkpoint {path}: {name} does not describe its pieces ({e!r})") from None
+            if found is not None:
+                self._index_shard(name, int(found.group(1)), files)
+        if sorted(self.rngs) != list(range(len(self.rngs))):
+            raise CorruptError(f"checkpoint {path}: has shard files of ranks {sorted(self.rngs)[:8]}; want 0 to "
+                               f"{len(self.rngs) - 1}, one each")
+        for tensor_name, entries in self.index.items():
+            _check_cover(tensor_name, entries, f"checkpoint {path}")
+        for data_file in self._kinds:
+            self._check_data_file(data_file)
         self._open: dict = {}
 
-    def _index_shard(self, name: str, rank: int) -> None:
-        with open(os.path.join(self.path, name), "rb") as f:
-            meta = json.loads(f.read())
+    def _index_shard(self, name: str, rank: int, files: dict) -> None:
+        what = f"checkpoint {self.path}: {name}"
+        meta = read_json_object(self.verify(name), "where a rank's pieces sit")
         data_file = name[:-len(".json")] + ".safetensors"
-        for tensor_name, region in meta["regions"].items():
-            region = Region(**{**region, "shape": tuple(region["shape"]),
-                                "more": tuple(tuple(cut) for cut in region.get("more", ()))})
+        if data_file not in files:
+            raise CorruptError(f"checkpoint {self.path}: {data_file} is not in the manifest (its {name} is)")
+        regions, step, versions = meta.get("regions"), meta.get("optimizer_step"), meta.get("versions", [])
+        if not isinstance(regions, dict):
+            raise CorruptError(f"{what}: 'regions' must map each tensor to its region")
+        if step is not None and not (isinstance(step, (int, float)) and not isinstance(step, bool)
+                                     and 0 <= step < 2 ** 53):  # a float counts exactly up to 2**53
+            raise CorruptError(f"{what}: optimizer_step {step!r} is not a step count")
+        if not isinstance(versions, list) or not all(_whole(age) and age >= 1 for age in versions):
+            raise CorruptError(f"{what}: versions {versions!r} must list whole numbers >= 1")
+        problem = rng_problem(meta.get("rng"))
+        if problem:
+            raise CorruptError(f"{what}: its random streams are damaged ({problem})")
+        self._pieces[data_file] = [(tensor_name, region_from_json(region, f"{what}: {tensor_name!r}"))
+                                   for tensor_name, region in regions.items()]
+        for tensor_name, region in self._pieces[data_file]:
             self.index.setdefault(tensor_name, []).append((data_file, region))
-        if meta["regions"]:  # a rank that only held replicas wrote nothing, and no step
-            self.steps.add(meta["optimizer_step"])
-        self.version_ages[data_file] = set(meta.get("versions", ()))
+        if regions:  # a rank that only held replicas wrote nothing, and no step
+            self.steps.add(step)
+        self.version_ages[data_file] = set(versions)
+        self._kinds[data_file] = ("param",) + (KINDS[1:] if step is not None else ()) + \
+            tuple(version_kind(age) for age in sorted(set(versions)))
         self.rngs[rank] = meta["rng"]
+
+    def _check_data_file(self, data_file: str) -> None:
+        """The data file's header against its size and against the regions its JSON gives (checked
+        against the manifest's checksum first when it is not valid: a file altered since it was
+        saved is said so)."""
+        what = f"checkpoint {self.path}: {data_file}"
+        file = inside(self.path, data_file, f"checkpoint {self.path}")
+        try:
+            header = read_header(file, what)
+        except CorruptError:
+            self.verify(data_file)
+            raise
+        for tensor_name, region in self._pieces[data_file]:
+            for kind in self._kinds[data_file]:
+                key = f"{kind}/{tensor_name}"
+                if key not in header:
+                    raise CorruptError(f"{what}: holds no {key!r}, which its {data_file[:-12]}.json lists")
+                if header[key].shape != (region.hi - region.lo,):
+                    raise CorruptError(f"{what}: {key!r} has shape {list(header[key].shape)}; its region "
+                                       f"holds {region.hi - region.lo} elements")
 
     @property
     def has_optimizer(self) -> bool:
@@ -183,8 +228,13 @@ class ShardReader:
             raise ConfigError(f"checkpoint {self.path}: {name} has shape {list(entries[0][1].shape)}, "
                               f"the model wants {list(want.shape)}")
         if all(saved.bounds() == want.bounds() for _, saved in entries):
-            return self._read_same_box(kind, name, want, entries)
-        return self._read_any_box(kind, name, want, entries)
+            values = self._read_same_box(kind, name, want, entries)
+        else:
+            values = self._read_any_box(kind, name, want, entries)
+        if values.is_floating_point() and not torch.isfinite(values).all():  # training never saves them
+            raise CorruptError(f"checkpoint {self.path}: {kind} of {name} holds values that are not finite (NaN or "
+                               f"infinity)")
+        return values
 
     def _entries(self, name):
         if name not in self.index:
@@ -192,13 +242,15 @@ class ShardReader:
         return self.index[name]
 
     def _data(self, file: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
-        if file not in self._open:
-            self.verify(file)
-            self._open[file] = safe_open(os.path.join(self.path, file), framework="pt")
-        handle = self._open[file]
-        if lo is None:
-            return handle.get_tensor(key)
-        return handle.get_slice(key)[lo:hi]
+        try:
+            if file not in self._open:
+                self._open[file] = safe_open(self.verify(file), framework="pt")
+            handle = self._open[file]
+            if lo is None:
+                return handle.get_tensor(key)
+            return handle.get_slice(key)[lo:hi]
+        except (SafetensorError, OSError) as e:  # its header was checked: the file changed since
+            raise CorruptError(f"checkpoint {self.path}: {file} cannot be read ({str(e).splitlines()[0]})") from None
 
     def _read_same_box(self, kind, name, want: Region, entries) -> torch.Tensor:
         """The common case (the same tensor-parallel cut): flat ranges against flat ranges."""
@@ -249,6 +301,56 @@ class ShardReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+REGION_FIELDS = ("shape", "dim", "start", "length", "lo", "hi")
+
+
+def region_from_json(raw: object, what: str) -> Region:
+    """A Region as a shard's JSON records it, every field checked: a logical shape of whole numbers
+    >= 1, cuts along distinct dimensions of it, each no longer than its dimension (where a box
+    starts may lie past the end: a padded vocabulary's last boxes), and a flat range inside the box."""
+    if not isinstance(raw, dict) or not set(REGION_FIELDS) <= set(raw) or set(raw) - {*REGION_FIELDS, "more"}:
+        raise CorruptError(f"{what}: a region must have {', '.join(REGION_FIELDS)}, and may have more")
+    shape, more = raw["shape"], raw.get("more", [])
+    if not isinstance(shape, list) or not shape or not all(_whole(n) and n >= 1 for n in shape):
+        raise CorruptError(f"{what}: shape {shape!r} must list whole numbers >= 1")
+    if not isinstance(more, list) or not all(isinstance(cut, list) and len(cut) == 3 for cut in more):
+        raise CorruptError(f"{what}: more {more!r} must list [dim, start, length] cuts")
+    cuts = [(raw["dim"], raw["start"], raw["length"])] + [tuple(cut) for cut in more]
+    if raw["dim"] is None:
+        if more or raw["start"] != 0 or raw["length"] != 0:
+            raise CorruptError(f"{what}: an uncut tensor has start 0, length 0 and no more cuts")
+        cuts = []
+    dims = [dim for dim, _, _ in cuts]
+    for dim, start, length in cuts:
+        if not (_whole(dim) and dim < len(shape) and _whole(start) and _whole(length)) or dims.count(dim) > 1 \
+                or not 1 <= length <= shape[dim]:
+            raise CorruptError(f"{what}: the cut {[dim, start, length]} does not fit in shape {shape}")
+    region = Region(tuple(shape), raw["dim"], raw["start"], raw["length"], 0, 0,
+                    tuple(tuple(cut) for cut in more))
+    lo, hi = raw["lo"], raw["hi"]
+    if not (_whole(lo) and _whole(hi) and lo <= hi <= math.prod(region.box)):
+        raise CorruptError(f"{what}: the range [{lo!r}, {hi!r}) does not fit in its box of {math.prod(region.box)} "
+                           f"elements")
+    return replace(region, lo=lo, hi=hi)
+
+
+def _check_cover(name: str, entries: list[tuple[str, Region]], what: str) -> None:
+    """A tensor's pieces agree on its shape and hold at least as many elements as it has (every
+    element is saved by some rank): what a read allocates is bounded by what the files hold."""
+    shape = entries[0][1].shape
+    if any(region.shape != shape for _, region in entries):
+        raise CorruptError(f"{what}: the pieces of {name!r} disagree on its shape "
+                           f"({sorted({list(r.shape).__repr__() for _, r in entries})[:2]})")
+    held = sum(region.hi - region.lo for _, region in entries)
+    if held < math.prod(shape):
+        raise CorruptError(f"{what}: {name!r} has shape {list(shape)} ({math.prod(shape)} elements) and its pieces "
+                           f"hold {held}")
+
+
+def _whole(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _overlap(a, b):
@@ -305,3 +407,24 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def rng_problem(state: object) -> str | None:
+    """Why `state` (a shard's record of a rank's random streams) cannot be restored, or None: each
+    stream is set on a scratch generator of its kind, so nothing of this process changes."""
+    if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state):
+        return "want the torch, numpy and python streams"
+    try:
+        for name in ("torch", "cuda"):
+            if name in state:
+                values = state[name]
+                if not isinstance(values, list) or not all(_whole(v) and v < 256 for v in values):
+                    return f"{name}: want a list of bytes"
+        torch.Generator().set_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        version, internal, gauss_next = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss_next))
+    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError, KeyError) as e:  # each library's complaint
+        return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return None

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import threading
 import time
+from dataclasses import fields
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -35,10 +38,12 @@ from strata.checkpoint.shards import ShardReader
 from strata.errors import ConfigError, CorruptError
 from strata.files import inside, read_json_object
 from strata.model.config import ModelConfig
+from strata.model.transformer import build_model
 
 MANIFEST = "manifest.json"
 FORMAT = "strata-sharded-1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def step_dir(save_dir: str, step: int) -> str:
@@ -146,6 +151,20 @@ def _saved_at(path: str) -> float:
         return os.path.getmtime(os.path.join(path, MANIFEST))
 
 
+def check_same_run(save_dir: str, source: str | None) -> None:
+    """A run saves into a directory of its own run only: a save directory that holds checkpoints
+    takes a run that resumes from one of them (--resume auto, or --resume naming it or one of its
+    checkpoints), never a fresh run or one resumed from elsewhere, whose checkpoints would mix
+    with the other run's (and `latest`, and --keep's pruning, would mix the two)."""
+    steps = complete_steps(save_dir)
+    if not steps:
+        return
+    if source is not None and os.path.realpath(os.path.dirname(resolve(source))) == os.path.realpath(save_dir):
+        return
+    raise ConfigError(f"holds the checkpoints of another run (newest: step {max(steps)}); continue that run "
+                      f"with --resume auto, or save elsewhere", "save", save_dir)
+
+
 def check_no_overwrite(save_dir: str, steps_to_save: list[int]) -> None:
     """A run must not be about to write a checkpoint that exists already (checked before it starts)."""
     existing = set(complete_steps(save_dir))
@@ -179,12 +198,16 @@ def _fsync_dir(path: str) -> None:
 def _pointer(save_dir: str) -> str | None:
     """What `latest` names (a step directory's name), or None when there is no `latest`."""
     pointer = os.path.join(save_dir, "latest")
+    if not os.path.lexists(pointer):
+        return None
+    inside(save_dir, "latest", save_dir)  # a link to a file elsewhere is not this directory's pointer
     if not os.path.isfile(pointer):
         return None
     with open(pointer, "rb") as f:
         name = f.read(256).decode("utf-8", "replace").strip()
     if not _STEP_DIR.match(name):
         raise CorruptError(f"{pointer}: names {name!r}, not a step directory (step_NNNNNN) of {save_dir}")
+    inside(save_dir, name, pointer)
     return name
 
 
@@ -222,7 +245,7 @@ def resume_point(save_dir: str) -> tuple[str | None, str | None]:
         note = f"{save_dir}/latest names {named}, which is not a complete checkpoint, and no other checkpoint " \
                f"is complete; starting from step 0" if named else None
         return None, note
-    newest = step_dir(save_dir, steps[-1])
+    newest = inside(save_dir, os.path.basename(step_dir(save_dir, steps[-1])), save_dir)
     if named == os.path.basename(newest):
         return newest, None
     why = f"latest names {named}, which is not the last complete checkpoint written" if named else "there is no latest"
@@ -240,22 +263,59 @@ def resolve(path: str) -> str:
 
 
 def _manifest(path: str) -> dict:
-    """The manifest's JSON, its shape checked: every listed file a plain name with a size and a sha256."""
-    where = os.path.join(path, MANIFEST)
+    """The manifest's JSON, its shape checked: every listed file a plain name with a size and a
+    sha256, and every field a reader uses of the type it uses (see `_check_records`)."""
+    where = inside(path, MANIFEST, f"checkpoint {path}")
     manifest = read_json_object(where, "a checkpoint's manifest")
     if manifest.get("format") != FORMAT:
         raise CorruptError(f"{where}: format {manifest.get('format')!r}; this strata reads {FORMAT!r}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(
-            isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
-            for e in files.values()):
-        raise CorruptError(f"{where}: 'files' must map each file name to its bytes and sha256")
+            isinstance(e, dict) and _whole(e.get("bytes")) and isinstance(e.get("sha256"), str)
+            and _SHA256.fullmatch(e["sha256"]) for e in files.values()):
+        raise CorruptError(f"{where}: 'files' must map each file name to its bytes and sha256 (64 hex digits)")
     for name in files:
         inside(path, name, where)
     for key, kind in (("step", int), ("model_config", dict)):
-        if not isinstance(manifest.get(key), kind):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
             raise CorruptError(f"{where}: {key!r} is missing or not a {kind.__name__}")
+    if manifest["step"] < 0:
+        raise CorruptError(f"{where}: 'step' is {manifest['step']}; want a step count >= 0")
+    _check_records(manifest, where)
     return manifest
+
+
+def _whole(value: object, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_records(manifest: dict, where: str) -> None:
+    """The optional records readers use: the run's config and layout (objects), the data position
+    and the loss scaler (counts, a finite positive scale), and a converted model's record of its
+    Hugging Face origin (its config.json, tensor names, dtype and side files)."""
+    for key in ("config", "layout", "data_position", "loss_scaler", "hf"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            raise CorruptError(f"{where}: {key!r} is a JSON {type(manifest[key]).__name__}, not an object")
+    problems = []
+    position = manifest.get("data_position", {})
+    problems += [f"data_position.{k}" for k in ("step", "sequences") if k in position and not _whole(position[k])]
+    scaler = manifest.get("loss_scaler")
+    if scaler is not None:
+        scale = scaler.get("scale")
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf):
+            problems.append("loss_scaler.scale")
+        problems += [f"loss_scaler.{k}" for k in ("good_steps", "skipped_steps") if not _whole(scaler.get(k))]
+    layout = manifest.get("layout", {})
+    problems += [f"layout.{k}" for k in ("dp", "cp", "tp", "pp") if k in layout and not _whole(layout[k], 1)]
+    origin = manifest.get("hf", {})
+    checks = {"config": lambda v: isinstance(v, dict), "source": lambda v: isinstance(v, str),
+              "keys": lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
+              "dtype": lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype)
+              and getattr(torch, v).is_floating_point,
+              "side_files": lambda v: isinstance(v, dict) and all(isinstance(c, dict) for c in v.values())}
+    problems += [f"hf.{k}" for k, ok in checks.items() if k in origin and not ok(origin[k])]
+    if problems:
+        raise CorruptError(f"{where}: {problems[0]} is not what strata writes there")
 
 
 def read_state(path: str) -> dict:
@@ -264,7 +324,7 @@ def read_state(path: str) -> dict:
     path = resolve(path)
     manifest = _manifest(path)
     for name, entry in manifest["files"].items():
-        file = os.path.join(path, name)
+        file = inside(path, name, f"checkpoint {path}")
         if not os.path.isfile(file):
             raise CorruptError(f"checkpoint {path}: {name} is missing")
         if os.path.getsize(file) != entry["bytes"]:
@@ -273,14 +333,62 @@ def read_state(path: str) -> dict:
     return manifest
 
 
+# What a ModelConfig field's annotation lets a manifest hold (ModelConfig.validate checks ranges and
+# choices; a flag given as a string, or a count as a float, would pass it and fail far later).
+_FIELD_TYPES = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+                "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+                "None": lambda v: v is None}
+
+
+def _field_problem(raw: dict) -> str | None:
+    for f in fields(ModelConfig):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        kinds = ["str" if k.startswith("Literal[") else k for k in kinds]
+        if f.name in raw and all(k in _FIELD_TYPES for k in kinds) and \
+                not any(_FIELD_TYPES[k](raw[f.name]) for k in kinds):
+            return f"{f.name}={repr(raw[f.name])[:40]}: want {' or '.join(kinds)}"
+    return None
+
+
 def model_config(manifest: dict, path: str) -> ModelConfig:
     """The model shape a checkpoint records."""
+    problem = _field_problem(manifest["model_config"])
+    if problem:
+        raise CorruptError(f"checkpoint {path}: its model_config is not a valid model ({problem})")
     try:
         cfg = ModelConfig.from_dict(manifest["model_config"])
         cfg.validate()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         raise CorruptError(f"checkpoint {path}: its model_config is not a valid model ({e})") from None
     return cfg
+
+
+def checked_model_config(path: str, manifest: dict, reader: ShardReader) -> ModelConfig:
+    """The model a checkpoint records, once its tensors are checked to be that model's: the same
+    names and shapes. The count of parameters is compared first (arithmetic), so that a
+    model_config changed to an absurd size is refused before a model is built from it."""
+    cfg = model_config(manifest, path)
+    held = {name: reader.shape(name) for name in reader.names()}
+    count = sum(math.prod(shape) for shape in held.values())
+    if cfg.num_params() != count:
+        raise CorruptError(f"checkpoint {path}: its model_config describes {cfg.num_params():,} parameters, its "
+                           f"shards hold {count:,} (the manifest or the shards were changed)")
+    wanted = {name: tuple(p.shape) for name, p in build_model(cfg, seed=None).named_parameters()}
+    differ = sorted(set(wanted) ^ set(held)) or [n for n in sorted(wanted) if wanted[n] != held[n]]
+    if differ:
+        name = differ[0]
+        raise CorruptError(f"checkpoint {path}: its model_config wants {name!r} of shape "
+                           f"{list(wanted[name]) if name in wanted else None}, its shards hold "
+                           f"{list(held[name]) if name in held else None}")
+    return cfg
+
+
+# The files this process has found to match their manifest's sha256, by what identifies their bytes
+# on disk (and the sha256 they matched): the check before the ranks start and the load that follows
+# in the same process hash each file once. Writing a file changes its ctime; only a write within the
+# same clock tick as the previous one, after the check, would go unseen.
+_VERIFIED: set[tuple] = set()
 
 
 def _verifier(path: str, manifest: dict):
@@ -289,13 +397,31 @@ def _verifier(path: str, manifest: dict):
         if name not in manifest["files"]:
             raise CorruptError(f"checkpoint {path}: {name} is not in the manifest")
         file = inside(path, name, f"checkpoint {path}")
-        with open(file, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if digest != manifest["files"][name]["sha256"]:
+        want = manifest["files"][name]["sha256"]
+        try:
+            stat = os.stat(file)
+            identity = (os.path.realpath(file), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns,
+                        stat.st_ctime_ns, want)
+            if identity in _VERIFIED:
+                return file
+            with open(file, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            raise CorruptError(f"checkpoint {path}: {name} cannot be read ({e.strerror or e})") from None
+        if digest != want:
             raise CorruptError(f"checkpoint {path}: {name} fails its checksum (sha256 {digest[:12]}..., "
-                               f"the manifest says {manifest['files'][name]['sha256'][:12]}...): the file is corrupted")
+                               f"the manifest says {want[:12]}...): the file is corrupted")
+        _VERIFIED.add(identity)
         return file
     return verify
+
+
+def verify_files(path: str, manifest: dict) -> None:
+    """Every file of a checkpoint against its sha256 (the shards' data files, the tokenizer, any
+    other): a checksum that fails is one line before any process that loads it starts."""
+    verify = _verifier(path, manifest)
+    for name in manifest["files"]:
+        verify(name)
 
 
 def verified_file(path: str, name: str) -> str | None:
@@ -310,3 +436,21 @@ def open_checkpoint(path: str) -> tuple[str, dict, ShardReader]:
     path = resolve(path)
     manifest = read_state(path)
     return path, manifest, ShardReader(path, manifest["files"], _verifier(path, manifest))
+
+
+def check_checkpoint(path: str, resume: bool = False) -> tuple[str, dict, ModelConfig]:
+    """(directory, manifest, model) once everything about a checkpoint that needs no tensor's
+    values is checked: the manifest, every file's size, the shards' descriptions and headers,
+    for resume that it holds optimizer state, the tensors against the model_config, and every
+    file's sha256, the tokenizer's included (last: the cheap checks first). The process that
+    starts ranks runs this once, so that a damaged checkpoint is one line before any of them
+    starts; each rank still checks what it reads (in a process that checked it already, a file
+    unchanged since is not hashed again)."""
+    path, manifest, reader = open_checkpoint(path)
+    with reader:
+        if resume and not reader.has_optimizer:
+            raise ConfigError("the checkpoint holds no optimizer state (a converted model?); use --init-from to "
+                              "start training from its weights", "resume", path)
+        cfg = checked_model_config(path, manifest, reader)
+    verify_files(path, manifest)
+    return path, manifest, cfg

@@ -23,6 +23,7 @@ from strata.cli.tools import (
 from strata.cli.train import launch_command, train_command
 from strata.errors import CollectiveError, ConfigError, StrataError, as_flag
 from strata.rules.comm_semantics import resolve_semantics
+from strata.rules.limits import PROCESS_BYTES, check_ceiling, check_fits_machine
 
 # The commands whose processes communicate: their semantics (flag or environment) is checked here,
 # before any process starts.
@@ -32,12 +33,25 @@ COMMANDS = {"train": train_command, "data": data_command, "generate": generate_c
             "calibrate": calibrate_command, "plot": plot_command, "schedule": schedule_command}
 
 
+def check_numbers(args) -> None:
+    """Every numeric flag of every command against rules/limits.py's table, by its name (NaN is
+    refused for all), and the processes --nproc starts on this machine against its memory: before
+    any command reads them, so that no value that fits no machine reaches an allocation or a loop."""
+    for name, value in vars(args).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            check_ceiling(name, value)
+    nproc = getattr(args, "nproc", None)
+    if isinstance(nproc, int) and nproc > 1:
+        check_fits_machine([("nproc", nproc, nproc * PROCESS_BYTES, f"{nproc} processes of Python and torch")])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
         if args.command in COMMUNICATING:
             resolve_semantics(getattr(args, "comm_semantics", None))
+        check_numbers(args)
         check_outputs(args)
         return COMMANDS[args.command](args, argv)
     except CollectiveError as e:  # the run failed (not the input): one line, and the launcher is told who hung

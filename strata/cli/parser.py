@@ -14,6 +14,9 @@ from strata.rules.dtypes import DTYPES
 from strata.rules.schedules import SCHEDULES
 
 DTYPE_NAMES = tuple(DTYPES)
+# `strata plan`'s defaults for the flags that only one of its modes reads, filled in once the
+# other mode's flags are known not to be given (strata/cli/plan.py refuses those)
+PLAN_DEFAULTS = {"network": "ib-200", "nics_per_node": 1, "global_batch": 512, "optimizer": "adamw", "batch": 1}
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv")
 
 
@@ -130,12 +133,14 @@ def _plan(sub) -> None:
                                                 "fewest that finish in time)")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (cpu-local: processes)")
     plan.add_argument("--intra", help="link inside a node: nvlink | pcie | GB/s (default: nvlink if the device has it)")
-    plan.add_argument("--network", default="ib-200", help="between nodes: 10gbe | 100gbe | ib-200 | ib-400 | GB/s")
-    plan.add_argument("--nics-per-node", type=int, default=1, help="network links per node (8 on a DGX A100)")
-    plan.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
+    plan.add_argument("--network", help=f"between nodes: 10gbe | 100gbe | ib-200 | ib-400 | GB/s (default: "
+                                         f"{PLAN_DEFAULTS['network']})")
+    plan.add_argument("--nics-per-node", type=int, help="network links per node (8 on a DGX A100; default: 1)")
+    plan.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default: "
+                                                       f"{PLAN_DEFAULTS['global_batch']})")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     plan.add_argument("--precision", default="bf16", help="bf16 | fp16 (mixed precision, 16 bytes/parameter) | fp32")
-    plan.add_argument("--optimizer", default="adamw", help="adamw (two fp32 moments) | sgd (with momentum: one)")
+    plan.add_argument("--optimizer", help="adamw (two fp32 moments; the default) | sgd (with momentum: one)")
     plan.add_argument("--layout", help="evaluate one layout instead of searching, e.g. dp=8,tp=8,pp=16,zero=1,mb=1,ckpt=full")
     plan.add_argument("--top", type=int, default=10, help="layouts to show")
     plan.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
@@ -147,7 +152,7 @@ def _plan(sub) -> None:
     plan.add_argument("--profile", help="calibration profile for cpu-local (default: the one `strata calibrate` wrote)")
     plan.add_argument("--inference", action="store_true",
                       help="serving instead of training: weights + KV cache, and the time per output token, per tp x pp")
-    plan.add_argument("--batch", type=int, default=1, help="--inference: sequences decoded together")
+    plan.add_argument("--batch", type=int, help="--inference: sequences decoded together (default: 1)")
     plan.add_argument("--context", type=int, help="--inference: tokens per sequence so far, prompt + answer "
                                                   "(default: the model's context)")
     plan.add_argument("--per-layer-us", type=float, help="--inference: overhead per layer and token "

@@ -10,6 +10,7 @@ import json
 import math
 import os
 
+from strata.cli.parser import PLAN_DEFAULTS
 from strata.errors import ConfigError
 from strata.plan.cost import estimate
 from strata.plan.hardware import DEVICES, Device
@@ -24,15 +25,38 @@ from strata.plan.inputs import (
     workload,
 )
 from strata.plan.report import chart, parse_layout, serving_table, table
-from strata.plan.run_cost import parse_count, run_cost, smallest_cluster
+from strata.plan.run_cost import fastest_days, parse_count, run_cost, smallest_cluster
 from strata.plan.search import distinct, explain, refusal, search
 from strata.rules.constants import DEFAULT_EFFICIENCY
+from strata.rules.limits import CEILINGS, check_ceiling
+
+# The flags only one of plan's modes reads (--nodes has its own line: --inference plans one node)
+TRAINING_ONLY = ("global_batch", "seq_len", "optimizer", "layout", "explain", "chart", "no_offload", "allow_async",
+                 "network", "nics_per_node", "tokens", "price_per_device_hour", "days")
+SERVING_ONLY = ("batch", "context", "per_layer_us", "per_token_us")
 
 
 def plan_command(args, argv: list[str]) -> int:
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: must be >= 1")
+    check_ceiling("top", args.top)
+    check_mode_flags(args)
+    for name, default in PLAN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     return run_serving_plan(args) if args.inference else run_plan(args)
+
+
+def check_mode_flags(args) -> None:
+    """A flag the chosen mode (training, or --inference serving) does not read is refused, not dropped."""
+    unread = SERVING_ONLY if not args.inference else TRAINING_ONLY
+    given = [name for name in unread if getattr(args, name) not in (None, False)]
+    if given:
+        name = given[0]
+        value = getattr(args, name)
+        flag = f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+        raise ConfigError(f"{flag}: only {'with' if not args.inference else 'without'} --inference "
+                          f"({'serving' if not args.inference else 'training'} plans read it)")
 
 
 def run_plan(args) -> int:
@@ -49,6 +73,12 @@ def run_plan(args) -> int:
     def searched(nodes: int):
         return search(work, cluster_of(nodes), offload=not args.no_offload, allow_async=args.allow_async)
     if args.days is not None:
+        nodes_at_most = CEILINGS["nodes"].value
+        floor = fastest_days(work, cluster_of(1).device, nodes_at_most * args.gpus_per_node, tokens)
+        if floor > args.days:  # refused at once, not after searching up to the largest cluster
+            raise ConfigError(f"--days {args.days:g}: {tokens:.3g} tokens take at least {floor:.3g} days even on "
+                              f"{nodes_at_most:,} nodes x {args.gpus_per_node} {args.device} computing at their peak "
+                              f"FLOP/s")
         nodes, _ = smallest_cluster(lambda n: next(iter(searched(n)[0]), None), tokens, args.days)
     cluster = cluster_of(nodes)
     if args.layout:
@@ -158,12 +188,15 @@ def _check_serving_flags(args, model, context: int) -> None:
               (args.nodes in (None, 1), f"--nodes {args.nodes}: --inference plans the devices of one node "
                                 f"(set --gpus-per-node)"),
               (args.gpus_per_node >= 1, f"--gpus-per-node {args.gpus_per_node}: must be >= 1"),
-              (any(n.strip() for n in args.device.split(",")), f"--device {args.device!r}: name one or more devices"),
+              (all(n.strip() for n in args.device.split(",")), f"--device {args.device!r}: name one or more devices, "
+                                                              f"comma-separated, with no empty name"),
               *((value is None or 0 <= value < float("inf"), f"--{flag} {value}: must be a number of microseconds >= 0")
                 for flag, value in (("per-layer-us", args.per_layer_us), ("per-token-us", args.per_token_us)))]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    for name in ("batch", "gpus_per_node"):
+        check_ceiling(name, getattr(args, name))
     check_efficiency(args.efficiency)
 
 

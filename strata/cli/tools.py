@@ -9,24 +9,35 @@ import json
 import os
 
 from strata.errors import ConfigError
-from strata.files import check_image_file, check_output_file
+from strata.files import check_image_file, check_output_dir, check_output_file
 from strata.rules.devices import check_device
 from strata.rules.layout import Layout, check_schedule
 from strata.rules.schedules import MAX_SIMULATED_ACTIONS, SCHEDULES, build, profile, unit_costs
 
-# Files a command writes, by command: (flag, is a picture). Checked before any work, so a typo in
-# a directory costs one line, not a finished computation.
-OUTPUT_FILES = {"plan": ("chart", True), "plot": ("out", True), "schedule": ("out", True), "bench": ("plot", True),
-                "calibrate": ("out", False)}
+# What each command writes, by command: (flag's field, kind). "image": a picture (its suffix says
+# the format); "file": in an existing directory; "file+dirs": the writer makes its directory;
+# "dir": a directory, made as needed. Checked before any work (strata/files.py: on storage, where a
+# file can be made), so a typo in a directory costs one line, not a finished computation. `strata
+# train`'s paths come from its config too: strata/config.check_output_paths.
+OUTPUTS = {"plan": (("chart", "image"),), "plot": (("out", "image"),), "schedule": (("out", "image"),),
+           "bench": (("plot", "image"),), "calibrate": (("out", "file+dirs"), ("disk_dir", "dir")),
+           "data": (("out", "dir"),), "convert": (("out", "dir"),), "launch": (("slurm_script", "file"),)}
 # `strata calibrate` measures groups of up to --nproc processes sharing this machine's cores; past a
 # few per core it only measures the scheduler.
 CALIBRATE_PROCESSES_PER_CORE = 4
 
 
 def check_outputs(args) -> None:
-    name, picture = OUTPUT_FILES.get(args.command, (None, False))
-    if name is not None and getattr(args, name, None) is not None:
-        (check_image_file if picture else check_output_file)(getattr(args, name), name)
+    for name, kind in OUTPUTS.get(args.command, ()):
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        if kind == "image":
+            check_image_file(path, name)
+        elif kind == "dir":
+            check_output_dir(path, name)
+        else:
+            check_output_file(path, name, make_parents=kind == "file+dirs")
 
 
 def data_command(args, argv: list[str]) -> int:
@@ -95,9 +106,6 @@ def calibrate_command(args, argv: list[str]) -> int:
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 2
     if rounds < 1:
         raise ConfigError(f"--rounds {rounds}: must be 1 or more")
-    if args.disk_dir is not None and not os.path.isdir(args.disk_dir) and \
-            (os.path.exists(args.disk_dir) or not os.path.isdir(os.path.dirname(os.path.abspath(args.disk_dir)))):
-        raise ConfigError(f"--disk-dir {args.disk_dir}: not a directory, nor one that can be made in an existing one")
     calibrate.calibrate(args.nproc, args.model, args.out or default_profile_path(), args.disk_dir, rounds, effort)
     return 0
 

@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import fields
 
-from strata.config import TrainConfig, load_toml, make_config
+from strata.config import TrainConfig, check_given, check_output_paths, given_settings, load_toml, make_config
 from strata.errors import ConfigError
 
 LAUNCHED_COMMANDS = ("train", "doctor", "bench")  # what runs on the ranks of a multi-node job
@@ -21,9 +21,13 @@ def checked_train(args, argv: list[str], world_size: int | None, in_a_rank: bool
     size is the launched one, or --nproc's."""
     from strata.train.preflight import DONE, checked_model, model_shape, preflight
     flag_values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
-    cfg = make_config(load_toml(args.config) if args.config else {}, flag_values)
+    file_values = load_toml(args.config) if args.config else {}
+    cfg = make_config(file_values, flag_values)
     world_size = world_size or cfg.nproc
     checked_already = DONE in os.environ
+    if not checked_already:  # the user's settings (the ranks' argv holds the launcher's choices too)
+        check_given(cfg, given_settings(file_values, flag_values))
+        check_output_paths(cfg)
     if cfg.parallel == "auto":
         from strata.config import check_run_settings
         from strata.train.auto import as_flags, choose
@@ -94,7 +98,10 @@ def launch_command(args, argv: list[str]) -> int:
         raise ConfigError(f"strata launch -- {command[0]}: runs train, doctor or bench comm on every node")
     hosts = parse_hostfile(args.hostfile)
     if launched.command == "train":
-        checked_train(launched, command, len(hosts) * hosts[0].slots, in_a_rank=False)
+        cfg, _ = checked_train(launched, command, len(hosts) * hosts[0].slots, in_a_rank=False)
+        if cfg.max_restarts:  # the hostfile's torchrun runs without restarts
+            raise ConfigError("not with `strata launch --hostfile`, whose nodes' ranks are not restarted; run the "
+                              "launch again with --resume auto", "max_restarts", cfg.max_restarts)
     if launched.command == "doctor":
         check_doctor_flags(launched)
     return launch_hostfile(args.hostfile, command, args.master_port, args.node_rank, args.dry_run,

@@ -186,7 +186,6 @@ class _Settings:
 _settings = _Settings()
 _streams: dict[object, rehearsal.Stream] = {}  # process group (or "world") -> its stream, while emulating
 _labels: dict[object, str] = {}  # process group -> the name its stream and its errors use
-_host_groups: set[int] = set()  # ids of groups that are host-side on purpose (gloo beside NCCL)
 
 
 def configure(semantics: str | None = None, device: torch.device | None = None,
@@ -214,15 +213,9 @@ def semantics() -> str:
     return _settings.semantics
 
 
-def _emulating(group, rule: str = "streams") -> bool:
+def _emulating(rule: str = "streams") -> bool:
     """Whether NCCL's `rule` is enforced on this group's operations."""
-    return semantics() == "nccl" and _settings.emulate and rule in _settings.rules and id(group) not in _host_groups
-
-
-def host_group(group) -> None:
-    """A group that is host-side on purpose (a gloo group beside NCCL's, e.g. for checkpoint
-    coordination): its operations keep gloo's semantics and take host tensors."""
-    _host_groups.add(id(group))
+    return semantics() == "nccl" and _settings.emulate and rule in _settings.rules
 
 
 def label(group, name: str) -> None:
@@ -266,8 +259,9 @@ def _timeout_s(group) -> float:
 
 
 def _check_tensors(op: str, group_name: str, tensors, group) -> None:
-    """NCCL takes contiguous tensors on the communicator's device only."""
-    if not _emulating(group, "device_tensors") and not (semantics() == "nccl" and not _settings.emulate):
+    """NCCL takes contiguous tensors on the communicator's device only (on a GPU NCCL would refuse
+    them too, with a less helpful error; on a CPU the rehearsal refuses them here)."""
+    if semantics() != "nccl" or (_settings.emulate and "device_tensors" not in _settings.rules):
         return
     for t in tensors:
         where = f"{op} on process group {group_name!r}"
@@ -356,7 +350,7 @@ def _issue(op: str, group_name: str, nbytes: float, launch, async_op: bool, grou
     counter.add(op, group_name, nbytes)
     seq = arrivals.enter(op, group_name)
     _check_tensors(op, group_name, tensors, group)
-    if _emulating(group):
+    if _emulating():
         operation = _stream(group, group_name).submit(
             rehearsal.Operation(lambda: [launch(True)], op, group_name, seq, group))
         counter.started(op, group_name)
@@ -430,7 +424,7 @@ def broadcast(tensor, src_group_rank: int, group, group_name: str) -> None:
 
 def barrier(group=None, group_name: str = "world") -> None:
     seq = arrivals.enter("barrier", group_name)
-    if _emulating(group):
+    if _emulating():
         _Pending("barrier", group_name, group, seq, operation=_stream(group, group_name).submit(
             rehearsal.Operation(lambda: [dist.barrier(group=group, async_op=True)], "barrier", group_name, seq,
                                 group))).wait()
@@ -449,7 +443,7 @@ def gather_objects(obj, group, group_name: str) -> list:
     everyone = [None] * dist.get_world_size(group)
     seq = arrivals.enter("all_gather_object", group_name)
     call = lambda: dist.all_gather_object(everyone, obj, group=group)  # noqa: E731
-    if _emulating(group):
+    if _emulating():
         _Pending("all_gather_object", group_name, group, seq, operation=_stream(group, group_name).submit(
             rehearsal.Operation(lambda: _no_works(call), "all_gather_object", group_name, seq, group))).wait()
     else:
@@ -472,19 +466,19 @@ def send_recv(sends: list[tuple], recvs: list[tuple], group, group_name: str) ->
     op = "send" if not recvs else "recv" if not sends else "send_recv"
     peers = tuple(sorted({peer for _, peer, *_ in [*sends, *recvs]}))
     name = _labels.get(group if group is not None else "world", group_name)
-    tagged = not _emulating(group, "no_tags")
+    tagged = not _emulating("no_tags")
 
     def p2p(kind, t, peer, *tag):
         return dist.P2POp(kind, t, peer, group, tag[0] if tag and tagged else 0)
 
     ops = [p2p(dist.isend, *send) for send in sends] + [p2p(dist.irecv, *recv) for recv in recvs]
     _check_tensors(op, name, [t for t, *_ in [*sends, *recvs]], group)
-    if not _emulating(group):
+    if not _emulating():
         return _Pending(op, name, group, works=_run(op, name, lambda: dist.batch_isend_irecv(ops), group, peers=peers),
                         peers=peers)
     stream = _stream(group, group_name)
     # NCCL runs a batch as one operation; without the rule its parts would run one by one, in order
-    batches = [ops] if _emulating(group, "batches") else [[p] for p in ops]
+    batches = [ops] if _emulating("batches") else [[p] for p in ops]
     for part in batches:
         stream.p2p_seq += 1
         operation = stream.submit(rehearsal.Operation(lambda part=part: dist.batch_isend_irecv(part), op, name,

@@ -40,7 +40,7 @@ MAX_HOSTS = 100_000  # a node list that expands beyond this is a typo (node[1-10
 # ports of outgoing connections, and two jobs sharing a node get different ports.
 DERIVED_PORT_BASE, DERIVED_PORT_SPAN = 15000, 10000
 WHOLE_NUMBER = re.compile(r"[0-9]{1,18}")  # ASCII digits only, and no number too long to read
-NODE_NAME = re.compile(r"[A-Za-z0-9._-]*")
+NODE_NAME = re.compile(r"[A-Za-z0-9._-]*")  # the characters of a host name (hostfile.HOST_LABEL); checked whole
 INTERFACE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,15}")  # Linux: IFNAMSIZ 16, with the terminating zero
 
 
@@ -63,6 +63,8 @@ def expand_nodelist(text: str, source: str = "SLURM_JOB_NODELIST") -> list[str]:
     hosts: list[str] = []
     for item in _top_level_items(text, bad):
         hosts += _expand_name(item, bad, MAX_HOSTS - len(hosts))
+    for host in hosts:
+        hostfile.check_host_name(host, f"{source} {text!r}")
     return hosts
 
 
@@ -95,7 +97,7 @@ def _expand_name(item: str, bad, room: int) -> list[str]:
     for match in re.finditer(r"([^\[]*)(\[([^\]]*)\])?", item):
         literal, group = match.group(1), match.group(3)
         if not NODE_NAME.fullmatch(literal):
-            raise bad(f"{literal!r} is not part of a host name (letters, digits, '.', '_', '-')")
+            raise bad(f"{literal!r} is not part of a host name (letters, digits, '.', '-')")
         pieces.append([literal])
         if group is not None:
             pieces.append(_expand_ranges(group, bad))
@@ -140,6 +142,18 @@ class SlurmJob:
         return len(self.hosts)
 
 
+# The step's own variables first: srun --export/-E keeps the job's SLURM_NTASKS, SLURM_NNODES and
+# SLURM_TASKS_PER_NODE, while the SLURM_STEP_* ones are always the step's.
+WORLD_VARIABLES = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+NNODES_VARIABLES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+TASKS_PER_NODE_VARIABLES = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def _which(environ, names: tuple[str, ...]) -> str:
+    """The first of `names` that is set (the first name when none is: the one errors mention)."""
+    return next((n for n in names if n in environ), names[0])
+
+
 def _integer(environ, names: tuple[str, ...], minimum: int = 0) -> int:
     """The first of `names` that is set, as a whole number >= minimum."""
     name = next((n for n in names if n in environ), None)
@@ -153,9 +167,10 @@ def _integer(environ, names: tuple[str, ...], minimum: int = 0) -> int:
 
 
 def read_job(environ=os.environ) -> SlurmJob:
-    """The job step this task belongs to, every variable checked (one line naming the first bad one)."""
+    """The job step this task belongs to, every variable checked alone and against the others (one
+    line naming the first bad one): an impossible local rank would pick another task's GPU."""
     job_id = _integer(environ, ("SLURM_JOB_ID", "SLURM_JOBID"))
-    rank, world = _integer(environ, ("SLURM_PROCID",)), _integer(environ, ("SLURM_NTASKS", "SLURM_NPROCS"), 1)
+    rank, world = _integer(environ, ("SLURM_PROCID",)), _integer(environ, WORLD_VARIABLES, 1)
     local_rank, node_rank = _integer(environ, ("SLURM_LOCALID",)), _integer(environ, ("SLURM_NODEID",))
     # the step's nodes (srun may run a step on part of the allocation), else the job's
     source = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if v in environ), None)
@@ -163,15 +178,58 @@ def read_job(environ=os.environ) -> SlurmJob:
         raise ConfigError(f"srun started this task ({STEP_VARIABLES[0]} is set), but SLURM_JOB_NODELIST is not set; "
                           f"run strata train as a task of srun, whose tasks get it")
     hosts = expand_nodelist(environ[source], source)
-    nnodes = _integer(environ, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), 1) \
-        if any(v in environ for v in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES")) else len(hosts)
+    nnodes = _integer(environ, NNODES_VARIABLES, 1) if any(v in environ for v in NNODES_VARIABLES) else len(hosts)
     if nnodes > len(hosts):
         raise ConfigError(f"{source} {environ[source]!r}: names {len(hosts)} node(s), fewer than the step's {nnodes}")
+    world_name = _which(environ, WORLD_VARIABLES)
     if rank >= world:
-        raise ConfigError(f"SLURM_PROCID {rank}: must be below SLURM_NTASKS {world}")
+        raise ConfigError(f"SLURM_PROCID {rank}: must be below {world_name} {world}")
     if node_rank >= nnodes:
         raise ConfigError(f"SLURM_NODEID {node_rank}: must be below the step's {nnodes} node(s)")
+    if world < nnodes:  # srun runs at least one task on every node of a step
+        raise ConfigError(f"{world_name} {world}: fewer tasks than the step's {nnodes} node(s); "
+                          f"srun runs one or more on each")
+    tasks_here, why = _tasks_on_node(environ, node_rank, nnodes, world, world_name)
+    if local_rank >= tasks_here:
+        raise ConfigError(f"SLURM_LOCALID {local_rank}: this node (SLURM_NODEID {node_rank}) runs "
+                          f"{why}, so a local rank is 0-{tasks_here - 1}; Slurm's variables disagree "
+                          f"(set by hand?)")
     return SlurmJob(job_id, rank, world, local_rank, node_rank, tuple(hosts[:nnodes]), _port(environ, job_id))
+
+
+def _tasks_on_node(environ, node_rank: int, nnodes: int, world: int, world_name: str) -> tuple[int, str]:
+    """How many of the step's tasks run on node `node_rank`, and how that is known: Slurm's
+    tasks-per-node list (checked against the step's nodes and tasks), else --ntasks-per-node's
+    SLURM_NTASKS_PER_NODE, else the most a node can hold when every other node runs one task."""
+    name = next((v for v in TASKS_PER_NODE_VARIABLES if v in environ), None)
+    if name is not None:
+        per_node = expand_tasks_per_node(environ[name], name, nnodes)
+        if len(per_node) != nnodes:
+            raise ConfigError(f"{name} {environ[name]!r}: gives {len(per_node)} node(s), but the step has {nnodes}")
+        if sum(per_node) != world:
+            raise ConfigError(f"{name} {environ[name]!r}: adds up to {sum(per_node)} tasks, but {world_name} "
+                              f"is {world}")
+        return per_node[node_rank], f"{per_node[node_rank]} task(s) ({name} {environ[name]!r})"
+    if "SLURM_NTASKS_PER_NODE" in environ:
+        most = _integer(environ, ("SLURM_NTASKS_PER_NODE",), 1)
+        return most, f"at most {most} task(s) (SLURM_NTASKS_PER_NODE)"
+    most = world - (nnodes - 1)
+    return most, f"at most {most} task(s) ({world_name} {world} on {nnodes} node(s))"
+
+
+def expand_tasks_per_node(text: str, source: str = "SLURM_TASKS_PER_NODE", most: int = MAX_HOSTS) -> list[int]:
+    """Slurm's compressed tasks-per-node list in full, one count per node: '2(x3),1' -> 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?", part)
+        if not match or int(match.group(1)) < 1 or (match.group(2) is not None and int(match.group(2)) < 1):
+            raise ConfigError(f"{source} {text!r}: {part!r} is not a count N >= 1 or N(xM); want Slurm's "
+                              f"tasks-per-node list, e.g. 2(x3),1")
+        repeat = int(match.group(2) or 1)
+        if len(counts) + repeat > most:
+            raise ConfigError(f"{source} {text!r}: gives more than the step's {most} node(s)")
+        counts += [int(match.group(1))] * repeat
+    return counts
 
 
 def _port(environ, job_id: int) -> int:

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from strata.checkpoint import store
 from strata.checkpoint.shards import read_full
-from strata.data.tokenizer import END_OF_TEXT, load_tokenizer
+from strata.data.tokenizer import END_OF_TEXT, read_tokenizer
 from strata.distributed import comm
 from strata.distributed.launch import launch_local
 from strata.distributed.mesh import ParallelDims, expert_axes, init_distributed, pick_device, pipeline_links
-from strata.errors import ConfigError
+from strata.errors import ConfigError, CorruptError
 from strata.infer.generate import FINISHED, Sampling, check_length, generate
 from strata.infer.pipeline import generate_pipelined
 from strata.model.transformer import build_model
@@ -41,7 +41,7 @@ def load_for_inference(checkpoint: str, device="cpu", tp_group=None, stage=None,
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
     path, state, reader = store.open_checkpoint(checkpoint)
-    model_cfg = store.model_config(state, path)
+    model_cfg = store.checked_model_config(path, state, reader)  # before a model is built from it
     if dtype is None:
         dtype = torch.float64 if (state.get("config") or {}).get("dtype") == "fp64" else torch.float32
     model = build_model(model_cfg, seed=None)
@@ -73,7 +73,7 @@ def _tokenizer(checkpoint_path: str):
     tokenizer_file = store.verified_file(checkpoint_path, "tokenizer.json")
     if tokenizer_file is None:
         return None
-    return load_tokenizer(tokenizer_file)
+    return read_tokenizer(tokenizer_file, f"checkpoint {checkpoint_path}: tokenizer.json", CorruptError)
 
 
 class StopStrings:
@@ -166,6 +166,7 @@ def run_generate(args, argv: list[str]) -> int:
     launched = "LOCAL_RANK" in os.environ
     if world > 1 and not launched:
         _requests(args)  # every check that can fail on input, once, before any process starts
+        store.check_checkpoint(args.checkpoint)  # its files too: every checksum, every shard's header
         return launch_local(world, argv)
     if not launched or int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return _generate(args, _requests(args), tp_group=None, stage=None, links=None, experts=None)

@@ -33,6 +33,9 @@ class Sampling:
                                                           f"(0 is greedy)"),
                   (self.top_k is None or self.top_k >= 1, f"--top-k {self.top_k}: must be >= 1"),
                   (self.top_p is None or 0 < self.top_p <= 1, f"--top-p {self.top_p}: must be in (0, 1]"),
+                  *((self.temperature > 0 or value is None, f"--{flag} {value}: only with --temperature > 0 (at 0, "
+                                                            f"decoding is greedy: it takes the likeliest token)")
+                    for flag, value in (("top-k", self.top_k), ("top-p", self.top_p))),
                   (0 < self.repetition_penalty < float("inf"), f"--repetition-penalty {self.repetition_penalty}: must be > 0 "
                                                 f"(1 is none; 1.1-1.3 is usual)")]
         return [message for ok, message in checks if not ok]
@@ -55,7 +58,8 @@ class Sampler:
                  stop: Callable[[int, list[int]], bool] | None = None, first_row: int = 0):
         self.sampling, self.stop, self.max_new_tokens = sampling, stop, max_new_tokens
         rows = range(first_row, first_row + len(prompts))
-        self.generators = [torch.Generator().manual_seed(sampling.seed * 1_000_003 + row) for row in rows]
+        # a row's stream: (seed, row) folded into the 64 bits a generator's seed holds
+        self.generators = [torch.Generator().manual_seed((sampling.seed * 1_000_003 + row) % 2**64) for row in rows]
         self.answers: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * len(prompts)
         self.first_row = first_row
@@ -81,7 +85,11 @@ class Sampler:
         if s.temperature == 0:
             next_ids = logits.argmax(dim=-1).cpu()
         else:
-            probs = _filtered(logits / s.temperature, s.top_k, s.top_p).softmax(-1).cpu()
+            # shifted so the largest is 0 (softmax is the same for any shift), and divided in fp64:
+            # a tiny temperature then sends the others to -inf, where in fp32 it would round to 0
+            # and give 0/0
+            shifted = (logits - logits.amax(dim=-1, keepdim=True)).double()
+            probs = _filtered(shifted / s.temperature, s.top_k, s.top_p).softmax(-1).cpu()
             next_ids = torch.stack([torch.multinomial(probs[row], 1, generator=g)[0]
                                     for row, g in enumerate(self.generators)])
         for row, token in enumerate(next_ids.tolist()):

@@ -8,6 +8,25 @@ from typing import Literal
 ROPE_TYPES = ("default", "llama3")
 # the fields of Llama 3.1's RoPE scaling (rope_type "llama3"); None under the default RoPE
 LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+# The largest shape strata accepts, field by field: far past every published model, short of what
+# overflows a tensor's size or runs the planner for hours. Read from a config.json or a checkpoint,
+# a shape beyond them is refused before anything is allocated (strata/rules/limits.py lists every
+# ceiling, these included, and docs/cli.md prints them).
+SHAPE_LIMITS: dict[str, tuple[int, str]] = {
+    "vocab_size": (2**24, "the largest vocabularies hold about 256K tokens"),
+    "n_layers": (1024, "the deepest trained transformers have about 1,000 blocks (DeepNet)"),
+    "d_model": (2**17, "the widest models are about 25K wide"),
+    "n_heads": (2**12, "the most heads are about 128"),
+    "n_kv_heads": (2**12, "the most heads are about 128"),
+    "d_head": (2**12, "the widest heads are 256 wide"),
+    "d_ff": (2**20, "the widest MLPs are about 74K wide"),
+    "expert_d_ff": (2**20, "the widest MLPs are about 74K wide"),
+    "shared_d_ff": (2**20, "the widest MLPs are about 74K wide"),
+    "max_seq_len": (2**24, "the longest contexts are about 10M tokens"),
+    "sliding_window": (2**24, "the longest contexts are about 10M tokens"),
+    "rope_original_max_seq_len": (2**24, "the longest contexts are about 10M tokens"),
+    "n_experts": (2**14, "the most experts per layer are a few hundred"),
+}
 
 
 @dataclass(frozen=True)
@@ -127,6 +146,7 @@ class ModelConfig:
     def _validate_experts(self) -> None:
         if not isinstance(self.n_experts, int) or isinstance(self.n_experts, bool) or self.n_experts < 0:
             raise ValueError(f"n_experts={self.n_experts!r} must be 0 (a dense MLP) or a whole number of experts")
+        _check_limit("n_experts", self.n_experts)
         if not self.moe:
             return
         _check_count("experts_per_token", self.experts_per_token)
@@ -138,6 +158,7 @@ class ModelConfig:
             raise ValueError(f"mlp={self.mlp!r}: experts are SwiGLU MLPs (mlp='swiglu')")
         if not isinstance(self.shared_d_ff, int) or self.shared_d_ff < 0:
             raise ValueError(f"shared_d_ff={self.shared_d_ff!r} must be 0 (no shared expert) or a width")
+        _check_limit("shared_d_ff", self.shared_d_ff)
         if self.gated_shared_expert and not self.shared_d_ff:
             raise ValueError("gated_shared_expert needs a shared expert (shared_d_ff > 0)")
         if not isinstance(self.router_aux_coef, (int, float)) or not 0 <= self.router_aux_coef < float("inf"):
@@ -262,6 +283,13 @@ def infer_family(cfg: ModelConfig) -> str:
 def _check_count(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a whole number >= 1")
+    _check_limit(name, value)
+
+
+def _check_limit(name: str, value: int) -> None:
+    if name in SHAPE_LIMITS and value > SHAPE_LIMITS[name][0]:
+        limit, why = SHAPE_LIMITS[name]
+        raise ValueError(f"{name}={value!r} must be at most {limit:,} ({why})")
 
 
 def _check_positive(name: str, value) -> None:

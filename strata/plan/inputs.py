@@ -17,6 +17,7 @@ from strata.plan.cost import BYTES, Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device, Kernels
 from strata.plan.links import core_split
 from strata.rules.layout import check_workload
+from strata.rules.limits import check_ceiling
 
 CPU_LOCAL = "cpu-local"
 # What TCP/IP delivers of an Ethernet link's line rate with a 1500-byte MTU: 1448 payload bytes per
@@ -54,6 +55,7 @@ def build_cluster(device: str, nodes: int, per_node: int, intra: str | None, net
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--nics-per-node", nics_per_node)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
+        check_ceiling(flag[2:].replace("-", "_"), value)
     check_efficiency(efficiency)
     if device == CPU_LOCAL:
         return cpu_local_cluster(per_node, load_profile(profile), efficiency)

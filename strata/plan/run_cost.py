@@ -15,10 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from strata.errors import ConfigError
-from strata.plan.cost import Estimate
+from strata.plan.cost import Estimate, Workload
+from strata.plan.hardware import Device
+from strata.rules.limits import CEILINGS
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-MAX_NODES = 1 << 16  # where the search for a cluster that finishes in time gives up
+MAX_NODES = CEILINGS["nodes"].value  # where the search for a cluster that finishes in time gives up
+STALLED = 2  # doublings of the nodes without a faster run, after which that search gives up
 
 
 @dataclass(frozen=True)
@@ -52,21 +55,43 @@ def run_cost(e: Estimate, tokens: float, price_per_device_hour: float | None = N
     return RunCost(seconds / 86400, device_hours, price)
 
 
+def fastest_days(work: Workload, device: Device, devices: int, tokens: float) -> float:
+    """A floor under every layout's days: the training FLOPs of `tokens` (6 per weight and token,
+    and attention's) on `devices` devices computing at their highest peak, nothing else."""
+    return tokens * work.model.flops_per_token(work.seq_len) / (devices * max(device.peak_flops.values())) / 86400
+
+
 def smallest_cluster(best_at: Callable[[int], Estimate | None], tokens: float, days: float) -> tuple[int, Estimate]:
     """The fewest nodes whose best layout trains `tokens` within `days`: doubling until one does,
     then bisecting between the last that did not and the first that did. best_at(nodes) gives the
-    best runnable layout on that many nodes (None: nothing fits or runs)."""
+    best runnable layout on that many nodes (None: nothing fits or runs). The doubling gives up
+    at MAX_NODES, or once STALLED doublings in a row did not shorten the fastest run found: past
+    what the global batch lets devices share, more nodes only add communication, and searching
+    on to MAX_NODES would take minutes to say so."""
+    fastest: tuple[float, int] | None = None  # (days, nodes) of the fastest run found while doubling
+    stalled = 0
+
     def finishes(nodes: int) -> Estimate | None:
+        nonlocal fastest, stalled
         e = best_at(nodes)
-        return e if e is not None and run_cost(e, tokens).train_days <= days else None
+        if e is None:
+            return None
+        took = run_cost(e, tokens).train_days
+        if fastest is not None:
+            stalled = stalled + 1 if took >= fastest[0] else 0
+        fastest = min(fastest or (took, nodes), (took, nodes))
+        return e if took <= days else None
 
     low, high = 0, 1  # low: known not to finish (0: none tried)
     found = finishes(high)
     while found is None:
         low, high = high, 2 * high
-        if high > MAX_NODES:
-            raise ConfigError(f"--days {days:g}: not even {MAX_NODES} nodes train {tokens:.3g} tokens in time "
-                              f"(with this global batch; a larger --global-batch lets more devices help)")
+        if high > MAX_NODES or stalled >= STALLED:
+            reason = f"not even {MAX_NODES} nodes train {tokens:.3g} tokens in time" if high > MAX_NODES else \
+                f"the fastest run found takes {fastest[0]:.3g} days (on {fastest[1]} nodes), and {STALLED} " \
+                f"doublings of the nodes after it were no faster"
+            raise ConfigError(f"--days {days:g}: {reason} (with this global batch; a larger --global-batch lets more "
+                              f"devices help)")
         found = finishes(high)
     while high - low > 1:
         middle = (low + high) // 2

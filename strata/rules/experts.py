@@ -38,6 +38,10 @@ def check_experts(model: ModelConfig, ep: int, dp: int, zero: int, tp_mode: str,
                 not 0 < capacity_factor < float("inf"):
             raise ConfigError("must be a positive number (e.g. 1.25), or left out for dropless routing",
                               "capacity_factor", capacity_factor)
+        most = model.n_experts / model.experts_per_token  # from here on an expert may take every token
+        if capacity_factor > most:
+            raise ConfigError(f"must be at most n_experts / experts_per_token = {most:g}: from there on no token is "
+                              f"ever dropped (leave it out for dropless routing)", "capacity_factor", capacity_factor)
     if not model.moe:
         if ep > 1:
             raise ConfigError("splits a mixture's experts, and the model has none (try --model tiny-moe)", "ep", ep)

@@ -14,6 +14,7 @@ from strata.model.config import ModelConfig
 from strata.rules.checkpointing import parse as parse_checkpointing
 from strata.rules.context import check_context
 from strata.rules.experts import check_experts
+from strata.rules.limits import check_ceiling
 from strata.rules.pipeline_cut import PipelineLayout, make_layout
 from strata.rules.schedules import SCHEDULES
 from strata.rules.tensor_modes import TensorGrid, check_grid, grid_of
@@ -115,6 +116,7 @@ def check_workload(model: ModelConfig, seq_len: int, global_batch: int) -> None:
         raise ConfigError(f"must be between 1 and the model's max_seq_len {model.max_seq_len}", "seq_len", seq_len)
     if global_batch < 1:
         raise ConfigError("must be >= 1", "global_batch", global_batch)
+    check_ceiling("global_batch", global_batch)
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
@@ -169,6 +171,7 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     for field in ("dp", "cp", "tp", "pp", "micro_batch"):
         if getattr(layout, field) < 1:
             raise ConfigError("must be >= 1", field, getattr(layout, field))
+    check_ceiling("micro_batch", layout.micro_batch)
     if layout.world_size != world_size:
         sizes = ("dp", "cp", "tp", "pp") if layout.cp > 1 else ("dp", "tp", "pp")
         raise ConfigError(f"{' x '.join(sizes)} = {' x '.join(str(getattr(layout, n)) for n in sizes)} = "

@@ -60,9 +60,10 @@ def check_rendezvous() -> list[Finding]:
     addr = os.environ.get("MASTER_ADDR")
     if addr is None:
         return [Finding("ok", "rendezvous", "MASTER_ADDR unset (strata launch and torchrun set it)")]
+    hostfile.check_host_name(addr, "MASTER_ADDR")  # a malformed name is the user's input: one line, exit 2
     try:
-        ip = socket.gethostbyname(addr)
-    except OSError:
+        ip = str(ipaddress.ip_address(addr)) if ":" in addr else socket.gethostbyname(addr)  # IPv6: as given
+    except (OSError, UnicodeError):
         return [Finding("FAIL", "rendezvous", f"MASTER_ADDR {addr} does not resolve", "set it to the master's IP")]
     if hostfile.is_loopback(ip) and int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         return [Finding("FAIL", "rendezvous", f"MASTER_ADDR {addr} is loopback ({ip}) in a multi-node job",
@@ -77,8 +78,9 @@ def check_hosts(path: str) -> list[Finding]:
         try:
             ip = hostfile.resolve(host.name)
         except ConfigError:
-            found.append(Finding("FAIL", f"host {host.name}", "does not resolve",
-                                 f"put its IP address in {path} (line {host.line})"))
+            found.append(Finding("FAIL", f"host {host.name}", "an IPv6 address (the launcher uses IPv4)"
+                                 if ":" in host.name else "does not resolve",
+                                 f"put its IPv4 address in {path} (line {host.line})"))
             continue
         if hostfile.is_loopback(ip) and len(hosts) > 1:
             found.append(Finding("FAIL", f"host {host.name}", f"resolves to {ip} (loopback): the other nodes cannot "
@@ -93,7 +95,10 @@ def check_hosts(path: str) -> list[Finding]:
                                  "check that the host is up and no firewall drops this node's packets"))
         else:
             found.append(Finding("ok", f"host {host.name}", f"{ip} answers, route via {interface} from {mine}"))
-    master_ip = hostfile.resolve(hosts[0].name)
+    try:
+        master_ip = hostfile.resolve(hosts[0].name)
+    except ConfigError:
+        return found  # the master's FAIL is above; the checks below need its address
     found.append(check_interface(master_ip, len(hosts) > 1))
     found.append(check_store_exposure(master_ip))
     return found
@@ -139,7 +144,7 @@ def check_interface(master_ip: str, multi_node: bool) -> Finding:
         return Finding("ok", "socket interface", f"{interface} ({mine}), as set")
     try:
         default = socket.gethostbyname(socket.gethostname())
-    except OSError:
+    except (OSError, UnicodeError):  # this host's own name may be malformed too
         default = None
     if multi_node and default != mine:
         return Finding("FAIL", "socket interface", f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME are unset: gloo would "

@@ -1,5 +1,7 @@
 """What a training run checks of its files before any process starts: the checkpoint it resumes
-or starts from, the save directory it writes into, the data it reads, and the paths it writes.
+or starts from (everything but its tensors' values: every file's checksum, the shards' headers
+and descriptions, the model), the save directory it writes into, the data it reads, and the
+paths it writes.
 
 The launcher runs these once (so a problem is one line, not one per rank) and tells the ranks so
 through STRATA_PREFLIGHT; a rank started some other way (torchrun by hand) runs them itself."""
@@ -7,7 +9,6 @@ through STRATA_PREFLIGHT; a rank started some other way (torchrun by hand) runs 
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import replace
 
 from strata.checkpoint import store
@@ -16,6 +17,7 @@ from strata.data.loader import check_token_ids, check_windows, read_meta
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.model.presets import PRESETS
+from strata.rules.limits import size_text
 from strata.rules.offload import MASTER_BYTES, MOMENT_BYTES
 from strata.train.optim import offload_dir
 from strata.train.run_dir import check_outputs
@@ -85,11 +87,22 @@ def check_offload_space(cfg: TrainConfig, model: ModelConfig) -> None:
     existing = directory
     while not os.path.isdir(existing):  # the directory is made when training starts
         existing = os.path.dirname(os.path.abspath(existing))
-    free = shutil.disk_usage(existing).free
+    try:
+        disk = os.statvfs(existing)
+    except OSError as e:
+        raise ConfigError(f"its free space cannot be read ({e.strerror or e}); choose a directory on a disk",
+                          "offload_dir", directory) from None
+    if disk.f_blocks == 0:  # /proc, /sys: a file system with no storage behind it
+        raise ConfigError(f"{existing} is on a file system with no storage (size 0); choose a directory on a disk",
+                          "offload_dir", directory)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{existing} cannot be written by this user; choose a directory you can write",
+                          "offload_dir", directory)
+    free = disk.f_bavail * disk.f_frsize
     if needed > free:
-        raise ConfigError(f"--offload-dir {directory}: the disk offload needs about {needed / 1e9:.1f} GB there "
-                          f"({per_param} bytes per parameter of {model.num_params() / 1e9:.2f}B) and "
-                          f"{free / 1e9:.1f} GB are free; choose a larger disk")
+        raise ConfigError(f"the disk offload needs about {size_text(needed)} there ({per_param} bytes per parameter of "
+                          f"{model.num_params() / 1e9:.2f}B) and {size_text(free)} are free; choose a larger disk",
+                          "offload_dir", directory)
 
 
 def preflight(cfg: TrainConfig) -> list[str]:
@@ -104,6 +117,8 @@ def preflight(cfg: TrainConfig) -> list[str]:
             raise ConfigError(f"{flag} {path}: is {'a file' if wants_dir else 'a directory'}; "
                               f"want {'a directory' if wants_dir else 'a file'}")
     base = model_shape(cfg)  # reads --init-from's manifest
+    if cfg.init_from:  # every file of it, checksums included (the tokenizer's too, as `generate` checks it)
+        store.check_checkpoint(cfg.init_from)
     if cfg.data != "synthetic":
         meta = read_meta(cfg.data)
         check_windows(meta, sequence_length(cfg, base))
@@ -124,6 +139,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
                               f"train on", "steps", cfg.steps)
     if cfg.save:
         store.check_no_overwrite(cfg.save, steps_to_save(cfg, start_step))
+        store.check_same_run(cfg.save, source)
     return notes
 
 
@@ -139,11 +155,7 @@ def check_same_model(saved, model, path: str) -> None:
 
 
 def _check_resumable(source: str, model) -> int:
-    """The step a checkpoint resumes at, once its manifest, files and model are checked."""
-    path, manifest, reader = store.open_checkpoint(source)
-    check_same_model(store.model_config(manifest, path), model, path)
-    with reader:
-        if not reader.has_optimizer:
-            raise ConfigError(f"--resume {source}: the checkpoint holds no optimizer state (a converted "
-                              f"model?); use --init-from to start training from its weights")
+    """The step a checkpoint resumes at, once its files and its model are checked."""
+    path, manifest, saved = store.check_checkpoint(source, resume=True)
+    check_same_model(saved, model, path)
     return manifest["step"]

@@ -46,7 +46,8 @@ def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
             shards.set_rng_state(reader.rngs.get(run.rank, reader.rngs[0]))
         run.parallel.after_step()  # ZeRO-1/2: gather every rank's loaded shard into the parameters
         if run.versions:
-            _restore_versions(run, reader, manifest["data_position"]["step"] if resume else 0)
+            _restore_versions(run, reader, manifest.get("data_position", {}).get("step", manifest["step"])
+                              if resume else 0)
     run.hf_origin = manifest.get("hf")  # so --to-hf and generate still know the model it came from
     return manifest
 

@@ -364,7 +364,10 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
 def validate_and_log(run: Run, log: RunLog, step: int) -> None:
     val_loss = evaluate(run)
     if not math.isfinite(val_loss):  # every rank alike: the loss was all-reduced
-        raise FloatingPointError(f"step {step}: the validation loss is {val_loss}; stopped (lower --lr, or use bf16/fp32)")
+        advice = {"fp16": "lower --lr, or use bf16 (fp16 overflows above 65504)",
+                  "bf16": "lower --lr or --grad-clip, or try fp32 (bf16 keeps 8 significant bits)"}
+        raise FloatingPointError(f"step {step}: the validation loss is {val_loss}; stopped "
+                                 f"({advice.get(run.cfg.dtype, 'lower --lr or --grad-clip, or add --warmup-steps')})")
     log.evaluation(step, val_loss)
 
 
