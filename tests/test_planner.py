@@ -281,25 +281,49 @@ def test_zero_1_and_2_pay_a_latency_for_each_buckets_collective_as_the_runtime_i
     """The runtime reduce-scatters each --bucket-mb bucket on its own (every micro-batch under
     ZeRO-2) and all-gathers each bucket's updated shards after the step: on a link of latency only,
     the planner's data-parallel time is that many latencies, with the bucket count the runtime's
-    own for `small` (3 buckets of 25 MB)."""
+    own (one rule cuts both: strata/rules/buckets.py), whatever --bucket-mb is."""
     from dataclasses import replace
 
     import torch
 
     from strata.model.transformer import Transformer
     from strata.parallel.buckets import bucket_elements, plan_buckets
+    from strata.plan.buckets import bucket_parts
     from strata.plan.data_parallel import data_parallel_seconds
-    from strata.rules.constants import BUCKET_MB
-    model = Transformer(get_preset("small"))
-    buckets, _ = plan_buckets(list(reversed(list(model.parameters()))), bucket_elements(BUCKET_MB, torch.float32), 4)
+    cfg = get_preset("small")
+    model = Transformer(cfg)
     params = sum(p.numel() for p in model.parameters())
     latency = 1e-3
     cluster = replace(_selene(1), intra_bandwidth=float("inf"), intra_latency=latency, overlap=False)
     step = (4 - 1) * latency  # one ring collective over 4 ranks: 3 steps
-    for zero, m, collectives in ((1, 2, len(buckets) * (1 + 1)), (2, 2, len(buckets) * (2 + 1)),
-                                 (2, 4, len(buckets) * (4 + 1))):
-        total, exposed, _ = data_parallel_seconds(cluster, Layout(dp=4, zero=zero), params, m, 0.0, 0.0, 6)
-        assert len(buckets) == 3 and total == exposed == pytest.approx(collectives * step)
+    counts = {}
+    for bucket_mb in (0.5, 4.0, 25.0, 1000.0):
+        buckets, _ = plan_buckets(list(reversed(list(model.parameters()))), bucket_elements(bucket_mb, torch.float32), 4)
+        parts = bucket_parts(cfg, cfg.n_layers, True, True, None, params, bucket_mb)
+        counts[bucket_mb] = parts.count
+        assert parts.count == len(buckets)
+        assert sorted(size for size, n in parts.sizes for _ in range(n)) == \
+            sorted(sum(p.numel() for p in b.params) for b in buckets)
+        for zero, m, collectives in ((0, 2, len(buckets)), (1, 2, len(buckets) * (1 + 1)),
+                                     (2, 2, len(buckets) * (2 + 1)), (2, 4, len(buckets) * (4 + 1))):
+            total, exposed, _ = data_parallel_seconds(cluster, Layout(dp=4, zero=zero), parts, m, 0.0, 0.0)
+            ring = 2 if zero == 0 else 1  # an all-reduce is a reduce-scatter and an all-gather
+            assert total == exposed == pytest.approx(collectives * ring * step)
+        # and the estimate reads the workload's --bucket-mb
+        work = replace(workload(cfg, 16, 128, "bf16"), bucket_mb=bucket_mb)
+        e = estimate(work, cluster, Layout(dp=4, zero=1, micro_batch=2))
+        assert e.comm_seconds["dp"] == pytest.approx(len(buckets) * 2 * step)
+    assert counts[25.0] == 3 and counts[0.5] > counts[4.0] > counts[25.0] > counts[1000.0] == 1
+
+
+def test_plan_prices_the_bucket_mb_it_is_given(capsys):
+    """`strata plan --bucket-mb`: smaller buckets, more collectives, more data-parallel time."""
+    dp = {}
+    for bucket_mb in ("0.05", "25"):
+        assert strata_main(["plan", "--model", "small", "--gpus-per-node", "4", "--layout", "dp=4,zero=1,mb=1",
+                            "--bucket-mb", bucket_mb, "--json"]) == 0
+        dp[bucket_mb] = json.loads(capsys.readouterr().out)["layouts"][0]["comm_seconds"]["dp"]
+    assert dp["0.05"] > dp["25"] > 0
 
 
 def test_a_bubble_slot_lasts_the_other_stages_micro_batch():

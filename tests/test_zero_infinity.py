@@ -135,7 +135,7 @@ def test_checkpoints_cross_between_offloaded_and_in_memory_runs(tmp_path):
     (["--parallel", "auto", "--offload-params", "disk"], "--parallel auto chooses the layout; drop --offload-params"),
     # 175B x 16 bytes: 2.8 TB of files, more than any test machine's disk (checked before any work)
     (["--model", "gpt3-175b", "--offload-params", "disk", "--offload", "disk", "--offload-dir", "/tmp/strata-x"],
-     "--offload-dir /tmp/strata-x: the disk offload needs about 2793.7 GB"),
+     "--offload-dir /tmp/strata-x: the disk offload needs about 2.8 TB"),
 ])
 def test_bad_offload_flags_get_one_line(flags, says):
     done = subprocess.run([sys.executable, "-m", "strata", "train", "--steps", "1", *flags],

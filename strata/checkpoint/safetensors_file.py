@@ -15,6 +15,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from strata.checkpoint.records import whole
 from strata.errors import CorruptError
 
 # Bytes per element of the dtypes strata writes (its checkpoints hold floating-point values only).
@@ -79,9 +80,9 @@ def _entry(name: str, entry: object, what: str) -> tuple[TensorEntry, tuple[int,
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in FLOAT_BYTES:
         raise CorruptError(_damaged(what, f"tensor {name!r} has dtype {dtype!r}; want one of {', '.join(FLOAT_BYTES)}"))
-    if not isinstance(shape, list) or not all(_whole(n) for n in shape):
+    if not isinstance(shape, list) or not all(whole(n) for n in shape):
         raise CorruptError(_damaged(what, f"tensor {name!r} has shape {shape!r}; want whole numbers"))
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(n) for n in offsets) \
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(whole(n) for n in offsets) \
             or offsets[0] > offsets[1]:
         raise CorruptError(_damaged(what, f"tensor {name!r} has data_offsets {offsets!r}; want [begin, end]"))
     tensor = TensorEntry(dtype, tuple(shape))
@@ -90,9 +91,6 @@ def _entry(name: str, entry: object, what: str) -> tuple[TensorEntry, tuple[int,
                                           f"of {dtype}"))
     return tensor, (offsets[0], offsets[1], name)
 
-
-def _whole(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _damaged(what: str, why: str) -> str:

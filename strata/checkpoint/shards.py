@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from strata.checkpoint.records import whole
 from strata.checkpoint.safetensors_file import read_header
 from strata.errors import ConfigError, CorruptError
 from strata.files import inside, read_json_object
@@ -166,7 +167,7 @@ class ShardReader:
         if step is not None and not (isinstance(step, (int, float)) and not isinstance(step, bool)
                                      and 0 <= step < 2 ** 53):  # a float counts exactly up to 2**53
             raise CorruptError(f"{what}: optimizer_step {step!r} is not a step count")
-        if not isinstance(versions, list) or not all(_whole(age) and age >= 1 for age in versions):
+        if not isinstance(versions, list) or not all(whole(age) and age >= 1 for age in versions):
             raise CorruptError(f"{what}: versions {versions!r} must list whole numbers >= 1")
         problem = rng_problem(meta.get("rng"))
         if problem:
@@ -313,7 +314,7 @@ def region_from_json(raw: object, what: str) -> Region:
     if not isinstance(raw, dict) or not set(REGION_FIELDS) <= set(raw) or set(raw) - {*REGION_FIELDS, "more"}:
         raise CorruptError(f"{what}: a region must have {', '.join(REGION_FIELDS)}, and may have more")
     shape, more = raw["shape"], raw.get("more", [])
-    if not isinstance(shape, list) or not shape or not all(_whole(n) and n >= 1 for n in shape):
+    if not isinstance(shape, list) or not shape or not all(whole(n) and n >= 1 for n in shape):
         raise CorruptError(f"{what}: shape {shape!r} must list whole numbers >= 1")
     if not isinstance(more, list) or not all(isinstance(cut, list) and len(cut) == 3 for cut in more):
         raise CorruptError(f"{what}: more {more!r} must list [dim, start, length] cuts")
@@ -324,13 +325,13 @@ def region_from_json(raw: object, what: str) -> Region:
         cuts = []
     dims = [dim for dim, _, _ in cuts]
     for dim, start, length in cuts:
-        if not (_whole(dim) and dim < len(shape) and _whole(start) and _whole(length)) or dims.count(dim) > 1 \
+        if not (whole(dim) and dim < len(shape) and whole(start) and whole(length)) or dims.count(dim) > 1 \
                 or not 1 <= length <= shape[dim]:
             raise CorruptError(f"{what}: the cut {[dim, start, length]} does not fit in shape {shape}")
     region = Region(tuple(shape), raw["dim"], raw["start"], raw["length"], 0, 0,
                     tuple(tuple(cut) for cut in more))
     lo, hi = raw["lo"], raw["hi"]
-    if not (_whole(lo) and _whole(hi) and lo <= hi <= math.prod(region.box)):
+    if not (whole(lo) and whole(hi) and lo <= hi <= math.prod(region.box)):
         raise CorruptError(f"{what}: the range [{lo!r}, {hi!r}) does not fit in its box of {math.prod(region.box)} "
                            f"elements")
     return replace(region, lo=lo, hi=hi)
@@ -348,9 +349,6 @@ def _check_cover(name: str, entries: list[tuple[str, Region]], what: str) -> Non
         raise CorruptError(f"{what}: {name!r} has shape {list(shape)} ({math.prod(shape)} elements) and its pieces "
                            f"hold {held}")
 
-
-def _whole(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _overlap(a, b):
@@ -418,7 +416,7 @@ def rng_problem(state: object) -> str | None:
         for name in ("torch", "cuda"):
             if name in state:
                 values = state[name]
-                if not isinstance(values, list) or not all(_whole(v) and v < 256 for v in values):
+                if not isinstance(values, list) or not all(whole(v) and v < 256 for v in values):
                     return f"{name}: want a list of bytes"
         torch.Generator().set_state(torch.tensor(state["torch"], dtype=torch.uint8))
         kind, keys, pos, has_gauss, gauss = state["numpy"]

@@ -28,12 +28,11 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import fields
 
-import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from strata.checkpoint.records import check_records, field_problem, whole
 from strata.checkpoint.shards import ShardReader
 from strata.errors import ConfigError, CorruptError
 from strata.files import inside, read_json_object
@@ -264,14 +263,14 @@ def resolve(path: str) -> str:
 
 def _manifest(path: str) -> dict:
     """The manifest's JSON, its shape checked: every listed file a plain name with a size and a
-    sha256, and every field a reader uses of the type it uses (see `_check_records`)."""
+    sha256, and every field a reader uses of the type it uses (see checkpoint/records.py)."""
     where = inside(path, MANIFEST, f"checkpoint {path}")
     manifest = read_json_object(where, "a checkpoint's manifest")
     if manifest.get("format") != FORMAT:
         raise CorruptError(f"{where}: format {manifest.get('format')!r}; this strata reads {FORMAT!r}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(
-            isinstance(e, dict) and _whole(e.get("bytes")) and isinstance(e.get("sha256"), str)
+            isinstance(e, dict) and whole(e.get("bytes")) and isinstance(e.get("sha256"), str)
             and _SHA256.fullmatch(e["sha256"]) for e in files.values()):
         raise CorruptError(f"{where}: 'files' must map each file name to its bytes and sha256 (64 hex digits)")
     for name in files:
@@ -281,41 +280,8 @@ def _manifest(path: str) -> dict:
             raise CorruptError(f"{where}: {key!r} is missing or not a {kind.__name__}")
     if manifest["step"] < 0:
         raise CorruptError(f"{where}: 'step' is {manifest['step']}; want a step count >= 0")
-    _check_records(manifest, where)
+    check_records(manifest, where)
     return manifest
-
-
-def _whole(value: object, least: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _check_records(manifest: dict, where: str) -> None:
-    """The optional records readers use: the run's config and layout (objects), the data position
-    and the loss scaler (counts, a finite positive scale), and a converted model's record of its
-    Hugging Face origin (its config.json, tensor names, dtype and side files)."""
-    for key in ("config", "layout", "data_position", "loss_scaler", "hf"):
-        if key in manifest and not isinstance(manifest[key], dict):
-            raise CorruptError(f"{where}: {key!r} is a JSON {type(manifest[key]).__name__}, not an object")
-    problems = []
-    position = manifest.get("data_position", {})
-    problems += [f"data_position.{k}" for k in ("step", "sequences") if k in position and not _whole(position[k])]
-    scaler = manifest.get("loss_scaler")
-    if scaler is not None:
-        scale = scaler.get("scale")
-        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf):
-            problems.append("loss_scaler.scale")
-        problems += [f"loss_scaler.{k}" for k in ("good_steps", "skipped_steps") if not _whole(scaler.get(k))]
-    layout = manifest.get("layout", {})
-    problems += [f"layout.{k}" for k in ("dp", "cp", "tp", "pp") if k in layout and not _whole(layout[k], 1)]
-    origin = manifest.get("hf", {})
-    checks = {"config": lambda v: isinstance(v, dict), "source": lambda v: isinstance(v, str),
-              "keys": lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
-              "dtype": lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype)
-              and getattr(torch, v).is_floating_point,
-              "side_files": lambda v: isinstance(v, dict) and all(isinstance(c, dict) for c in v.values())}
-    problems += [f"hf.{k}" for k, ok in checks.items() if k in origin and not ok(origin[k])]
-    if problems:
-        raise CorruptError(f"{where}: {problems[0]} is not what strata writes there")
 
 
 def read_state(path: str) -> dict:
@@ -333,27 +299,9 @@ def read_state(path: str) -> dict:
     return manifest
 
 
-# What a ModelConfig field's annotation lets a manifest hold (ModelConfig.validate checks ranges and
-# choices; a flag given as a string, or a count as a float, would pass it and fail far later).
-_FIELD_TYPES = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-                "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
-                "None": lambda v: v is None}
-
-
-def _field_problem(raw: dict) -> str | None:
-    for f in fields(ModelConfig):
-        kinds = [k.strip() for k in str(f.type).split("|")]
-        kinds = ["str" if k.startswith("Literal[") else k for k in kinds]
-        if f.name in raw and all(k in _FIELD_TYPES for k in kinds) and \
-                not any(_FIELD_TYPES[k](raw[f.name]) for k in kinds):
-            return f"{f.name}={repr(raw[f.name])[:40]}: want {' or '.join(kinds)}"
-    return None
-
-
 def model_config(manifest: dict, path: str) -> ModelConfig:
     """The model shape a checkpoint records."""
-    problem = _field_problem(manifest["model_config"])
+    problem = field_problem(manifest["model_config"])
     if problem:
         raise CorruptError(f"checkpoint {path}: its model_config is not a valid model ({problem})")
     try:

@@ -9,7 +9,7 @@ from dataclasses import MISSING, fields
 
 from strata.config import TrainConfig
 from strata.errors import ConfigError
-from strata.rules.constants import DEFAULT_EFFICIENCY
+from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
 from strata.rules.dtypes import DTYPES
 from strata.rules.schedules import SCHEDULES
 
@@ -141,6 +141,9 @@ def _plan(sub) -> None:
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     plan.add_argument("--precision", default="bf16", help="bf16 | fp16 (mixed precision, 16 bytes/parameter) | fp32")
     plan.add_argument("--optimizer", help="adamw (two fp32 moments; the default) | sgd (with momentum: one)")
+    plan.add_argument("--bucket-mb", type=float, help=f"gradient bucket size (MB) of data parallelism and ZeRO-1/2, as "
+                                                      f"`strata train --bucket-mb`: one collective each (default: "
+                                                      f"{BUCKET_MB:g})")
     plan.add_argument("--layout", help="evaluate one layout instead of searching, e.g. dp=8,tp=8,pp=16,zero=1,mb=1,ckpt=full")
     plan.add_argument("--top", type=int, default=10, help="layouts to show")
     plan.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')

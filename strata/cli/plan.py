@@ -27,11 +27,11 @@ from strata.plan.inputs import (
 from strata.plan.report import chart, parse_layout, serving_table, table
 from strata.plan.run_cost import fastest_days, parse_count, run_cost, smallest_cluster
 from strata.plan.search import distinct, explain, refusal, search
-from strata.rules.constants import DEFAULT_EFFICIENCY
+from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
 from strata.rules.limits import CEILINGS, check_ceiling
 
 # The flags only one of plan's modes reads (--nodes has its own line: --inference plans one node)
-TRAINING_ONLY = ("global_batch", "seq_len", "optimizer", "layout", "explain", "chart", "no_offload", "allow_async",
+TRAINING_ONLY = ("global_batch", "seq_len", "optimizer", "bucket_mb", "layout", "explain", "chart", "no_offload", "allow_async",
                  "network", "nics_per_node", "tokens", "price_per_device_hour", "days")
 SERVING_ONLY = ("batch", "context", "per_layer_us", "per_token_us")
 
@@ -62,7 +62,8 @@ def check_mode_flags(args) -> None:
 def run_plan(args) -> int:
     from strata.checkpoint.models import resolve_model  # torch comes with checkpoints: only when planning
     model = resolve_model(args.model)
-    work = workload(model, args.global_batch, args.seq_len, args.precision, args.optimizer)
+    work = workload(model, args.global_batch, args.seq_len, args.precision, args.optimizer,
+                    BUCKET_MB if args.bucket_mb is None else args.bucket_mb)
     tokens, nodes = _check_cost_flags(args)
 
     def cluster_of(nodes: int):

@@ -11,7 +11,7 @@ import os
 from strata.errors import ConfigError
 from strata.files import check_image_file, check_output_dir, check_output_file
 from strata.rules.devices import check_device
-from strata.rules.layout import Layout, check_schedule
+from strata.rules.layout import Layout, check_schedule, data_parallel_degree
 from strata.rules.schedules import MAX_SIMULATED_ACTIONS, SCHEDULES, build, profile, unit_costs
 
 # What each command writes, by command: (flag's field, kind). "image": a picture (its suffix says
@@ -177,7 +177,8 @@ def _bench_comm(args, argv) -> int:
               (min(args.tp, args.pp) < 1 or args.nproc % (args.tp * args.pp) == 0,
                f"--tp {args.tp} x --pp {args.pp} does not divide --nproc {args.nproc}")]
     if args.dim and not bad and args.tp >= 1 and args.pp >= 1 and args.nproc % (args.tp * args.pp) == 0:
-        size = {"tp": args.tp, "pp": args.pp, "dp": args.nproc // (args.tp * args.pp)}.get(args.dim, 2)
+        degrees = {"tp": args.tp, "pp": args.pp, "dp": data_parallel_degree(args.nproc, tp=args.tp, pp=args.pp)}
+        size = degrees.get(args.dim, 2)
         checks.append((size >= 2, f"--dim {args.dim}: its groups have {size} rank; set --{args.dim} 2 or more"
                                   if args.dim != "dp" else f"--dim dp: dp is 1 with --tp {args.tp} --pp {args.pp}"))
     for ok, message in checks:

@@ -19,15 +19,18 @@ def checked_train(args, argv: list[str], world_size: int | None, in_a_rank: bool
     """The run's config, every setting and file checked (in the process that starts the ranks, so
     a problem is one line), and the argv the ranks get (with --parallel auto's choice). The world
     size is the launched one, or --nproc's."""
-    from strata.train.preflight import DONE, checked_model, model_shape, preflight
+    from strata.train.preflight import DONE, check_model_flag, checked_model, model_shape, preflight
     flag_values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     file_values = load_toml(args.config) if args.config else {}
     cfg = make_config(file_values, flag_values)
     world_size = world_size or cfg.nproc
     checked_already = DONE in os.environ
     if not checked_already:  # the user's settings (the ranks' argv holds the launcher's choices too)
-        check_given(cfg, given_settings(file_values, flag_values))
+        given = given_settings(file_values, flag_values)
+        check_given(cfg, given)
         check_output_paths(cfg)
+        if "model" in given and cfg.init_from is not None:
+            check_model_flag(cfg)
     if cfg.parallel == "auto":
         from strata.config import check_run_settings
         from strata.train.auto import as_flags, choose

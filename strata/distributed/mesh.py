@@ -3,8 +3,10 @@
 Rank order (row-major over (pp, dp, cp, tp)): tp innermost, so a tensor-parallel group is a run of
 adjacent ranks and stays inside one node on a real cluster; cp next, so a context-parallel group,
 which exchanges keys and values in every layer, comes next closest; dp; pp outermost, so pipeline
-stages are the groups that cross nodes. Process groups come from `init_device_mesh` and are passed
-to whoever needs them; no module builds its own."""
+stages are the groups that cross nodes. Process groups are made in this module only (the device
+mesh's from `init_device_mesh`, the rest by enumeration, every rank taking part) and passed to
+whoever needs them; no other module builds a group or computes a rank's coordinates
+(tests/test_mesh_owner.py checks it)."""
 
 from __future__ import annotations
 
@@ -112,6 +114,78 @@ def expert_axes(dims: ParallelDims, ep: int, rank: int, timeout_s: float) -> tup
             group, _ = dist.new_subgroups_by_enumeration(everywhere, timeout=timedelta(seconds=timeout_s))
         axes.append(Axis(group, name, len(mine), mine.index(rank)))
     return axes[0], axes[1]
+
+
+
+def embedding_group(dims: ParallelDims, rank: int, timeout_s: float):
+    """The process group of the first and the last stage's ranks at this rank's (dp, cp, tp) place,
+    over which a tied embedding's gradients are summed; None on the other stages. Every rank
+    creates every such group (torch.distributed requires it), in the same order."""
+    mine = None
+    for dp in range(dims.dp):
+        for cp in range(dims.cp):
+            for tp in range(dims.tp):
+                ranks = [dims.rank_at(0, dp, tp, cp), dims.rank_at(dims.pp - 1, dp, tp, cp)]
+                group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+                if rank in ranks:
+                    mine = group
+    return mine
+
+
+def consecutive_groups(world_size: int, size: int, rank: int):
+    """Groups of `size` adjacent ranks covering the world (as the tp groups of a dp x tp layout
+    are), every one created by every rank; this rank's."""
+    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world_size, size)]
+    return groups[rank // size]
+
+
+@dataclass
+class Mesh:
+    """Every process group of a training run and this rank's coordinates, made here and only
+    here (tests/test_mesh_owner.py holds every other module to it): the device mesh's cp, tp and
+    pp groups; "dp", the ranks that average gradients (dp x cp); and, on demand, the groups
+    that only some layouts need. Every rank calls the same methods in the same order, as
+    torch.distributed requires of group creation."""
+    dims: ParallelDims
+    rank: int
+    timeout_s: float
+    groups: dict  # "dp", "cp", "tp", "pp" -> the group, None where the dimension has one rank
+
+    @classmethod
+    def build(cls, dims: ParallelDims, rank: int, device_type: str, timeout_s: float) -> Mesh:
+        mesh = dims.build_mesh(device_type)
+        groups = {name: mesh[name].get_group() if mesh is not None and getattr(dims, name) > 1 else None
+                  for name in ("cp", "tp", "pp")}
+        groups["dp"] = dims.replica_group(mesh, timeout_s) if mesh is not None else None
+        return cls(dims, rank, timeout_s, groups)
+
+    def coordinate(self, name: str) -> int:
+        """This rank's place on the dimension `name` (pp, dp, cp or tp)."""
+        return self.dims.coordinates(self.rank)[name]
+
+    def context_axis(self) -> Axis | None:
+        return Axis(self.groups["cp"], "cp", self.dims.cp, self.coordinate("cp")) if self.dims.cp > 1 else None
+
+    def tensor_axes(self, grid: TensorGrid) -> dict[str, Axis]:
+        """The tensor-parallel group and its grid's sub-groups (`grid_axes`)."""
+        return grid_axes(self.dims, grid, self.rank, self.groups["tp"], self.timeout_s)
+
+    def expert_axes(self, ep: int) -> tuple[Axis, Axis]:
+        return expert_axes(self.dims, ep, self.rank, self.timeout_s)
+
+    def pipeline_links(self, wraps: bool) -> PipelineLinks:
+        return pipeline_links(self.dims, self.rank, wraps, self.timeout_s)
+
+    def embedding_group(self):
+        return embedding_group(self.dims, self.rank, self.timeout_s)
+
+    def side_group(self):
+        """A gloo group of every rank, apart from the training's own groups: checkpoint saves
+        coordinate on it, so a background save never interleaves with training's collectives.
+        None for one process."""
+        if self.dims.world_size == 1:
+            return None
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
 
 
 

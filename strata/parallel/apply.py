@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from strata.config import TrainConfig, sequence_length
 from strata.memory.checkpointing import apply_checkpointing
+from strata.memory.offloaded_shards import OffloadedShards
 from strata.memory.tiers import OffloadedActivations, Tier
 from strata.model.config import ModelConfig
 from strata.model.transformer import Transformer, build_model, initial_value
@@ -26,6 +27,7 @@ from strata.parallel.data import DataParallel, DataParallelSettings
 from strata.parallel.expert import ExpertAxes, ExpertSplit, apply_expert_parallel, set_capacity
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
 from strata.parallel.pipeline.stage import keep_stage, tied_copy
+from strata.parallel.sharding import ShardingStrategy
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs
 from strata.parallel.tensor_nd import GridGroups, apply_grid_parallel
 from strata.parallel.zero3 import ShardParameters
@@ -73,8 +75,10 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                                     **on_wire)
     if cfg.zero == 3:  # (without pipeline stages: no tied copy to leave out)
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
-        tier = Tier(cfg.offload_params, "params", offload_dir, rank) if cfg.offload_params != "none" else None
-        sharding = ShardParameters(model, settings, lambda name: init(name).to(device, dtype), device, dtype, tier)
+        offload = OffloadedShards(Tier(cfg.offload_params, "params", offload_dir, rank)) \
+            if cfg.offload_params != "none" else None
+        sharding: ShardingStrategy = ShardParameters(model, settings, lambda name: init(name).to(device, dtype),
+                                                     device, dtype, offload)
     else:
         model = model.to_empty(device=device).to(dtype)
         with torch.no_grad():

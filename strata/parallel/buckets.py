@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strata.rules import buckets as buckets_rule
+
 
 @dataclass
 class Bucket:
@@ -43,23 +45,12 @@ class Piece:
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_elems: int, dp_size: int) -> tuple[list[Bucket], int]:
-    """Group `params` (in the order given) into buckets of about bucket_elems elements."""
-    buckets: list[Bucket] = []
-    current = Bucket(0, 0, 0)
-    for p in params:
-        if current.params and current.size + p.numel() > bucket_elems:
-            buckets.append(_close(current, dp_size))
-            current = Bucket(len(buckets), buckets[-1].start + buckets[-1].size, 0)
-        current.params.append(p)
-        current.offsets.append(current.start + current.size)
-        current.size += p.numel()
-    buckets.append(_close(current, dp_size))
+    """Group `params` (in the order given) into buckets of about bucket_elems elements (the cut:
+    strata/rules/buckets.py, which the planner counts collectives with)."""
+    plans = buckets_rule.plan_buckets([p.numel() for p in params], bucket_elems, dp_size)
+    buckets = [Bucket(index, plan.start, plan.size, [params[i] for i in plan.members], list(plan.offsets))
+               for index, plan in enumerate(plans)]
     return buckets, buckets[-1].start + buckets[-1].size
-
-
-def _close(bucket: Bucket, dp_size: int) -> Bucket:
-    bucket.size = -(-bucket.size // dp_size) * dp_size
-    return bucket
 
 
 def shard_pieces(buckets: list[Bucket], dp_rank: int, dp_size: int) -> list[Piece]:
@@ -75,4 +66,4 @@ def shard_pieces(buckets: list[Bucket], dp_rank: int, dp_size: int) -> list[Piec
 
 
 def bucket_elements(bucket_mb: float, dtype: torch.dtype) -> int:
-    return max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=dtype).element_size()))
+    return buckets_rule.bucket_elements(bucket_mb, torch.tensor([], dtype=dtype).element_size())

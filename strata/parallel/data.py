@@ -1,11 +1,12 @@
 """Data parallelism at any ZeRO stage, as the trainer, the optimizer and checkpoints see it.
 
-`DataParallel` is composed of a sharding strategy, one per stage (strata/parallel/gradients.py:
-`Replicate` for ZeRO-0, `ShardOptimizerStates` for ZeRO-1, `ShardGradients` for ZeRO-2;
-strata/parallel/zero3.py: `ShardParameters` for ZeRO-3), which owns where gradients and states
-live and how they are reduced, and settings given when it is built (the process groups, the bucket
-size, the reduce and gather dtypes). What every stage shares lives here: the backward context, the global
-gradient norm and clipping, the tensor-parallel sums, what the optimizer and a checkpoint see.
+`DataParallel` is composed of a sharding strategy, one per stage, each a `ShardingStrategy`
+(strata/parallel/sharding.py; strata/parallel/gradients.py: `Replicate` for ZeRO-0,
+`ShardOptimizerStates` for ZeRO-1, `ShardGradients` for ZeRO-2; strata/parallel/zero3.py:
+`ShardParameters` for ZeRO-3), which owns where gradients and states live and how they are
+reduced, and settings given when it is built (the process groups, the bucket size, the reduce and
+gather dtypes). What every stage shares lives here: the backward context, the global gradient norm
+and clipping, the tensor-parallel sums, what the optimizer and a checkpoint see.
 With no process group it is the single-process case and never communicates."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strata.distributed import comm
-from strata.parallel.gradients import tensor_bytes
+from strata.parallel.sharding import ShardingStrategy, tensor_bytes
 from strata.parallel.tensor import ShardSpec, shard_specs
 from strata.rules.constants import BUCKET_MB
 
@@ -51,7 +52,8 @@ class DataParallelSettings:
 
 
 class DataParallel:
-    def __init__(self, model: nn.Module, sharding, settings: DataParallelSettings, activations=None):
+    def __init__(self, model: nn.Module, sharding: ShardingStrategy, settings: DataParallelSettings,
+                 activations=None):
         """sharding: the ZeRO stage's strategy, already holding the model's parameters.
         activations: the tier checkpointed activations are offloaded to (closed with the rest)."""
         self.model, self.sharding, self.settings, self.activations = model, sharding, settings, activations
@@ -81,7 +83,7 @@ class DataParallel:
         one under ZeRO-2/3)."""
         with self.sharding.backward(is_last_micro_batch or self.sharding.reduce_every_micro_batch, is_last_micro_batch):
             yield
-        if is_last_micro_batch and not self.sharding.offloaded_bytes:  # offloaded: summed as they left
+        if is_last_micro_batch and not self.sharding.offloaded:  # offloaded: summed as they left
             self._sum_partial_grads_over_tp()
 
     def reduce_gradients(self) -> None:
@@ -189,7 +191,9 @@ class DataParallel:
     # --- what is held and saved ---------------------------------------------------------------------
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Model-state bytes this rank holds, counted from the tensors (padding not included)."""
-        return {**self.sharding.held_bytes(), "optimizer": optimizer_state_bytes(optimizer)}
+        held = self.sharding.stats()
+        return {"params": held["params_bytes"], "grads": held["grads_bytes"],
+                "optimizer": optimizer_state_bytes(optimizer)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The logical model's tensors on this rank (ZeRO-3 gathers them a unit at a time)."""

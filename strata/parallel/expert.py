@@ -12,6 +12,7 @@ stays layout-free; their gradients are reduced over the expert-data-parallel gro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -22,6 +23,7 @@ from torch import nn
 from strata.distributed import comm
 from strata.distributed.mesh import Axis
 from strata.model.families import get_family
+from strata.parallel.sharding import ShardingStrategy
 from strata.parallel.tensor import ShardSpec
 
 GROUP, DATA_GROUP = "ep", "edp"
@@ -132,13 +134,13 @@ class ExpertSplit:
     """A ZeRO stage's strategy twice: over the dense parameters with the data-parallel group, over
     the experts' with the expert-data-parallel one. It answers what DataParallel asks of one strategy."""
 
-    def __init__(self, dense_part, expert_part, expert_names: set[str]):
+    def __init__(self, dense_part: ShardingStrategy, expert_part: ShardingStrategy, expert_names: set[str]):
         self.dense_part, self.expert_part, self.expert_names = dense_part, expert_part, expert_names
         self.parts = (dense_part, expert_part)
         self.params = dense_part.params + expert_part.params
         self.stage = dense_part.stage
         self.reduce_every_micro_batch = dense_part.reduce_every_micro_batch
-        self.offloaded_bytes = 0
+        self.offloaded = False  # ZeRO-Infinity is ZeRO-3's, which parallelize() runs without this split
 
     @contextmanager
     def backward(self, sync: bool, final: bool = True):
@@ -147,51 +149,60 @@ class ExpertSplit:
                 stack.enter_context(part.backward(sync, final))
             yield
 
-    def _each(self, method: str, *args) -> list:
-        return [getattr(part, method)(*args) for part in self.parts]
-
-    def _joined(self, method: str) -> list:
-        return [item for items in self._each(method) for item in items]
+    def _joined(self, answers: Callable[[ShardingStrategy], list]) -> list:
+        return [item for part in self.parts for item in answers(part)]
 
     def grad_pairs(self):
-        return self._joined("grad_pairs")
+        return self._joined(lambda part: part.grad_pairs())
 
     def grad_norm_pairs(self):
-        return self._joined("grad_norm_pairs")
+        return self._joined(lambda part: part.grad_norm_pairs())
 
     def optimizer_pieces(self):
         """Matrices first, as each strategy orders its own: the optimizer's decayed group, then the
         rest (DataParallel.optimizer_param_groups), so its state i is piece i."""
-        pieces = self._joined("optimizer_pieces")
+        pieces = self._joined(lambda part: part.optimizer_pieces())
         return [pc for pc in pieces if pc[1].dim() >= 2] + [pc for pc in pieces if pc[1].dim() < 2]
 
+    def stream_units(self):
+        for part in self.parts:
+            yield from part.stream_units()
+
     def reduce_all(self) -> None:
-        self._each("reduce_all")
+        for part in self.parts:
+            part.reduce_all()
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        self._each("clip_", max_norm, total_norm)
+        for part in self.parts:
+            part.clip_(max_norm, total_norm)
 
     def prepare_step(self) -> None:
-        self._each("prepare_step")
+        for part in self.parts:
+            part.prepare_step()
 
     def separate_optimizer_targets(self) -> None:
-        self._each("separate_optimizer_targets")
+        for part in self.parts:
+            part.separate_optimizer_targets()
 
     def after_step(self) -> None:
-        self._each("after_step")
+        for part in self.parts:
+            part.after_step()
 
     def zero_grad(self) -> None:
-        self._each("zero_grad")
+        for part in self.parts:
+            part.zero_grad()
 
     def close(self) -> None:
-        self._each("close")
+        for part in self.parts:
+            part.close()
 
-    def held_bytes(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        for part in self._each("held_bytes"):
-            for key, value in part.items():
-                held[key] = held.get(key, 0) + value
-        return held
+    def stats(self) -> dict[str, int]:
+        """Both parts' counters, summed (ZeRO-2 keeps each part's staging buffers)."""
+        counters: dict[str, int] = {}
+        for part in self.parts:
+            for key, value in part.stats().items():
+                counters[key] = counters.get(key, 0) + value
+        return counters
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Each parameter as its own strategy holds it (ZeRO-1/2 gather their masters)."""

@@ -3,9 +3,10 @@ it; the stages differ only in what a bucket's reduction does and what the optimi
 
 As the field does it (Li et al., "PyTorch Distributed", VLDB 2020; megatron-core's
 param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
-- `BucketReductions` counts each bucket's arriving gradients (post-accumulate-grad hooks) and starts
-  the bucket's collective when the last one is in, overlapping the rest of backward, with at most
-  two collectives in flight. Micro-batches before the last of an accumulation communicate nothing.
+- `BucketReductions` (strata/parallel/bucket_reductions.py) counts each bucket's arriving gradients
+  (post-accumulate-grad hooks) and starts the bucket's collective when the last one is in,
+  overlapping the rest of backward, with at most two collectives in flight. Micro-batches before
+  the last of an accumulation communicate nothing.
 - The reductions sum: the average over the data-parallel ranks is in each rank's loss already
   (`DataParallel.loss_factor`, 1/dp), as DDP divides while copying into its buckets, so no stage
   makes a pass over the gradients to divide them.
@@ -21,78 +22,21 @@ param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
   this runs every micro-batch (as in DeepSpeed), since no full gradient survives between them.
 Per step and rank each moves 2Ψ(N-1)/N: an all-reduce, or a reduce-scatter plus an all-gather.
 Gradients travel in the reduce dtype, ZeRO-1/2's parameters in the gather dtype (bf16: the
-weights are bf16 copies of fp32 master shards, `_ShardedBuckets`)."""
+weights are bf16 copies of fp32 master shards, `_ShardedBuckets`). Each stage is a
+`ShardingStrategy` (strata/parallel/sharding.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from torch import nn
 
 from strata.distributed import comm
+from strata.parallel.bucket_reductions import BucketReductions
 from strata.parallel.buckets import Bucket, Piece, bucket_elements, plan_buckets, shard_pieces
+from strata.parallel.sharding import gather_shards, pair_norms, sharded_optimizer_pieces, tensor_bytes
 from strata.rules.constants import MAX_IN_FLIGHT
-
-
-class BucketReductions:
-    """Starts each bucket's reduction when its last gradient arrives; `sync` off (an accumulation
-    micro-step) lets gradients just add up. What a reduction does is the stage's: `collect` puts a
-    parameter's gradient where the bucket is reduced from, `start` launches the collective,
-    `finish` uses its result."""
-
-    def __init__(self, buckets: list[Bucket], collect: Callable[[Bucket, nn.Parameter], None],
-                 start: Callable[[Bucket], object], finish: Callable[[Bucket], None], hooked: bool):
-        self.buckets, self.collect, self.start, self.finish = buckets, collect, start, finish
-        self.sync = True
-        self._ready = [0] * len(buckets)
-        self._launched = [False] * len(buckets)
-        self._pending: list = []
-        # A hook is held by the parameter's C++ side, where Python's collector cannot see the cycle
-        # (parameter -> hook -> this -> the buckets -> parameter): removed at close(), or a run
-        # inside a longer process would keep its model, its buffers and its process groups.
-        self.handles = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket))
-                        for bucket in buckets for p in bucket.params] if hooked else []
-
-    def remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
-        # Into place on every micro-batch: after the first, autograd adds into the buffer's view,
-        # so accumulation holds one copy of the gradients, not autograd's beside the buffer.
-        self.collect(bucket, param)
-        if not self.sync:
-            return  # an accumulation micro-step: nothing is reduced
-        self._ready[bucket.index] += 1
-        if self._ready[bucket.index] == len(bucket.params):
-            self._launch(bucket)
-
-    def _launch(self, bucket: Bucket) -> None:
-        self._launched[bucket.index] = True
-        self._pending.append((bucket, self.start(bucket)))
-        while len(self._pending) > MAX_IN_FLIGHT:
-            self._complete_oldest()
-
-    def _complete_oldest(self) -> None:
-        bucket, work = self._pending.pop(0)
-        work.wait()
-        self.finish(bucket)
-
-    def complete(self) -> None:
-        """Every bucket reduced: those that got no gradient send their zeros too."""
-        for bucket in self.buckets:
-            if not self._launched[bucket.index]:
-                for param in bucket.params:  # including those no gradient reached (collect is idempotent)
-                    self.collect(bucket, param)
-                self._launch(bucket)
-        while self._pending:
-            self._complete_oldest()
-        self._ready = [0] * len(self.buckets)
-        self._launched = [False] * len(self.buckets)
 
 
 class _Buckets:
@@ -100,6 +44,8 @@ class _Buckets:
     multiple of dp (so each splits into equal shards), and the reductions over them."""
 
     reduce_every_micro_batch = False
+    offloaded = False  # everything is in memory (ZeRO-Infinity is ZeRO-3's: zero3.py)
+    expert_names: frozenset[str] = frozenset()  # a mixture's experts get a strategy of their own: ExpertSplit
 
     def __init__(self, params: list[nn.Parameter], settings):
         self.params, self.settings, self.group = params, settings, settings.dp_group
@@ -142,12 +88,22 @@ class _Buckets:
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_([g for g, _ in self.grad_pairs()], max_norm, total_norm)
 
+    def stream_units(self):
+        """Everything is in memory: one group, every tensor the optimizer updates."""
+        yield [tensor for tensor, _, _, _ in self.optimizer_pieces()]
+
+    def separate_optimizer_targets(self) -> None:
+        """Nothing: the optimizer updates views of the flat buffer (or the masters), never the
+        parameter objects (ZeRO-0 overrides this)."""
+
     @contextmanager
     def in_memory(self):
         """Everything is in memory already (ZeRO-3's offloaded shards are not: zero3.py)."""
         yield
 
-    offloaded_bytes = 0
+    def stats(self) -> dict[str, int]:
+        """What this rank holds now (ZeRO-2 adds its staging buffers)."""
+        return {"params_bytes": self._params_bytes(), "grads_bytes": self._grads_bytes()}
 
     def close(self) -> None:
         """The gradient hooks (ZeRO-3 also releases its tier files)."""
@@ -168,6 +124,12 @@ class _Buckets:
         raise NotImplementedError
 
     def _finish(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def _params_bytes(self) -> int:
+        raise NotImplementedError
+
+    def _grads_bytes(self) -> int:
         raise NotImplementedError
 
 
@@ -221,8 +183,11 @@ class Replicate(_Buckets):
         for target in self.targets.values():  # else they would keep the last step's gradients alive
             target.grad = None
 
-    def held_bytes(self) -> dict[str, int]:
-        return {"params": tensor_bytes(self.params), "grads": tensor_bytes(g for g, _ in self.grad_pairs())}
+    def _params_bytes(self) -> int:
+        return tensor_bytes(self.params)
+
+    def _grads_bytes(self) -> int:
+        return tensor_bytes(g for g, _ in self.grad_pairs())
 
 
 class _ShardedBuckets(_Buckets):
@@ -294,12 +259,9 @@ class _ShardedBuckets(_Buckets):
                     state[names[id(p)]] = flat[offset - bucket.start:offset - bucket.start + p.numel()].view(p.shape)
         return state
 
-    def held_bytes(self) -> dict[str, int]:
+    def _params_bytes(self) -> int:
         masters = [self.masters] if self.masters is not None else []
-        return {"params": tensor_bytes([*self.params, *masters]), "grads": self._grad_bytes()}
-
-    def _grad_bytes(self) -> int:
-        raise NotImplementedError
+        return tensor_bytes([*self.params, *masters])
 
 
 class ShardOptimizerStates(_ShardedBuckets):
@@ -337,7 +299,7 @@ class ShardOptimizerStates(_ShardedBuckets):
     def zero_grad(self) -> None:
         self.gradients.release()
 
-    def _grad_bytes(self) -> int:
+    def _grads_bytes(self) -> int:
         return tensor_bytes(self.params) + (tensor_bytes([self.master_grads]) if self.masters is not None else 0)
 
 
@@ -368,6 +330,9 @@ class ShardGradients(_ShardedBuckets):
             p.grad = None
         for piece, shard in zip(self.pieces, self.shard_params):
             shard.grad = self.shard_grad_buffer[piece.shard_index:piece.shard_index + piece.end - piece.start]
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "peak_buffer_bytes": self.peak_buffer_bytes}
 
     def _staging_for(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index not in self._staging:
@@ -404,7 +369,7 @@ class ShardGradients(_ShardedBuckets):
     def zero_grad(self) -> None:
         self.shard_grad_buffer.zero_()
 
-    def _grad_bytes(self) -> int:
+    def _grads_bytes(self) -> int:
         return tensor_bytes(g for g, _ in self.grad_pairs())
 
 
@@ -460,32 +425,3 @@ def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor, dty
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
     return buffer
-
-
-def gather_shards(shard: torch.Tensor, size: int, group, group_name: str = "dp") -> torch.Tensor:
-    """Every rank's equal shard of a flat tensor of `size` elements, all-gathered into a new one."""
-    flat = shard.new_empty(size)
-    comm.all_gather(flat, shard, group, group_name)
-    return flat
-
-
-def sharded_optimizer_pieces(pieces: list[Piece], shard_params: list[torch.Tensor]):
-    """(shard, the parameter it is part of, its flat range in it): what decays first."""
-    pairs = list(zip(shard_params, pieces))
-    ordered = [x for x in pairs if x[1].decays] + [x for x in pairs if not x[1].decays]
-    return [(shard, pc.param, pc.start - pc.offset, pc.end - pc.offset) for shard, pc in ordered]
-
-
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def norm_pairs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each gradient's L2 norm (one kernel per dtype); every stage takes them the same way, so an
-    offloaded run that takes them a unit at a time gets the same bits."""
-    return list(torch._foreach_norm(grads)) if grads else []
-
-
-def pair_norms(pairs: list[tuple[torch.Tensor, nn.Parameter]]) -> list[tuple[torch.Tensor, nn.Parameter]]:
-    """(gradient, parameter) pairs -> (the gradient's norm, parameter)."""
-    return list(zip(norm_pairs([g for g, _ in pairs]), (p for _, p in pairs)))

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
+from strata.plan.buckets import bucket_parts, collective_parts, staged
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
 from strata.plan.context import NO_CONTEXT, ContextComm, context_comm, extra_activation_bytes
 from strata.plan.data_parallel import BYTES, data_parallel_seconds, gradient_pass_seconds, optimizer_seconds
@@ -33,11 +34,12 @@ from strata.plan.hardware import Device
 from strata.plan.links import Cluster, collective_seconds, core_split
 from strata.plan.memory import ModelStates, activation_bytes_per_layer
 from strata.plan.offload import offload_cost, offloads
+from strata.plan.stages import StageLoad, bubble_seconds, micro_batches_in_flight, stage_loads
 from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
-from strata.rules.constants import BUCKET_MB, MAX_IN_FLIGHT
+from strata.rules.constants import BUCKET_MB
 from strata.rules.layout import Layout
-from strata.rules.pipeline_cut import make_layout, unit_costs
-from strata.rules.schedules import SCHEDULES, profile
+from strata.rules.pipeline_cut import unit_costs
+from strata.rules.schedules import SCHEDULES
 
 
 def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
@@ -65,6 +67,7 @@ class Workload:
     # gradient-accumulation fusion); False: each micro-batch's added in a pass of its own (PyTorch's
     # autograd, strata)
     fused_accumulation: bool = False
+    bucket_mb: float = BUCKET_MB  # --bucket-mb: ZeRO-0/1/2's gradient buckets, one collective each
 
 
 @dataclass
@@ -121,36 +124,6 @@ class Estimate:
                 "total_params": self.total_params, "active_params": self.active_params,
                 "all_to_all_seconds": self.all_to_all_s, "all_to_all_bytes": self.all_to_all_bytes,
                 "ep_crosses_nodes": self.ep_crosses_nodes}
-
-
-# --- the pipeline's stages ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StageLoad:
-    """What one pipeline rank holds and computes (all its chunks together)."""
-    params: float
-    layers: int  # transformer blocks
-    first: bool  # holds the embedding
-    last: bool  # holds the head (and the loss)
-
-
-@lru_cache(maxsize=512)
-def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLoad, ...]:
-    """Per pipeline rank, from strata's own cut (balanced by forward FLOPs: the embedding with the
-    first chunk, the head with the last), so an uneven stage costs what it costs."""
-    embed, block, head = cfg.unit_params()
-    if p == 1:
-        blocks_of_rank = [cfg.n_layers]
-    else:
-        layout = make_layout(cfg, p, v, seq_len, None)
-        blocks_of_rank = [sum(layout.blocks_per_chunk[c] for c in layout.chunks_of(r)) for r in range(p)]
-    loads = []
-    for rank, blocks in enumerate(blocks_of_rank):
-        first, last = rank == 0, rank == p - 1
-        params = blocks * block + (embed if first else 0) + (head if last else 0)
-        if last and not first and cfg.tie_embeddings:
-            params += cfg.vocab_size * cfg.d_model  # the last stage's copy of the tied embedding
-        loads.append(StageLoad(params, blocks, first, last))
-    return tuple(loads)
 
 
 # --- the estimate ------------------------------------------------------------------------------
@@ -253,7 +226,7 @@ def _ranks_memory(work: Workload, lay: Layout, terms: _Terms, loads: tuple[Stage
     flight, weight versions): a deep pipeline has many equal ranks."""
     spec, by_kind = SCHEDULES[lay.schedule], {}
     for rank, load in enumerate(loads):
-        key = (load, _micro_batches_in_flight(lay, terms.micro_batches, rank),
+        key = (load, micro_batches_in_flight(lay, terms.micro_batches, rank),
                spec.versions(lay.pp, rank) if spec.asynchronous else 0)
         if key not in by_kind:
             by_kind[key] = _rank_memory(work, lay, terms, rank, load)
@@ -264,13 +237,13 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
     states = _held_states(cfg, lay, load, terms.precision, work.optimizer)
-    activations = terms.activation_per_layer * load.layers * _micro_batches_in_flight(lay, terms.micro_batches, rank)
+    activations = terms.activation_per_layer * load.layers * micro_batches_in_flight(lay, terms.micro_batches, rank)
     split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
     activations += (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
         (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
     memory = {"weights": states.weights, "gradients": states.grads,
               "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
-              "activations": activations, "buffers": _buffers(cfg, lay, t, load.params / t)}
+              "activations": activations, "buffers": _buffers(cfg, lay, t, load, work.bucket_mb)}
     if lay.tp_mode != "1d":
         memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
@@ -364,8 +337,10 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     comm_seconds = {"tp": slowest.tp_seconds * m + sums_seconds, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
     held = params_held(cfg, lay, slowest.load.params, slowest.load.layers, slowest.load.first, slowest.load.last)
     dense, experts = expert_share(cfg, lay, held, slowest.load.layers)
-    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = data_parallel_seconds(cluster, lay, dense, m, slowest.forward,
-                                                                      slowest.backward, slowest.load.layers)
+    load, split = slowest.load, (False if experts else None)  # the experts' buckets apart from the others'
+    comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = data_parallel_seconds(
+        cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, work.bucket_mb),
+        m, slowest.forward, slowest.backward)
     exposed = {"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]}
     if lay.cp > 1:  # the K/V ring or Ulysses' all-to-alls; what the attention hides counts in the total only
         comm_seconds["cp"], exposed["cp"] = slowest.cp_seconds * m, slowest.cp_exposed * m
@@ -374,14 +349,14 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         comm_seconds["ep"] = exposed["ep"] = slowest.ep_seconds * m
         comm_bytes["ep"] = slowest.ep_bytes * m
         comm_seconds["edp"], exposed["edp"], comm_bytes["edp"] = data_parallel_seconds(
-            cluster, lay, experts, m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]),
-            slowest.load.layers, expert_group(lay))
+            cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, True, experts, work.bucket_mb),
+            m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]), expert_group(lay))
     updated = updated_params(cfg, lay, held, slowest.load.layers)  # by this rank's optimizer step
     held = dense + experts  # what the rank holds, its experts included
     # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's
     # micro-batch; with unequal ones, the others' (the slowest stage's own is all in m x its time)
     others = [r.total for rank, r in enumerate(ranks) if rank != slowest_rank] or [slowest.total]
-    bubble_time = _bubble_time(lay, m, sum(others) / len(others))
+    bubble_time = bubble_seconds(lay, m, sum(others) / len(others))
     optimizer = optimizer_seconds(cluster, lay, updated)
     gradient_passes = gradient_pass_seconds(cluster, lay, held, m, work.fused_accumulation) / rate_scale
     # the partial gradients' sums run after the last backward, before the update
@@ -432,39 +407,23 @@ def _tier_overflow(device: Device, tiers: dict[str, float]) -> list[str]:
             for tier, held in tiers.items() if held > room[tier]]
 
 
-def _micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak: from strata's own
-    schedule, simulated (GPipe all m; 1F1B p - rank; ZB-H1 p, its weight gradients hold them
-    longer; interleaving about 1 + (p-1)/(p·v) times 1F1B's, Narayanan et al. 2021)."""
-    if lay.pp == 1:
-        return 1
-    return profile(lay.schedule, lay.pp, m, lay.virtual_stages).in_flight[rank]
-
-
-def _bubble_time(lay: Layout, m: int, per_micro_batch: float) -> float:
-    """Idle time of a step beyond the work of m micro-batches, from the simulated schedule: (p-1)
-    micro-batch slots for GPipe and 1F1B, /v interleaved, about a third of it for ZB-H1, each slot
-    `per_micro_batch` long."""
-    if lay.pp == 1:
-        return 0.0
-    return profile(lay.schedule, lay.pp, m, lay.virtual_stages).bubble_slots * per_micro_batch
-
-
-def _buffers(cfg: ModelConfig, lay: Layout, t: int, params_local: float) -> float:
+def _buffers(cfg: ModelConfig, lay: Layout, t: int, load: StageLoad, bucket_mb: float) -> float:
     """What the layout adds besides states and activations.
 
-    ZeRO-2: the staging buffers of full gradients it keeps for its buckets (in the reduce dtype),
-    each the size of a bucket, as many as are staged at once: one filling while MAX_IN_FLIGHT
-    reduce, or every bucket when there are fewer (parallel/gradients.py: ShardGradients).
+    ZeRO-2: the staging buffers of full gradients it keeps for its buckets (in the reduce dtype;
+    plan/buckets.staged): a mixture's experts, reduced over their own group, have their own.
 
     ZeRO-3: its gathered units (one in use, one prefetched, in the gather dtype) and one unit's
     staged gradients (in the reduce dtype), at the size of the largest unit (the embedding or the
     head, for most models); with tied embeddings the embedding stays gathered from its forward to
     the head's backward as well."""
-    if lay.zero == 2:  # buckets hold --bucket-mb of the fp32 parameters' elements
-        bucket = BUCKET_MB * 2**20 / BYTES["fp32"]
-        buckets = math.ceil(params_local / bucket)
-        return min(buckets, MAX_IN_FLIGHT + 1) * min(bucket, params_local) * BYTES[lay.reduce_dtype]
+    if lay.zero == 2:
+        dense, experts = expert_share(cfg, lay, load.params / t, load.layers)
+        split = False if experts else None
+        held = staged(bucket_parts(cfg, load.layers, load.first, load.last, split, dense, bucket_mb))
+        if experts and expert_group(lay)[0] > 1:  # (a group of one rank: ZeRO-0, nothing staged)
+            held += staged(bucket_parts(cfg, load.layers, load.first, load.last, True, experts, bucket_mb))
+        return held * BYTES[lay.reduce_dtype]
     if lay.zero < 3:
         return 0.0
     embedding, block, head = cfg.unit_params()

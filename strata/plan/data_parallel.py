@@ -5,61 +5,63 @@ sources: docs/cost-model.md; the estimate that adds them up: plan/cost.py."""
 
 from __future__ import annotations
 
+from strata.plan.buckets import Parts
 from strata.plan.links import Cluster, collective_seconds
-from strata.rules.constants import BUCKET_MB
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 
 BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the training precisions priced
 
 
-def data_parallel_seconds(cluster: Cluster, lay: Layout, params_local: float, m: int, t_fwd: float, t_bwd: float,
-                   layers_local: float, group: tuple[int, int] | None = None):
+def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: float, t_bwd: float,
+                          group: tuple[int, int] | None = None):
     """(total seconds, seconds not hidden behind compute, bytes per device) of the ranks holding the
     same parameters, dp x cp of them tp apart (or `group`: (size, stride), a mixture's
-    expert-data-parallel one), each collective priced in the
-    dtype the runtime moves: gradients in the reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's
-    of the updated shards) in the gather dtype. Every rank runs these at the same point of its
-    step, so they are priced `together`: no process computes through another's wait."""
+    expert-data-parallel one). `parts`: the parameters each collective carries, as the runtime
+    issues them (plan/buckets.py): ZeRO-0/1/2 one per gradient bucket, ZeRO-3 one per unit, each
+    paying its latency. Each collective is priced in the dtype the runtime moves: gradients in the
+    reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's of the updated shards) in the gather
+    dtype. Every rank runs these at the same point of its step, so they are priced `together`: no
+    process computes through another's wait."""
     d, stride = group or (lay.replicas, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
         t_fwd = t_bwd = 0.0
     ring = (d - 1) / d
+    params_local = sum(size * n for size, n in parts.sizes)
     grad_bytes = params_local * BYTES[lay.reduce_dtype]
+    gather_bytes = params_local * BYTES[lay.gather_dtype]
+
+    def one_by_one(op: str, dtype: str) -> tuple[float, float]:
+        """(all of them, the last one's) seconds of `op` over the parts in `dtype`."""
+        def seconds(size: float) -> float:
+            return collective_seconds(cluster, op, size * BYTES[dtype], d, stride, together=True)
+        return sum(n * seconds(size) for size, n in parts.sizes), seconds(parts.last)
+
     if lay.zero == 3:  # all-gather forward, all-gather backward, reduce-scatter: every micro-batch,
-        # one collective per unit (a block; the embedding; the head), each paying its latency
-        units = max(1, round(layers_local)) + 2
-        gather_bytes = params_local * BYTES[lay.gather_dtype]
-        gather = collective_seconds(cluster, "all_gather", gather_bytes / units, d, stride, together=True)
-        scatter = collective_seconds(cluster, "reduce_scatter", grad_bytes / units, d, stride, together=True)
-        per_mb = units * (2 * gather + scatter)
+        # one collective per unit (plan/buckets.unit_parts)
+        (gathers, gather), (per_mb_scatter, scatter) = one_by_one("all_gather", lay.gather_dtype), \
+            one_by_one("reduce_scatter", lay.reduce_dtype)
+        per_mb = 2 * gathers + per_mb_scatter
         # prefetch hides the rest behind compute, but the first unit's gather comes before any
         # compute and the last unit's reduce-scatter after it
         ends = gather + scatter
         exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
         return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
-    buckets = max(1, round(grad_bytes / (BUCKET_MB * 2**20)))  # gradients reduce in --bucket-mb buckets
-
-    def bucket_by_bucket(op: str, nbytes: float) -> float:
-        """`op` over `nbytes` as the runtime issues it: one collective per bucket, each with its latency."""
-        return buckets * collective_seconds(cluster, op, nbytes / buckets, d, stride, together=True)
-
     if lay.zero == 0:  # one all-reduce per bucket
-        total = bucket_by_bucket("all_reduce", grad_bytes)
+        total, last = one_by_one("all_reduce", lay.reduce_dtype)
         # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
         # ready only when the backward ends; after a pipeline schedule, all of them at the end
-        exposed = total if lay.pp > 1 else max(total / buckets, total - t_bwd)
+        exposed = total if lay.pp > 1 else max(last, total - t_bwd)
         return total, exposed, 2 * ring * grad_bytes
     # ZeRO-1: one reduce-scatter per bucket a step (overlapping the last backward unless a pipeline
     # schedule ran), ZeRO-2: every micro-batch, the last bucket of each exposed; then an all-gather
     # of each bucket's updated shards
     reductions = m if lay.zero == 2 else 1
-    gather_bytes = params_local * BYTES[lay.gather_dtype]
-    rs, ag = bucket_by_bucket("reduce_scatter", grad_bytes), bucket_by_bucket("all_gather", gather_bytes)
+    (rs, last), (ag, _) = one_by_one("reduce_scatter", lay.reduce_dtype), one_by_one("all_gather", lay.gather_dtype)
     hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
-    exposed = max(rs / buckets if hidden else rs, rs - hidden) * reductions + ag
+    exposed = max(last if hidden else rs, rs - hidden) * reductions + ag
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
 
 

@@ -47,7 +47,7 @@ class Kernels:
 # GEMMs reach (forward, and the two backward GEMMs, at the model's shapes), the fixed cost of a GEMM,
 # and the fraction of the memory bandwidth elementwise kernels reach.
 TRAINING_GEMM_SHARE = 0.85
-GEMM_OVERHEAD_S = 16e-6
+GEMM_OVERHEAD_S = 8e-6
 BANDWIDTH_FRACTION = 0.6
 KERNEL_OVERHEAD_S = 5e-6  # a CUDA kernel launch, as PyTorch's eager mode issues them
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.plan.cost import log_interpolate, stage_loads
+from strata.plan.cost import log_interpolate
 from strata.plan.hardware import Device
+from strata.plan.stages import stage_loads
 from strata.rules.constants import DEFAULT_EFFICIENCY
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import check_tensor_parallel

@@ -16,6 +16,7 @@ from strata.model.config import ModelConfig
 from strata.plan.cost import BYTES, Cluster, Workload
 from strata.plan.hardware import DEVICES, GB, LINKS, Device, Kernels
 from strata.plan.links import core_split
+from strata.rules.constants import BUCKET_MB
 from strata.rules.layout import check_workload
 from strata.rules.limits import check_ceiling
 
@@ -181,11 +182,11 @@ def _free_disk(disk: dict) -> float:
 
 
 def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str,
-             optimizer: str = "adamw") -> Workload:
+             optimizer: str = "adamw", bucket_mb: float = BUCKET_MB) -> Workload:
     if precision not in BYTES:
         raise ConfigError(f"--precision {precision}: valid: {', '.join(BYTES)}")
     if optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--optimizer {optimizer}: valid: adamw, sgd (with momentum)")
     seq_len = model.max_seq_len if seq_len is None else seq_len
     check_workload(model, seq_len, global_batch)
-    return Workload(model, global_batch, seq_len, precision, optimizer)
+    return Workload(model, global_batch, seq_len, precision, optimizer, bucket_mb=bucket_mb)

@@ -96,6 +96,12 @@ class Layout:
         return ",".join(parts)
 
 
+def data_parallel_degree(world_size: int, cp: int = 1, tp: int = 1, pp: int = 1) -> int:
+    """The data-parallel degree that fills the world once cp, tp and pp are set (the degrees
+    multiply to the world size: check_layout refuses a product that does not divide it)."""
+    return world_size // (cp * tp * pp)
+
+
 def check_transfer_dtypes(reduce_dtype: str, gather_dtype: str, precision: str) -> None:
     """What data-parallel traffic travels in, against the run's dtype (a strata/rules/dtypes.py
     name): no bf16 traffic in an fp64 run, and bf16 gathers only under bf16 compute (the layers

@@ -36,7 +36,8 @@ CEILINGS: dict[str, Bound] = {
     "eval_batches": Bound(10**6, "each is a global batch of validation sequences"),
     "loss_scale_window": Bound(10**9, "steps; the longest runs take a few million"),
     "nproc": Bound(1024, "processes started on this machine"),
-    "loss_scale": Bound(2**32, "fp16 holds at most 65504: a larger first scale only skips steps while it halves"),
+    "loss_scale": Bound(2**64, "a larger first scale only skips steps while it halves (torch and DeepSpeed start "
+                               "at 2**16)"),
     "timeout": Bound(30 * 86400, "30 days, in seconds: a collective that waits longer has hung"),
     "bucket_mb": Bound(2**20, "1 TiB, more than any device holds"),
     "max_restarts": Bound(1000, "each restart resumes from the last checkpoint; more is a crash loop"),

@@ -1,8 +1,8 @@
 """Cutting a model into pipeline chunks: pure arithmetic over its shape, shared by the runtime
 (strata/parallel/pipeline/stage.py keeps each rank's layers), the layout check and the planner.
 
-The model is a list of units: the embedding, the blocks, and the head (final norm, output
-projection, loss). The p·v chunks are contiguous runs of units (chunk c on rank c % p); by default
+The model is a list of units (rules/units.py): the embedding, the blocks, and the head (final
+norm, output projection, loss). The p·v chunks are contiguous runs of units (chunk c on rank c % p); by default
 they are balanced by forward FLOPs (the most expensive chunk is as cheap as it can be), or the
 user gives the number of blocks per chunk (`pp_split`). The embedding is always on chunk 0 and
 the head on the last chunk."""
@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
+from strata.rules.units import unit_count
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def make_layout(cfg: ModelConfig, stages: int, virtual_stages: int, seq_len: int
             raise ConfigError("only the first and last chunk may hold no blocks (they hold the embedding and "
                               "the head)", "pp_split", split)
         return PipelineLayout(stages, virtual_stages, counts)
-    units = cfg.n_layers + 2
+    units = unit_count(cfg.n_layers)
     if chunks > units:
         raise ConfigError(f"with {virtual_stages} virtual stage(s), {chunks} chunks, but the model has only "
                           f"{cfg.n_layers} layers + embedding + head = {units} units to split", "pp", stages)

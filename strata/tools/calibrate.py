@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from strata.distributed.launch import launch_local
-from strata.distributed.mesh import init_distributed, pick_device
+from strata.distributed.mesh import consecutive_groups, init_distributed, pick_device
 from strata.errors import ConfigError
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
@@ -174,8 +174,7 @@ def worker(out: str, model: str, effort: Effort = FULL) -> None:
         # every group size that divides the world, all groups of that size busy at once (as the
         # tp groups of a dp x tp layout are), while every process runs
         for size in [g for g in range(2, world + 1) if world % g == 0]:
-            groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
-            group = groups[dist.get_rank() // size]
+            group = consecutive_groups(world, size, dist.get_rank())
             for op in OPS:
                 points = [(nbytes, *_time_op(op, nbytes, effort.collective_repeats, group))
                           for nbytes in MESSAGE_BYTES]

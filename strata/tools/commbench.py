@@ -18,6 +18,7 @@ import torch.distributed as dist
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, init_distributed, pick_device
 from strata.distributed.timing import synchronize_stream
+from strata.rules.layout import data_parallel_degree
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -113,7 +114,7 @@ def run(args) -> int:
         raise ValueError("needs 2 or more ranks")
     group, name = dist.group.WORLD, "world"
     if args.dim:
-        dims = ParallelDims(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp)
+        dims = ParallelDims(dp=data_parallel_degree(world, tp=args.tp, pp=args.pp), tp=args.tp, pp=args.pp)
         group, name = dims.build_mesh(device.type)[args.dim].get_group(), args.dim
     rows = [measure(op, size, group, name, args.iters, device=device) for op in args.ops
             for size in sizes_between(args.min_bytes, args.max_bytes, args.factor)]

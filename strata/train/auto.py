@@ -52,7 +52,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
     resumed = resumed_run(cfg)
     global_batch = cfg.global_batch if cfg.global_batch is not None else \
         resumed["global_batch"] if resumed else cfg.micro_batch * world_size
-    work = workload(model, global_batch, cfg.seq_len, precision)
+    work = workload(model, global_batch, cfg.seq_len, precision, bucket_mb=cfg.bucket_mb)
     cluster = local_cluster(world_size)
     ranked, rejected = search(work, cluster, offload=False, transfers=(cfg.reduce_dtype, cfg.gather_dtype),
                               allow_async=cfg.allow_async)

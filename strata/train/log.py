@@ -64,11 +64,13 @@ class RunLog:
         communication; `emit` adds the loss and the gradient norm (which an asynchronous pipeline
         learns a step later) and writes it."""
         tokens_per_s = self.tokens_per_step / elapsed
+        sharding_stats = run.parallel.sharding.stats()
         record = {"kind": "train", "step": step + 1, "loss": None, "lr": lr_at(step, run.cfg), "grad_norm": None,
                   "tokens_per_s": tokens_per_s,
                   "mfu": tokens_per_s * self.flops_per_token / (self.peak.flops * run.world_size),
                   "peak_flops": self.peak.flops, "peak_flops_source": self.peak.source, "step_time_s": elapsed,
-                  "model_state_bytes": sum(states.values()), "model_state_breakdown": _by_location(run, states),
+                  "model_state_bytes": sum(states.values()),
+                  "model_state_breakdown": _by_location(run, states, sharding_stats),
                   "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
                   "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device),
                   **self.allocator.read(), "optimizer_step_s": run.update_s}
@@ -76,9 +78,8 @@ class RunLog:
             record["offload"] = {"read_bytes": dict(tiers.io.read), "written_bytes": dict(tiers.io.written),
                                  "io_wait_s": tiers.io.wait_s}
         record["peak_rss_bytes"] = tiers.peak_resident_bytes()
-        sharding = getattr(run.parallel, "sharding", None)
-        if hasattr(sharding, "peak_buffer_bytes"):  # ZeRO-3: gathered units and staged gradients
-            record["buffer_bytes"] = sharding.peak_buffer_bytes
+        if "peak_buffer_bytes" in sharding_stats:  # ZeRO-2's staging; ZeRO-3's gathered units, staged gradients
+            record["buffer_bytes"] = sharding_stats["peak_buffer_bytes"]
         if run.scaler is not None:
             record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
         if run.versions:  # asynchronous schedules: stashed weight versions per (emulated) stage, after the update
@@ -93,10 +94,10 @@ class RunLog:
         return record
 
 
-def _by_location(run, states: dict[str, int]) -> dict[str, int]:
+def _by_location(run, states: dict[str, int], sharding_stats: dict[str, int]) -> dict[str, int]:
     """Model-state bytes by kind, and, with offload, where the optimizer's states are instead."""
     if run.cfg.offload_params != "none":  # the shards and gradients; the moments where --offload puts them
-        states = {**states, f"params_and_grads_on_{run.cfg.offload_params}": run.parallel.sharding.offloaded_bytes}
+        states = {**states, f"params_and_grads_on_{run.cfg.offload_params}": sharding_stats["offloaded_bytes"]}
     if run.cfg.offload == "disk":
         return {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
     if run.cfg.offload == "cpu":  # what stays on the device, what the host holds

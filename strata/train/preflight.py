@@ -12,10 +12,10 @@ import os
 from dataclasses import replace
 
 from strata.checkpoint import store
-from strata.config import TrainConfig, check_run_settings, sequence_length, validate
+from strata.config import TrainConfig, check_run_memory, check_run_settings, sequence_length, validate
 from strata.data.loader import check_token_ids, check_windows, read_meta
 from strata.errors import ConfigError
-from strata.model.config import ModelConfig
+from strata.model.config import ModelConfig, infer_family
 from strata.model.presets import PRESETS
 from strata.rules.limits import size_text
 from strata.rules.offload import MASTER_BYTES, MOMENT_BYTES
@@ -64,6 +64,18 @@ def checked_model(cfg: TrainConfig, world_size: int) -> ModelConfig:
     model = model_shape(cfg)
     validate(cfg, world_size, model)
     return model
+
+
+def check_model_flag(cfg: TrainConfig) -> None:
+    """--model given beside --init-from: the checkpoint fixes the model, so a preset of another
+    shape is refused (never dropped); one of the checkpoint's shape says the same thing. The
+    vocabulary and context are left out of the comparison: data and --max-seq-len set them."""
+    saved = model_shape(replace(cfg, n_layers=None, max_seq_len=None, n_heads=None))
+    preset = PRESETS[cfg.model]
+    if replace(saved, vocab_size=preset.vocab_size, max_seq_len=preset.max_seq_len) != preset:
+        shape = f"{saved.n_layers} layers, d_model {saved.d_model}, {saved.n_heads} heads, {infer_family(saved)}"
+        raise ConfigError(f"the checkpoint of --init-from {cfg.init_from} holds another model ({shape}); leave "
+                          f"--model out: the checkpoint fixes the model", "model", cfg.model)
 
 
 def data_vocab_size(cfg: TrainConfig, model_vocab: int) -> int:
@@ -124,6 +136,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
         check_windows(meta, sequence_length(cfg, base))
         check_token_ids(cfg.data, meta)
     model = base.with_overrides(vocab_size=data_vocab_size(cfg, base.vocab_size))
+    check_run_memory(cfg, int(os.environ.get("WORLD_SIZE", cfg.nproc)), model)
     check_offload_space(cfg, model)
     if cfg.init_from and model.vocab_size != base.vocab_size:
         raise ConfigError(f"--init-from {cfg.init_from}: the model's vocabulary is {base.vocab_size}, "

@@ -96,7 +96,7 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
     if run.tp_group is not None:
         state = gather_tensor_parallel(state, shard_specs(run.model), run.tp_group)
     if run.expert_axes is not None:
-        names = getattr(run.parallel.sharding, "expert_names", set())  # a stage may hold no MoE layer
+        names = run.parallel.sharding.expert_names  # empty where this stage holds no MoE layer
         state = gather_experts(state, shard_specs(run.model), names, run.expert_axes)
     if run.pp_group is not None:  # every stage's layers (a tied embedding's copies are equal)
         stages = comm.gather_objects({k: v.cpu() for k, v in state.items()}, run.pp_group, "pp")

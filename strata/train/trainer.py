@@ -8,7 +8,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,17 +16,7 @@ from strata.checkpoint import shards, store
 from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length, zero_stage
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
-from strata.distributed.mesh import (
-    Axis,
-    ParallelDims,
-    expert_axes,
-    grid_axes,
-    init_distributed,
-    pick_device,
-    pipeline_links,
-    process_groups,
-    release_groups,
-)
+from strata.distributed.mesh import Mesh, ParallelDims, init_distributed, pick_device, process_groups, release_groups
 from strata.distributed.timing import synchronize_stream
 from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
@@ -35,7 +24,7 @@ from strata.memory.offload import StreamingAdamW
 from strata.parallel.apply import compile_seconds, parallelize
 from strata.parallel.expert import ExpertAxes, routed_rows
 from strata.parallel.pipeline.executor import PipelineExecutor
-from strata.parallel.pipeline.stage import chunk_views, embedding_group, stage_parameters
+from strata.parallel.pipeline.stage import chunk_views, stage_parameters
 from strata.parallel.pipeline.timeline import gather_timeline, write_trace
 from strata.parallel.pipeline.versions import WeightVersions
 from strata.parallel.tensor_nd import GridGroups
@@ -69,13 +58,12 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     cfg.global_batch = global_batch_size(cfg, world_size)
     cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
-    groups = _groups(dims, device, cfg.timeout)
-    context = Axis(groups["cp"], "cp", dims.cp, dims.coordinates(rank)["cp"]) if dims.cp > 1 else None
-    experts = ExpertAxes(*expert_axes(dims, cfg.ep, rank, cfg.timeout)) if cfg.ep > 1 else None
+    mesh = Mesh.build(dims, rank, device.type, cfg.timeout)
+    groups = mesh.groups
+    experts = ExpertAxes(*mesh.expert_axes(cfg.ep)) if cfg.ep > 1 else None
     grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
-    grid_groups = GridGroups(grid, rank % dims.tp, grid_axes(dims, grid, rank, groups["tp"], cfg.timeout)) \
-        if grid.mode != "1d" else None
-    dp_rank, tp_rank, pp_rank = (dims.coordinates(rank)[d] for d in ("dp", "tp", "pp"))
+    grid_groups = GridGroups(grid, mesh.coordinate("tp"), mesh.tensor_axes(grid)) if grid.mode != "1d" else None
+    dp_rank, tp_rank, pp_rank = (mesh.coordinate(d) for d in ("dp", "tp", "pp"))
     notes = preflight(cfg) if not checked and DONE not in os.environ else []  # else the launcher has run it
     if rank == 0 and notes:
         print("\n".join(notes), file=sys.stderr, flush=True)
@@ -88,7 +76,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
-                                  offload_dir(cfg), rank, grid_groups, experts, context)
+                                  offload_dir(cfg), rank, grid_groups, experts, mesh.context_axis())
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
                                 parallel.sharding.stream_units if cfg.offload_params != "none" else None)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
@@ -100,38 +88,27 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     if SCHEDULES[cfg.schedule].asynchronous:
         run.versions = _weight_versions(run, stage_layout, pp_rank, seq_len)
     if stage_layout is not None:
-        _add_pipeline(run, stage_layout, pp_rank, groups["pp"], seq_len)
+        _add_pipeline(run, stage_layout, pp_rank, mesh, seq_len)
     run.pieces = shards.local_pieces(model, parallel, tp_rank, dims.tp)
     if cfg.save:
-        # Saves coordinate on a gloo group of their own, so a background save never interleaves
-        # with training's collectives.
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout)) if world_size > 1 else None
-        run.checkpointer = store.Checkpointer(cfg.save, rank, world_size, group, cfg.keep, cfg.async_save)
+        run.checkpointer = store.Checkpointer(cfg.save, rank, world_size, mesh.side_group(), cfg.keep, cfg.async_save)
     restore(run)
     return run
 
 
-def _groups(dims: ParallelDims, device: torch.device, timeout_s: float) -> dict[str, object]:
-    """The process group of each mesh dimension with more than one rank (None where it has one);
-    "dp" is the ranks that average their gradients: with context parallelism, dp x cp."""
-    mesh = dims.build_mesh(device.type)
-    groups = {name: mesh[name].get_group() if mesh is not None and getattr(dims, name) > 1 else None
-              for name in ("cp", "tp", "pp")}
-    return {"dp": dims.replica_group(mesh, timeout_s) if mesh is not None else None, **groups}
-
-
-def _add_pipeline(run: Run, stage_layout, pp_rank: int, pp_group, seq_len: int) -> None:
+def _add_pipeline(run: Run, stage_layout, pp_rank: int, mesh: Mesh, seq_len: int) -> None:
     cfg = run.cfg
+    pp_group = mesh.groups["pp"]
     run.pp_group, run.stage_layout = pp_group, stage_layout
     if run.model_cfg.tie_embeddings:
-        run.embedding_group = embedding_group(run.dims, run.rank, cfg.timeout)
+        run.embedding_group = mesh.embedding_group()
     # what passes between stages: the hidden states of this rank's chunks of the sequence (1/cp),
     # 1/tp of them under sequence parallelism,
     # this rank's sequences and features under multi-dimensional tensor parallelism
     grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
     shape = (cfg.micro_batch // grid.batch_parts, seq_len // cfg.cp // (cfg.tp if cfg.sequence_parallel else 1),
              run.model_cfg.d_model // grid.hidden_parts)
-    links = pipeline_links(run.dims, run.rank, wraps=stage_layout.virtual_stages > 1, timeout_s=cfg.timeout)
+    links = mesh.pipeline_links(wraps=stage_layout.virtual_stages > 1)
     run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, cfg.schedule,
                                     pp_group, links, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
                                     run.model, run.versions[0] if run.versions else None)
@@ -173,23 +150,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         run.pipeline.loss_scale = scale * run.parallel.loss_factor
         loss_sum = pipeline_forward_backward(run, micro_batches)
     else:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-        for versions in run.versions or ():  # weight stashing in one process: the reference of the rule
-            versions.use_step(step)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            # Shapes never change: count what a micro-batch saves for backward once (hooks cost time).
-            count = run.activation_bytes is None
-            with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run), \
-                    count_saved_activations(model) if count else contextlib.nullcontext() as saved:
-                loss = model(inputs.to(run.device), targets.to(run.device))
-                if count:
-                    run.activation_bytes = saved.bytes
-                # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
-                # (the average over micro-batches and over the data-parallel ranks: their reductions sum)
-                (loss * (scale * run.parallel.loss_factor / len(micro_batches))).backward()
-            loss_sum += loss.detach().double()
-        for versions in run.versions or ():
-            versions.use_masters()
+        loss_sum = forward_backward(run, step, micro_batches, scale)
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.replicas
@@ -198,7 +159,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         run.routed = m.routed(run, len(micro_batches))
     if run.scaler is None and not math.isfinite(loss):  # every rank alike: the loss was all-reduced
         raise FloatingPointError(f"step {step + 1}: the loss is {loss}; stopped before the update "
-                                 f"(lower --lr, or use fp32/bf16)")
+                                 f"({divergence_advice(cfg.dtype)})")
     if run.scaler is not None:
         finite = run.scaler.unscale_and_check(run.parallel.local_grads())
         run.scaler.update(finite)
@@ -210,10 +171,42 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     grad_norm = run.parallel.grad_norm()
     if not torch.isfinite(grad_norm):  # global, so the same on every rank
         raise FloatingPointError(f"step {step + 1}: the gradient norm is {grad_norm.item()}; stopped "
-                                 f"before the update (lower --lr, or use fp32/bf16)")
+                                 f"before the update ({divergence_advice(cfg.dtype)})")
     if cfg.grad_clip > 0:
         run.parallel.clip_(cfg.grad_clip, grad_norm)
     return loss, grad_norm.item(), update(run)
+
+
+def forward_backward(run: Run, step: int, micro_batches: list, scale: float) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches without a pipeline, the gradients
+    accumulated (and reduced as the data-parallel strategy does); the sum of their losses."""
+    model = run.model
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    for versions in run.versions or ():  # weight stashing in one process: the reference of the rule
+        versions.use_step(step)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        # Shapes never change: count what a micro-batch saves for backward once (hooks cost time).
+        count = run.activation_bytes is None
+        with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run), \
+                count_saved_activations(model) if count else contextlib.nullcontext() as saved:
+            loss = model(inputs.to(run.device), targets.to(run.device))
+            if count:
+                run.activation_bytes = saved.bytes
+            # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
+            # (the average over micro-batches and over the data-parallel ranks: their reductions sum)
+            (loss * (scale * run.parallel.loss_factor / len(micro_batches))).backward()
+        loss_sum += loss.detach().double()
+    for versions in run.versions or ():
+        versions.use_masters()
+    return loss_sum
+
+
+def divergence_advice(dtype: str) -> str:
+    """What to try when a loss or a gradient norm stops being finite, for the run's precision (never
+    the one it has: a bf16 run is not told to use bf16)."""
+    return {"fp16": "lower --lr, or use bf16 (fp16 overflows above 65504)",
+            "bf16": "lower --lr or --grad-clip, or try fp32 (bf16 keeps 8 significant bits)"}.get(
+        dtype, "lower --lr or --grad-clip, or add --warmup-steps")
 
 
 def update(run: Run) -> dict[str, int]:
@@ -364,10 +357,8 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
 def validate_and_log(run: Run, log: RunLog, step: int) -> None:
     val_loss = evaluate(run)
     if not math.isfinite(val_loss):  # every rank alike: the loss was all-reduced
-        advice = {"fp16": "lower --lr, or use bf16 (fp16 overflows above 65504)",
-                  "bf16": "lower --lr or --grad-clip, or try fp32 (bf16 keeps 8 significant bits)"}
         raise FloatingPointError(f"step {step}: the validation loss is {val_loss}; stopped "
-                                 f"({advice.get(run.cfg.dtype, 'lower --lr or --grad-clip, or add --warmup-steps')})")
+                                 f"({divergence_advice(run.cfg.dtype)})")
     log.evaluation(step, val_loss)
 
 

@@ -10,12 +10,8 @@ gradients are summed over the first and last stage (Megatron's embedding group),
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-import torch.distributed as dist
 from torch import nn
 
-from strata.distributed.mesh import ParallelDims
 from strata.model.transformer import Transformer
 from strata.rules.pipeline_cut import PipelineLayout
 
@@ -53,18 +49,3 @@ def stage_parameters(model: Transformer, layout: PipelineLayout) -> list[list[tu
         params = {id(p): p for module in modules for p in module.parameters() if p.requires_grad}
         stages.append([(names[i], p) for i, p in params.items()])
     return stages
-
-
-def embedding_group(dims: ParallelDims, rank: int, timeout_s: float):
-    """The process group of the first and the last stage's ranks at this rank's (dp, cp, tp) place,
-    over which a tied embedding's gradients are summed; None on the other stages. Every rank
-    creates every such group (torch.distributed requires it), in the same order."""
-    mine = None
-    for dp in range(dims.dp):
-        for cp in range(dims.cp):
-            for tp in range(dims.tp):
-                ranks = [dims.rank_at(0, dp, tp, cp), dims.rank_at(dims.pp - 1, dp, tp, cp)]
-                group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-                if rank in ranks:
-                    mine = group
-    return mine

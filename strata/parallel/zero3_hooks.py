@@ -1,0 +1,141 @@
+"""ZeRO-3's hooks: when units are gathered, freed and their gradients reduce-scattered
+(strata/parallel/zero3.py has the strategy as a whole, zero3_units.py the gathering itself).
+
+  forward:  a unit's pre-hook gathers it (prefetched while the unit before ran) and prefetches the
+            next; its last module's hook frees it (a tied embedding's unit is kept: the head reads
+            its matrix last)
+  backward: a unit's pre-hook gathers it again and prefetches the previous one; each parameter's
+            post-accumulate-grad hook stages its gradient in the unit's flat staging buffer, and
+            the last one reduce-scatters the buffer and frees the unit
+
+At most MAX_IN_FLIGHT reduce-scatters are outstanding, which bounds the full gradients alive at
+once; a completed one hands this rank's reduced shard to `receive` (the strategy: added to the
+gradient shard in memory, or sent to ZeRO-Infinity's tier)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from strata.distributed import comm
+from strata.parallel.zero3_units import Unit, UnitGathers
+from strata.rules.constants import MAX_IN_FLIGHT
+
+
+class UnitHooks:
+    """The module and gradient hooks over every unit, and the reduce-scatters they start."""
+
+    def __init__(self, model: nn.Module, gathers: UnitGathers, settings,
+                 receive: Callable[[Unit, torch.Tensor], None]):
+        self.gathers, self.units, self.settings, self.receive = gathers, gathers.units, settings, receive
+        self.group, self.dp_size, self.dp_rank = settings.dp_group, settings.dp_size, settings.dp_rank
+        self.offload = gathers.offload
+        self._pending: list = []  # (unit, its reduce-scatter or None on one process), oldest first
+        # held by the parameters' C++ side: removed at remove() (see BucketReductions)
+        self.grad_hooks: list = []
+        for unit in self.units:
+            self._register(unit)
+        model.register_forward_hook(self._after_model_forward)
+
+    def _register(self, unit: Unit) -> None:
+        for module in unit.modules:
+            module.register_forward_pre_hook(partial(self._before_forward, unit))
+            module.register_full_backward_pre_hook(partial(self._before_backward, unit))
+        unit.modules[-1].register_forward_hook(partial(self._after_forward, unit))
+        self.grad_hooks += [param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+                            for param in unit.bucket.params]
+
+    def remove(self) -> None:
+        for handle in self.grad_hooks:
+            handle.remove()
+        self.grad_hooks = []
+
+    # --- prefetch ---------------------------------------------------------------------------------
+    def _prefetch(self, index: int, direction: int) -> None:
+        """Start gathering the unit computed next; offloaded, start reading its shard and the
+        next one's (read-ahead), and on one process gather it only if its read has landed, so
+        compute does not wait here (with data parallelism the gather is issued now regardless:
+        the ranks' collectives must come in the same order)."""
+        if not 0 <= index < len(self.units):
+            return
+        unit = self.units[index]
+        if self.offload is None:
+            self.gathers.gather(unit)
+            return
+        if not (unit.gathered or unit.pending_gather is not None):
+            self.offload.fetch_shard(index)
+            # every rank must issue its collectives in one order, whatever its disk's timing
+            if self.offload.shard_landed(index) or self.group is not None:
+                self.gathers.gather(unit)
+        if 0 <= index + direction < len(self.units) and not self.units[index + direction].gathered:
+            self.offload.fetch_shard(index + direction)
+
+    # --- forward ----------------------------------------------------------------------------------
+    def _before_forward(self, unit: Unit, module, args) -> None:
+        self.gathers.ensure_gathered(unit)
+        self._prefetch(unit.index + 1, 1)
+
+    def _after_forward(self, unit: Unit, module, args, output) -> None:
+        if not unit.keep_after_forward:
+            self.gathers.free(unit)
+
+    def _after_model_forward(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():  # no backward will come to free the kept units
+            for unit in self.units:
+                if unit.gathered:
+                    self.gathers.free(unit)
+
+    # --- backward ---------------------------------------------------------------------------------
+    def _before_backward(self, unit: Unit, module, grad_output) -> None:
+        self.gathers.ensure_gathered(unit)
+        self._prefetch(unit.index - 1, -1)
+
+    def _new_staging(self, unit: Unit) -> torch.Tensor:
+        """A zeroed full gradient, in the dtype it travels in."""
+        return unit.shard.new_zeros(unit.bucket.size, dtype=self.settings.reduce_dtype or unit.shard.dtype)
+
+    def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
+        if unit.staging is None:
+            unit.staging = self._new_staging(unit)
+            self.gathers.count_buffers()
+        offset = unit.offset_of[id(param)]
+        unit.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+        unit.ready += 1
+        if unit.ready == len(unit.bucket.params):
+            self._reduce(unit)
+            self.gathers.free(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        if unit.staging is None:  # no gradient reached this unit: reduce zeros
+            unit.staging = self._new_staging(unit)
+        lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
+        self._pending.append((unit, None if self.group is None else
+                              comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group, "dp", async_op=True)))
+        unit.ready = -1  # reduced for this backward
+        while len(self._pending) > MAX_IN_FLIGHT:  # bound the full gradients alive at once
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        unit, work = self._pending.pop(0)
+        if work is not None:
+            work.wait()
+        lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
+        reduced, unit.staging = unit.staging[lo:hi], None
+        self.receive(unit, reduced)
+
+    def finish_backward(self) -> None:
+        """After a micro-batch's backward: reduce the units no gradient completed, wait for every
+        reduce-scatter, free what is still gathered."""
+        for unit in self.units:
+            if unit.ready != -1:
+                self._reduce(unit)
+        while self._pending:
+            self._complete_oldest()
+        for unit in self.units:
+            unit.ready = 0
+            if unit.gathered:
+                self.gathers.free(unit)

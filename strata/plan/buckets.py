@@ -1,0 +1,117 @@
+"""What a rank's data-parallel collectives carry, as the runtime cuts them: ZeRO-0/1/2 one per
+gradient bucket (the cut: strata/rules/buckets.py, over the rank's parameters back to front, in
+--bucket-mb of the fp32 masters), ZeRO-3 one per unit (strata/rules/units.py).
+
+The bucket cut depends on the parameters' sizes and order: a parameter larger than a bucket gets
+one of its own, and so does a norm between two such. So the planner lists a model's parameters in
+the order the model registers them (tests/test_plan_buckets.py compares the list with the model's
+own), and cuts a rank's share of them: under tensor parallelism each parameter in proportion to
+what the rank holds (plan/tensor.params_held)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+from strata.model.config import ModelConfig
+from strata.rules.buckets import bucket_elements, bucket_fills
+from strata.rules.constants import MAX_IN_FLIGHT
+from strata.rules.dtypes import DTYPES
+from strata.rules.layout import Layout
+from strata.rules.units import unit_count
+
+MASTER_BYTES = DTYPES["fp32"].bytes  # what the runtime's buckets hold: the fp32 master parameters
+
+
+def _linear(inputs: int, outputs: int, bias: bool) -> list[int]:
+    return [inputs * outputs] + ([outputs] if bias else [])
+
+
+def _norm(cfg: ModelConfig, width: int) -> list[int]:
+    return [width] * (2 if cfg.norm == "layernorm" else 1)  # a weight, and LayerNorm's bias
+
+
+def block_parameters(cfg: ModelConfig) -> list[tuple[int, bool]]:
+    """(elements, whether a routed expert's) of one block's parameters, in the model's order: the
+    attention's norm, q, k, v, output (each weight with its bias), the per-head norms, the MLP's
+    norm, then the MLP (a mixture: its router, the experts' three stacked matrices, the shared
+    expert and its gate)."""
+    d, kv, qkv_bias = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.bias or cfg.qkv_bias
+    sizes = _norm(cfg, d) + _linear(d, cfg.q_dim, qkv_bias) + _linear(d, kv, qkv_bias) + \
+        _linear(d, kv, qkv_bias) + _linear(cfg.q_dim, d, cfg.bias)
+    if cfg.qk_norm:
+        sizes += _norm(cfg, cfg.head_dim) * 2
+    sizes += _norm(cfg, d)
+    if not cfg.moe:
+        mlp = _linear(d, cfg.d_ff, cfg.bias) * (2 if cfg.gated_mlp else 1) + _linear(cfg.d_ff, d, cfg.bias)
+        return [(size, False) for size in sizes + mlp]
+    routed = [d * cfg.expert_width * cfg.n_experts] * 3
+    shared = (_linear(d, cfg.shared_d_ff, False) * 2 + _linear(cfg.shared_d_ff, d, False) if cfg.shared_d_ff else []) + \
+        (_linear(d, 1, False) if cfg.gated_shared_expert else [])
+    return [(size, False) for size in sizes + _linear(d, cfg.n_experts, False)] + \
+        [(size, True) for size in routed] + [(size, False) for size in shared]
+
+
+def input_parameters(cfg: ModelConfig) -> list[int]:
+    """The embedding, learned positions and the embedding's norm, as the model has them."""
+    d = cfg.d_model
+    return [cfg.vocab_size * d] + ([cfg.max_seq_len * d] if cfg.position == "learned" else []) + \
+        (_norm(cfg, d) if cfg.embedding_norm else [])
+
+
+def output_parameters(cfg: ModelConfig) -> list[int]:
+    """The final norm and the head (none when tied: it reads the embedding)."""
+    return _norm(cfg, cfg.d_model) + ([] if cfg.tie_embeddings else _linear(cfg.d_model, cfg.vocab_size, cfg.bias))
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The parameters each collective of one kind carries, in the order the runtime issues them."""
+    sizes: tuple[tuple[float, int], ...]  # (parameters, how many collectives carry that many)
+    last: float  # the last one's: ZeRO-0/1/2's bucket that backward completes last
+
+    @property
+    def count(self) -> int:
+        return sum(n for _, n in self.sizes)
+
+
+@lru_cache(maxsize=1024)
+def bucket_parts(cfg: ModelConfig, layers: int, first: bool, last: bool, experts: bool | None,
+                 params: float, bucket_mb: float) -> Parts:
+    """A pipeline rank's gradient buckets: its `layers` blocks, the inputs when `first`, the
+    outputs when `last` (and a tied embedding's copy), back to front, cut in --bucket-mb buckets.
+    experts: only the routed experts (True), all but them (False), or every parameter (None).
+    `params`: what the rank holds of them (its shares under tensor and expert parallelism), which
+    the buckets' parameters add up to."""
+    held = [(size, False) for size in (input_parameters(cfg) if first else []) +
+            ([cfg.vocab_size * cfg.d_model] if last and not first and cfg.tie_embeddings else [])] + \
+        block_parameters(cfg) * layers + [(size, False) for size in (output_parameters(cfg) if last else [])]
+    sizes = [size for size, expert in held if experts is None or expert == experts]
+    if not sizes or params <= 0:
+        return Parts(((0.0, 1),), 0.0)
+    share = params / sum(sizes)
+    fills = bucket_fills([size * share for size in reversed(sizes)], bucket_elements(bucket_mb, MASTER_BYTES))
+    return Parts(tuple(Counter(fills).items()), fills[-1])
+
+
+def unit_parts(layers: float, params: float) -> Parts:
+    """ZeRO-3's collectives: one per unit (a rank holds every block: no pipeline with ZeRO-3),
+    each priced at an equal share of the parameters."""
+    units = unit_count(max(1, round(layers)))
+    return Parts(((params / units, units),), params / units)
+
+
+def collective_parts(cfg: ModelConfig, lay: Layout, layers: int, first: bool, last: bool, experts: bool | None,
+                     params: float, bucket_mb: float) -> Parts:
+    """What each of a rank's data-parallel collectives carries under its ZeRO stage."""
+    if lay.zero == 3:
+        return unit_parts(layers, params)
+    return bucket_parts(cfg, layers, first, last, experts, params, bucket_mb)
+
+
+def staged(parts: Parts) -> float:
+    """The parameters ZeRO-2's staging buffers hold: as many buffers as are staged at once (one
+    filling while MAX_IN_FLIGHT reduce, or every bucket when there are fewer), each the size of the
+    largest bucket, as parallel/gradients.py's ShardGradients allocates them."""
+    return min(parts.count, MAX_IN_FLIGHT + 1) * max(size for size, _ in parts.sizes)
