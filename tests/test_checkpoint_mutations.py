@@ -18,7 +18,7 @@ How the cases are split, and why: every case is loaded three ways by the functio
 themselves call, in this process, where an exception other than a refusal surfaces with its type
 and the case that caused it, and a load costs about 0.05 s (the command line's train also runs a
 step and a validation; 320 cases x 3 commands must fit in about 20 s of the suite's budget):
-  generate         strata.infer.cli.run_generate, the command's handler (one process, one token);
+  generate         strata.cli.generate.generate_command, the command's handler (one process, one token);
   train --resume   strata.cli.train.checked_train (what the launcher checks: preflight), then
                    strata.train.trainer.setup (what a rank does to start: build, then restore the
                    checkpoint); the training step after it reads no file and is left out;
@@ -42,13 +42,13 @@ import pytest
 from strata.checkpoint import store
 from strata.checkpoint.hf import convert_to_hf
 from strata.cli import main
+from strata.cli.generate import generate_command
 from strata.cli.parser import build_parser
 from strata.cli.train import checked_train
 from strata.config import TrainConfig
 from strata.data.prepare import prepare
 from strata.distributed import comm
 from strata.errors import ConfigError, CorruptError, as_flag
-from strata.infer.cli import run_generate
 from strata.train.trainer import setup, train
 
 CASES = 320
@@ -246,7 +246,7 @@ MUTATIONS = [(json_field, 30), (header_bytes, 10), (header_length, 8), (header_j
 def load_generate(ck: Checkpoint, data: str, out) -> None:
     argv = ["generate", "--checkpoint", str(ck.save), "--prompt-ids", "1,2", "--max-new-tokens", "1"]
     with contextlib.redirect_stdout(io.StringIO()):
-        assert run_generate(build_parser().parse_args(argv), argv) == 0
+        assert generate_command(build_parser().parse_args(argv), argv) == 0
 
 
 def _train_argv(ck: Checkpoint, data: str) -> list[str]:

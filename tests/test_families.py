@@ -17,8 +17,8 @@ from strata.checkpoint.hf import hf_config_from_model
 from strata.checkpoint.models import resolve_model
 from strata.cli import main as strata_main
 from strata.config import TrainConfig
-from strata.infer.cli import load_for_inference
 from strata.infer.generate import generate
+from strata.infer.session import load_for_inference
 from strata.model.config import ModelConfig
 from strata.model.families import FAMILIES, PLACEMENTS
 from strata.model.layers import rope_frequencies
@@ -217,7 +217,7 @@ def test_fine_tune_a_converted_model_on_jsonl_and_parquet_with_its_tokenizer_the
 
     from strata.checkpoint import store
     from strata.data.tokenizer import load_tokenizer
-    from strata.infer.cli import end_of_text_ids
+    from strata.infer.session import end_of_text_ids
     hf_dir = model_tokenizer_dir(tmp_path / "hf")  # its tokenizer.json and a config.json, replaced below
     hf_model("llama2").save_pretrained(hf_dir)  # bos 1, eos 2: transformers' LlamaConfig defaults
     assert strata_main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ck")]) == 0

@@ -8,9 +8,9 @@ import pytest
 import torch
 from architectures import ARCHITECTURES
 
-from strata.infer.cli import Printer, StopStrings
 from strata.infer.generate import FINISHED, Sampler, Sampling, generate, left_pad
 from strata.infer.kv_cache import KVCache
+from strata.infer.session import Printer, StopStrings
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.plan.hardware import DEVICES

@@ -14,7 +14,7 @@ from strata.checkpoint import shards, store
 from strata.checkpoint.hf import convert_from_hf, convert_to_hf
 from strata.cli import main as strata_main
 from strata.config import TrainConfig
-from strata.infer.cli import load_for_inference
+from strata.infer.session import load_for_inference
 from strata.model.config import ModelConfig
 from strata.model.transformer import build_model
 from strata.parallel.pipeline.stage import keep_stage

@@ -163,3 +163,27 @@ def test_no_module_outside_the_model_names_a_family_layer():
             if is_path and set(node.value.split(".")) & words:
                 offenders.append(f"{module}:{node.lineno} {node.value!r}")
     assert not offenders, offenders
+
+
+MAX_FILE_LINES = 450  # a file past it holds two things: split it where they part
+MAX_TRAINING_FUNCTION_LINES = 50  # strata/train's steps read top to bottom in one screen
+
+
+def test_no_file_is_over_450_lines_and_no_training_function_over_50():
+    long_files, long_functions = [], []
+    for folder, _, names in os.walk(ROOT):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            relative = os.path.relpath(path, os.path.dirname(ROOT))
+            if source.count("\n") > MAX_FILE_LINES:
+                long_files.append(f"{relative}: {source.count(chr(10))} lines")
+            if os.path.basename(folder) == "train":
+                long_functions += [f"{relative}: {node.name} is {node.end_lineno - node.lineno + 1} lines"
+                                   for node in ast.walk(ast.parse(source))
+                                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                   and node.end_lineno - node.lineno + 1 > MAX_TRAINING_FUNCTION_LINES]
+    assert not long_files and not long_functions, long_files + long_functions

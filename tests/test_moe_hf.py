@@ -20,8 +20,8 @@ from strata.checkpoint.hf import model_config_from_hf
 from strata.checkpoint.models import resolve_model
 from strata.cli import main as strata_main
 from strata.config import TrainConfig
-from strata.infer.cli import load_for_inference
 from strata.infer.generate import generate
+from strata.infer.session import load_for_inference
 from strata.model.presets import PRESETS
 from strata.train.trainer import train
 

@@ -9,7 +9,7 @@ import sys
 import torch
 import transformers  # the dev extra's: a missing one fails, not skips
 
-from strata.infer.cli import load_for_inference
+from strata.infer.session import load_for_inference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Fine-tuning a Hugging Face model on your own data"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from strata.cli.generate import generate_command
 from strata.cli.parser import build_parser
 from strata.cli.plan import plan_command
 from strata.cli.tools import (
@@ -16,7 +17,6 @@ from strata.cli.tools import (
     convert_command,
     data_command,
     doctor_command,
-    generate_command,
     plot_command,
     schedule_command,
 )

@@ -48,11 +48,6 @@ def data_command(args, argv: list[str]) -> int:
     return 0
 
 
-def generate_command(args, argv: list[str]) -> int:
-    from strata.infer.cli import run_generate
-    return run_generate(args, argv)
-
-
 def convert_command(args, argv: list[str]) -> int:
     from strata.checkpoint.hf import convert_from_hf, convert_to_hf
     source = args.from_hf or args.to_hf

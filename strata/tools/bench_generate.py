@@ -19,8 +19,8 @@ import torch
 from strata.checkpoint.hf import save_hf
 from strata.checkpoint.store import verified_file
 from strata.errors import ConfigError
-from strata.infer.cli import load_for_inference, parse_prompt_ids
 from strata.infer.generate import Sampling, check_length, generate
+from strata.infer.session import load_for_inference, parse_prompt_ids
 from strata.model.presets import PRESETS
 from strata.model.transformer import build_model
 from strata.rules.devices import check_device

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,9 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     rank, world_size, owns_process_group = init_distributed(device, cfg.timeout, cfg.comm_semantics)
     groups_before = process_groups()
     base = checked_model(cfg, world_size)
-    cfg.global_batch = global_batch_size(cfg, world_size)
-    cfg.zero = zero_stage(cfg)  # --offload-params alone on one process: ZeRO-3
+    # the run's own copy, resolved (the caller's config is left as it was given)
+    cfg = replace(cfg, global_batch=global_batch_size(cfg, world_size),
+                  zero=zero_stage(cfg))  # --offload-params alone on one process: ZeRO-3
     dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     mesh = Mesh.build(dims, rank, device.type, cfg.timeout)
     groups = mesh.groups

@@ -1,5 +1,6 @@
-"""`strata generate`: load a checkpoint (whole, tensor-parallel, or one pipeline stage per rank),
-encode the prompts, and stream the answers."""
+"""Generation as `strata generate` runs it (the command line: strata/cli/generate.py): load a
+checkpoint (whole, tensor-parallel, or one pipeline stage per rank), encode the prompts, and
+stream the answers, on this process or on the ranks torchrun started, from a GenerateConfig."""
 
 from __future__ import annotations
 
@@ -17,16 +18,15 @@ from strata.checkpoint import store
 from strata.checkpoint.shards import read_full
 from strata.data.tokenizer import END_OF_TEXT, read_tokenizer
 from strata.distributed import comm
-from strata.distributed.launch import launch_local
 from strata.distributed.mesh import ParallelDims, expert_axes, init_distributed, pick_device, pipeline_links
 from strata.errors import ConfigError, CorruptError
-from strata.infer.generate import FINISHED, Sampling, check_length, generate
+from strata.infer.config import GenerateConfig
+from strata.infer.generate import FINISHED, check_length, generate
 from strata.infer.pipeline import generate_pipelined
 from strata.model.transformer import build_model
 from strata.parallel.expert import ExpertAxes, apply_expert_parallel, slice_experts
 from strata.parallel.pipeline.stage import keep_stage
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs, slice_tensor_parallel
-from strata.rules.devices import check_device
 from strata.rules.dtypes import torch_dtype
 from strata.rules.experts import check_experts
 from strata.rules.layout import check_tensor_parallel
@@ -154,100 +154,67 @@ class Printer:
         self.out.flush()
 
 
-def run_generate(args, argv: list[str]) -> int:
-    """Generate on one process, or on tp x pp processes (started here unless torchrun did)."""
-    _check_flags(args)
-    check_device(args.device)
-    world = args.tp * args.pp * args.ep
-    if args.nproc is not None and args.nproc != world:
-        sizes = (("tp", args.tp), ("pp", args.pp)) + ((("ep", args.ep),) if args.ep > 1 else ())
-        raise ConfigError(f"--nproc {args.nproc}: generation runs on {' x '.join(n for n, _ in sizes)} = "
-                          f"{' x '.join(str(v) for _, v in sizes)} = {world} processes; set --nproc {world}")
-    launched = "LOCAL_RANK" in os.environ
-    if world > 1 and not launched:
-        _requests(args)  # every check that can fail on input, once, before any process starts
-        store.check_checkpoint(args.checkpoint)  # its files too: every checksum, every shard's header
-        return launch_local(world, argv)
-    if not launched or int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return _generate(args, _requests(args), tp_group=None, stage=None, links=None, experts=None)
-    _, size, _ = init_distributed(pick_device(args.device), timeout_s=args.timeout)
+def generate_on_ranks(cfg: GenerateConfig) -> int:
+    """Generate on the tp x pp x ep ranks torchrun started (this process is one of them): the
+    mesh's groups and links made, each rank loads its part and the last stage prints."""
+    _, size, _ = init_distributed(pick_device(cfg.device), timeout_s=cfg.timeout)
     try:
-        if size != world:
-            raise ConfigError(f"--tp {args.tp} x --pp {args.pp} x --ep {args.ep}: launched with {size} processes; "
+        if size != cfg.world_size:
+            raise ConfigError(f"--tp {cfg.tp} x --pp {cfg.pp} x --ep {cfg.ep}: launched with {size} processes; "
                               f"they must be equal")
-        dims = ParallelDims(dp=args.ep, tp=args.tp, pp=args.pp)  # the expert-parallel ranks run the same requests
-        mesh = dims.build_mesh(pick_device(args.device).type)
+        dims = ParallelDims(dp=cfg.ep, tp=cfg.tp, pp=cfg.pp)  # the expert-parallel ranks run the same requests
+        mesh = dims.build_mesh(pick_device(cfg.device).type)
         where = dims.coordinates(dist.get_rank())
-        tp_group = mesh["tp"].get_group() if args.tp > 1 else None
-        requests, stage, links = _requests(args), None, None
-        if args.pp > 1:
+        tp_group = mesh["tp"].get_group() if cfg.tp > 1 else None
+        requests, stage, links = prepare_requests(cfg), None, None
+        if cfg.pp > 1:
             stage = (requests.layout, where["pp"])
-            links = pipeline_links(dims, dist.get_rank(), wraps=False, timeout_s=args.timeout,
+            links = pipeline_links(dims, dist.get_rank(), wraps=False, timeout_s=cfg.timeout,
                                    kinds=("activation", "control"))
-        experts = ExpertAxes(*expert_axes(dims, args.ep, dist.get_rank(), args.timeout)) if args.ep > 1 else None
-        return _generate(args, requests, tp_group, stage, links, experts)
+        experts = ExpertAxes(*expert_axes(dims, cfg.ep, dist.get_rank(), cfg.timeout)) if cfg.ep > 1 else None
+        return generate_here(cfg, requests, tp_group, stage, links, experts)
     finally:
         comm.close_streams()
         dist.destroy_process_group()
 
 
-def _check_flags(args) -> None:
-    requests = len(args.prompt or args.prompt_ids)
-    checks = [(args.tp >= 1, f"--tp {args.tp}: must be >= 1"), (args.pp >= 1, f"--pp {args.pp}: must be >= 1"),
-              (args.ep >= 1, f"--ep {args.ep}: must be >= 1"),
-              (args.ep == 1 or args.pp == 1, f"--ep {args.ep}: not with --pp {args.pp} in generation"),
-              (args.max_new_tokens is None or args.max_new_tokens >= 1,
-               f"--max-new-tokens {args.max_new_tokens}: must be >= 1"),
-              (args.micro_batches is None or args.pp > 1,
-               "--micro-batches: only with --pp (requests in flight through the pipeline stages)"),
-              (args.micro_batches is None or 1 <= args.micro_batches <= requests,
-               f"--micro-batches {args.micro_batches}: must be between 1 and the {requests} prompts"),
-              (0 < args.timeout < float("inf"), f"--timeout {args.timeout}: must be > 0 seconds"),
-              (all(args.stop), "--stop '': an empty stop string would end every answer at once")]
-    problems = [message for ok, message in checks if not ok] + _sampling(args).problems()
-    if problems:
-        raise ConfigError(problems[0])
-
-
-def _sampling(args) -> Sampling:
-    return Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Requests:
-    """What the command line asks for, checked against the checkpoint."""
+    """What the config asks for, checked against the checkpoint."""
     prompts: list[list[int]]
     texts: list[str]  # what to print for each prompt
     tokenizer: object
     stops: StopStrings | None
     layout: object  # the pipeline layout with --pp, else None
+    max_new_tokens: int  # as given, or 100, or what the context leaves
 
 
-def _requests(args) -> Requests:
+def prepare_requests(cfg: GenerateConfig) -> Requests:
     """Read the checkpoint's model config and tokenizer, encode the prompts, and check everything
     that depends on them (tp and pp against the model, ids against the vocabulary, the answer
-    against the context). Sets the default --max-new-tokens."""
-    if not os.path.isdir(args.checkpoint):
-        raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory")
-    path = store.resolve(args.checkpoint)
+    against the context)."""
+    if not os.path.isdir(cfg.checkpoint):
+        raise ConfigError(f"--checkpoint {cfg.checkpoint}: no such directory")
+    path = store.resolve(cfg.checkpoint)
     state = store.read_state(path)
-    cfg = store.model_config(state, path)
-    check_tensor_parallel(cfg, args.tp)
-    check_experts(cfg, args.ep, args.ep, 0, "1d", False, None)  # the ep ranks run the same requests: dp = ep
+    model = store.model_config(state, path)
+    check_tensor_parallel(model, cfg.tp)
+    check_experts(model, cfg.ep, cfg.ep, 0, "1d", False, None)  # the ep ranks run the same requests: dp = ep
     layout = None
-    if args.pp > 1:
-        layout = make_layout(cfg, args.pp, 1, cfg.max_seq_len)
+    if cfg.pp > 1:
+        layout = make_layout(model, cfg.pp, 1, model.max_seq_len)
     tokenizer = _tokenizer(path)
-    prompts, texts = _encode_prompts(args, tokenizer, cfg.vocab_size)
-    if args.max_new_tokens is None:
-        args.max_new_tokens = max(min(100, cfg.max_seq_len - max(map(len, prompts))), 1)
-    check_length(prompts, args.max_new_tokens, cfg.max_seq_len)
+    prompts, texts = _encode_prompts(cfg, tokenizer, model.vocab_size)
+    max_new_tokens = cfg.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = max(min(100, model.max_seq_len - max(map(len, prompts))), 1)
+    check_length(prompts, max_new_tokens, model.max_seq_len)
     stops = None
     if tokenizer is not None:
-        stops = StopStrings(tokenizer, args.stop, end_of_text_ids(state, tokenizer))
-    elif args.stop:
-        raise ConfigError(f"--stop {args.stop[0]!r}: the checkpoint has no tokenizer.json to find text with")
-    return Requests(prompts, texts, tokenizer, stops, layout)
+        stops = StopStrings(tokenizer, list(cfg.stop), end_of_text_ids(state, tokenizer))
+    elif cfg.stop:
+        raise ConfigError(f"--stop {cfg.stop[0]!r}: the checkpoint has no tokenizer.json to find text with")
+    return Requests(prompts, texts, tokenizer, stops, layout, max_new_tokens)
 
 
 def end_of_text_ids(state: dict, tokenizer) -> frozenset[int]:
@@ -259,47 +226,50 @@ def end_of_text_ids(state: dict, tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
-def _generate(args, requests: Requests, tp_group, stage, links, experts) -> int:
-    sampling = _sampling(args)
+def generate_here(cfg: GenerateConfig, requests: Requests, tp_group=None, stage=None, links=None,
+                  experts=None) -> int:
+    """Generate on this process: the whole model, or its part on a rank (tp_group, stage: (the
+    pipeline layout, this rank's stage), links, experts); the rank that samples prints."""
+    sampling, new_tokens = cfg.sampling, requests.max_new_tokens
     prompts, texts, tokenizer, stops = requests.prompts, requests.texts, requests.tokenizer, requests.stops
-    model, _ = load_for_inference(args.checkpoint, pick_device(args.device), tp_group, stage,
-                                  torch_dtype(args.dtype) if args.dtype else None, experts)
+    model, _ = load_for_inference(cfg.checkpoint, pick_device(cfg.device), tp_group, stage,
+                                  torch_dtype(cfg.dtype) if cfg.dtype else None, experts)
 
-    pp_rank, pp = (stage[1], args.pp) if stage is not None else (0, 1)
+    pp_rank, pp = (stage[1], cfg.pp) if stage is not None else (0, 1)
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     ep_rank = experts.ep.rank if experts is not None else 0
     # whoever samples prints: the last stage's first tp rank (of the first expert-parallel rank)
     printing = pp_rank == pp - 1 and tp_rank == 0 and ep_rank == 0
     printer = Printer(texts, tokenizer, stops, sys.stdout if printing else io.StringIO())
     if stage is None:
-        steps = ((range(len(prompts)), ids) for ids in generate(model, prompts, args.max_new_tokens, sampling, stops))
+        steps = ((range(len(prompts)), ids) for ids in generate(model, prompts, new_tokens, sampling, stops))
     else:
-        micro_batches = args.micro_batches or min(pp, len(prompts))
-        steps = generate_pipelined(model, prompts, args.max_new_tokens, sampling, stops, micro_batches, pp_rank, pp, links)
+        micro_batches = cfg.micro_batches or min(pp, len(prompts))
+        steps = generate_pipelined(model, prompts, new_tokens, sampling, stops, micro_batches, pp_rank, pp, links)
     started, first = time.perf_counter(), None
     for rows, next_ids in steps:
         first = first or time.perf_counter()
         printer.add(rows, next_ids)
     printer.finish()
-    if args.timing and printing:
+    if cfg.timing and printing:
         seconds, tokens = time.perf_counter() - started, sum(map(len, printer.answers))
         print(f"{len(prompts)} request(s), {tokens} answer tokens in {seconds:.3f} s: first token after "
               f"{first - started:.3f} s, {tokens / seconds:.1f} tokens/s", file=sys.stderr)
     return 0
 
 
-def _encode_prompts(args, tokenizer, vocab: int) -> tuple[list[list[int]], list[str]]:
+def _encode_prompts(cfg: GenerateConfig, tokenizer, vocab: int) -> tuple[list[list[int]], list[str]]:
     """(token ids, text to print) per request."""
-    if args.prompt is None:
-        prompts = [parse_prompt_ids(given, vocab) for given in args.prompt_ids]
+    if cfg.prompts is None:
+        prompts = [parse_prompt_ids(given, vocab) for given in cfg.prompt_ids or ()]
         return prompts, [" ".join(map(str, p)) for p in prompts]
     if tokenizer is None:
-        raise ConfigError(f"--prompt: checkpoint {args.checkpoint} has no tokenizer.json "
+        raise ConfigError(f"--prompt: checkpoint {cfg.checkpoint} has no tokenizer.json "
                           f"(trained on synthetic data); use --prompt-ids 1,2,3")
-    prompts = [tokenizer.encode(p).ids for p in args.prompt]
+    prompts = [tokenizer.encode(p).ids for p in cfg.prompts]
     if not all(prompts):
         raise ConfigError("--prompt '': a prompt must encode to at least one token")
-    return prompts, list(args.prompt)
+    return prompts, list(cfg.prompts)
 
 
 def parse_prompt_ids(given: str, vocab: int) -> list[int]:
