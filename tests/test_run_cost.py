@@ -86,3 +86,27 @@ def test_device_hours_land_within_a_quarter_of_the_published(name, capsys):
     assert best["device_hours"] == pytest.approx(hours, rel=0.25), best["device_hours"]
     assert best["price"] == pytest.approx(1.5 * best["device_hours"])
     assert best["train_days"] == pytest.approx(best["device_hours"] / 24 / 2048)
+
+
+def _fake_estimate(tokens_per_s: float, nodes: int):
+    from types import SimpleNamespace
+    return SimpleNamespace(tokens_per_s=tokens_per_s, layout=SimpleNamespace(world_size=8 * nodes))
+
+
+def test_days_gives_up_after_two_doublings_without_a_faster_run_and_not_before():
+    """Past what the global batch lets devices share, more nodes are no faster: the search stops
+    after two such doublings (not at 65,536 nodes, minutes later), and one flat doubling before a
+    faster one does not stop it."""
+    asked = []
+
+    def plateau(nodes):  # as fast as 4 nodes from there on
+        asked.append(nodes)
+        return _fake_estimate(1e6 * min(nodes, 4), nodes)
+    with pytest.raises(ConfigError, match="2 doublings of the nodes after it were no faster"):
+        smallest_cluster(plateau, tokens=1e12, days=1.0)
+    assert max(asked) == 16  # 4 the fastest; 8 and 16 no faster
+
+    def flat_then_faster(nodes):  # 2 nodes no faster than 1, 4 fast enough
+        return _fake_estimate({1: 1e6, 2: 1e6, 3: 1e6}.get(nodes, 1e9), nodes)
+    nodes, _ = smallest_cluster(flat_then_faster, tokens=1e12, days=1.0)
+    assert nodes == 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 from strata.errors import ConfigError, as_flag
 from strata.plan.cost import Estimate, Workload
 from strata.rules.checkpointing import PLANNED_MODES
-from strata.rules.layout import Layout, check_layout, check_transfer_dtypes
+from strata.rules.layout import Layout, check_layout, check_transfer_dtypes, data_parallel_degree
 
 # --layout's keys: the layout's fields under short names
 LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("virtual_stages", int),
@@ -41,7 +41,7 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
     if "dp" not in values and world % (cp * tp * pp):
         named = "cp x tp x pp" if "cp" in values else "tp x pp"
         raise ConfigError(f"--layout {text}: {named} = {cp * tp * pp} does not divide the cluster's {world} devices")
-    layout = Layout(**{"dp": world // (cp * tp * pp), **values})
+    layout = Layout(**{"dp": data_parallel_degree(world, cp, tp, pp), **values})
     if layout.checkpointing not in PLANNED_MODES:
         raise ConfigError(f"--layout {text}: ckpt={layout.checkpointing}: the planner prices {', '.join(PLANNED_MODES)}")
     try:

@@ -121,13 +121,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
     """Check the run's files; returns notes to print once (how the resume point was found).
     Raises ConfigError / CorruptError with one line."""
     notes = []
-    check_outputs(cfg)  # --run-dir, --tensorboard
-    for flag, path in (("--metrics", cfg.metrics), ("--trace", cfg.trace), ("--save", cfg.save),
-                       ("--offload-dir", cfg.offload_dir)):
-        wants_dir = flag in ("--save", "--offload-dir")
-        if path and os.path.exists(path) and os.path.isdir(path) != wants_dir:
-            raise ConfigError(f"{flag} {path}: is {'a file' if wants_dir else 'a directory'}; "
-                              f"want {'a directory' if wants_dir else 'a file'}")
+    check_outputs(cfg)  # every path the run writes; the tensorboard package; config.toml's text
     base = model_shape(cfg)  # reads --init-from's manifest
     if cfg.init_from:  # every file of it, checksums included (the tokenizer's too, as `generate` checks it)
         store.check_checkpoint(cfg.init_from)

@@ -17,9 +17,8 @@ import math
 import os
 import time
 
-from strata.config import run_dir_outputs
+from strata.config import check_output_paths, run_dir_outputs
 from strata.errors import ConfigError
-from strata.files import check_output_dir
 from strata.rules.comm_semantics import describe as describe_semantics
 from strata.train import tensorboard
 from strata.train.metrics import MetricsWriter
@@ -68,13 +67,9 @@ def config_toml(cfg) -> str:
 
 # --- checks ---------------------------------------------------------------------------------------
 def check_outputs(cfg) -> None:
-    """--run-dir and --tensorboard are directories to write into, and events need the package."""
-    for field in ("run_dir", "tensorboard"):
-        path = getattr(cfg, field)
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError("is a file; want a directory", field, path)
-        if path is not None:
-            check_output_dir(path, field)
+    """Every path the run writes can be written (config.check_output_paths), events have their
+    package, and config.toml can hold the settings."""
+    check_output_paths(cfg)
     if cfg.tensorboard:
         tensorboard.check_installed(cfg.tensorboard)
     if cfg.run_dir:
