@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.train.run_state import load_checkpoint, save_checkpoint
 from strata.train.trainer import setup, train_step
 
@@ -40,7 +40,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="strata-bench-ckpt-")
-    cfg = TrainConfig(model="small", seq_len=64, micro_batch=2, steps=1, progress=False, peak_flops=1e12,
+    cfg = train_config(model="small", seq_len=64, micro_batch=2, steps=1, progress=False, peak_flops=1e12,
                       save=os.path.join(root, "strata"))
     run = setup(cfg)
     train_step(run, 0)

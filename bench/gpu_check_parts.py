@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from strata.config import TrainConfig
+from strata.config import TrainConfig, train_config
 from strata.infer.generate import generate
 from strata.model.layers import attention_bias
 from strata.model.presets import get_preset
@@ -184,7 +184,7 @@ def environment(check: Check) -> dict:
 
 # --- correctness: the device against the CPU ----------------------------------------------------------
 def tiny_config(dtype: str, device: str, model: str = "tiny") -> TrainConfig:
-    return TrainConfig(model=model, dtype=dtype, steps=CORRECTNESS_STEPS, micro_batch=4, device=device,
+    return train_config(model=model, dtype=dtype, steps=CORRECTNESS_STEPS, micro_batch=4, device=device,
                        eval_batches=1, progress=False, peak_flops=1e12, seed=0)
 
 
@@ -268,7 +268,7 @@ def correctness(check: Check) -> dict:
 
 # --- training runs, shared by MFU, memory and step time -----------------------------------------------
 def training_config(spec: RunSpec, device: str, peak_flops: float) -> TrainConfig:
-    return TrainConfig(model=spec.model, seq_len=spec.seq_len, micro_batch=spec.micro_batch,
+    return train_config(model=spec.model, seq_len=spec.seq_len, micro_batch=spec.micro_batch,
                        global_batch=spec.micro_batch, dtype="bf16", checkpointing=spec.checkpointing,
                        steps=spec.steps, device=device, eval_batches=1, progress=False,
                        peak_flops=peak_flops, seed=0, compile=spec.compile)

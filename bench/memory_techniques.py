@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.train.trainer import train
 
 VARIANTS = {
@@ -38,7 +38,7 @@ def main() -> None:
     times = {name: [] for name in VARIANTS}
     for _ in range(args.rounds):
         for name, settings in VARIANTS.items():
-            cfg = TrainConfig(model="small", seq_len=args.seq_len, micro_batch=args.micro_batch,
+            cfg = train_config(model="small", seq_len=args.seq_len, micro_batch=args.micro_batch,
                               global_batch=args.micro_batch, steps=args.steps, progress=False, peak_flops=1e12,
                               eval_batches=1, **settings)
             times[name] += train(cfg)["step_times"][1:]

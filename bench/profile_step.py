@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def strata_profile(args) -> profile:
-    from strata.config import TrainConfig
+    from strata.config import train_config
     from strata.train import trainer
 
     prof = profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=0, active=args.steps))
@@ -33,7 +33,7 @@ def strata_profile(args) -> profile:
         prof.step()
         return out
     trainer.train_step = stepped
-    cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch,
+    cfg = train_config(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch,
                       global_batch=args.micro_batch, steps=args.steps + 1, dtype=args.dtype, progress=False,
                       eval_batches=1, peak_flops=1e12, lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1,
                       grad_clip=1.0)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.presets import get_preset
 from strata.train.trainer import train
 
@@ -88,7 +88,7 @@ def reference_step_times(dtype: str, steps: int, batch: int, seq: int) -> list[f
 
 
 def strata_step_times(dtype: str, steps: int, batch: int, seq: int) -> list[float]:
-    cfg = TrainConfig(model="small", data="synthetic", dtype=dtype, steps=steps, micro_batch=batch,
+    cfg = train_config(model="small", data="synthetic", dtype=dtype, steps=steps, micro_batch=batch,
                       global_batch=batch, seq_len=seq, progress=False, eval_batches=1, peak_flops=1e12)
     return train(cfg)["step_times"]
 

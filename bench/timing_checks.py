@@ -29,7 +29,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import netns  # noqa: E402 - the tests' two namespaces
 
-from strata.config import TrainConfig  # noqa: E402
+from strata.config import train_config  # noqa: E402
 from strata.model.presets import get_preset  # noqa: E402
 from strata.model.transformer import build_model  # noqa: E402
 from strata.plan.cost import estimate  # noqa: E402
@@ -88,7 +88,7 @@ def bus_bandwidth() -> bool:
 # --- resident memory: it falls as ZeRO shards more, and with the moments on disk ------------------------
 def _peak(zero, offload="none", global_batch=4):
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: freed memory goes back at once
-    s = train(TrainConfig(model="small", steps=2, global_batch=global_batch, micro_batch=1, seq_len=32, zero=zero,
+    s = train(train_config(model="small", steps=2, global_batch=global_batch, micro_batch=1, seq_len=32, zero=zero,
                           bucket_mb=4, offload=offload, progress=False, peak_flops=1e10, eval_batches=1))
     record = s["records"][-1]
     return record["peak_mem_bytes"], record["model_state_breakdown"]

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from strata.config import TrainConfig
+from strata.config import train_config, with_settings
 from strata.data.loader import BatchLoader, synthetic_split
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
@@ -86,7 +86,7 @@ def run_dtensor_tp(cfg, rank, world, sequence_parallel):
         opt.step()
         opt.zero_grad(set_to_none=True)
     # every rank of the TP group reads the same batch, of micro_batch sequences (as strata's)
-    cfg.global_batch = cfg.micro_batch
+    cfg.global_batch = cfg.layout.micro_batch
     return peer_loop(model, step, lambda loss: loss.backward(), cfg.steps, cfg, 0, 1)
 
 
@@ -113,7 +113,7 @@ def run_deepspeed(zero, cfg, rank, world):
     import deepspeed
     model = build_model(get_preset(cfg.model), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, fused=True)
-    ds_config = {"train_batch_size": cfg.global_batch, "train_micro_batch_size_per_gpu": cfg.micro_batch,
+    ds_config = {"train_batch_size": cfg.global_batch, "train_micro_batch_size_per_gpu": cfg.layout.micro_batch,
                  "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
                  "zero_optimization": {"stage": zero, "reduce_bucket_size": 25 * 2**20 // 4,
                                        "allgather_bucket_size": 25 * 2**20 // 4, "overlap_comm": True},
@@ -168,16 +168,15 @@ def run_strata(impl, cfg, world, micro_batches=1):
     # "-nccl": the same run under NCCL's rules on gloo (bench/comm_semantics.py); else gloo's own
     cfg.comm_semantics = "nccl" if impl.endswith("-nccl") else "native"
     impl = impl.removesuffix("-nccl")
+    micro_batch = cfg.layout.micro_batch
     if impl.startswith("strata-pp-"):  # all ranks one pipeline
-        cfg.schedule = impl.removeprefix("strata-pp-")
-        cfg.pp, cfg.dp, cfg.virtual_stages, cfg.grad_clip = world, 1, PIPELINE_V[cfg.schedule], 0.0
-        cfg.global_batch = cfg.micro_batch * micro_batches
-        return train(cfg)["step_times"]
-    if impl.startswith("strata-z"):
-        cfg.zero = int(impl[-1])
+        schedule = impl.removeprefix("strata-pp-")
+        cfg = with_settings(cfg, schedule=schedule, pp=world, dp=1, virtual_stages=PIPELINE_V[schedule], grad_clip=0.0,
+                            global_batch=micro_batch * micro_batches)
+    elif impl.startswith("strata-z"):
+        cfg = with_settings(cfg, zero=int(impl[-1]))
     else:  # strata-tp[-sp]: all ranks in one tensor-parallel group
-        cfg.tp, cfg.dp, cfg.sequence_parallel = world, 1, impl.endswith("-sp")
-        cfg.global_batch = cfg.micro_batch
+        cfg = with_settings(cfg, tp=world, dp=1, sequence_parallel=impl.endswith("-sp"), global_batch=micro_batch)
     return train(cfg)["step_times"]
 
 
@@ -196,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
-    cfg = TrainConfig(model=args.model, steps=args.steps, seq_len=args.seq_len, micro_batch=args.micro_batch,
+    cfg = train_config(model=args.model, steps=args.steps, seq_len=args.seq_len, micro_batch=args.micro_batch,
                       global_batch=args.micro_batch * world, progress=False, peak_flops=1e12, eval_batches=1,
                       lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, grad_clip=CLIP)
     impl = args.impl
@@ -206,7 +205,7 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
         if impl.startswith("torch-pp-"):
-            cfg.global_batch = cfg.micro_batch * args.micro_batches
+            cfg.global_batch = cfg.layout.micro_batch * args.micro_batches
             times = run_torch_pipeline(impl.removeprefix("torch-pp-"), cfg, rank, world, args.micro_batches)
         elif impl.startswith("deepspeed"):
             times = run_deepspeed(int(impl[-1]), cfg, rank, world)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from strata.checkpoint import shards, store
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.data.prepare import prepare
 from strata.train.trainer import train
 
@@ -70,7 +70,7 @@ def _data(root) -> dict[str, str]:
 def _checkpoints(root, data_dir) -> dict[str, str]:
     """A checkpoint of a tiny run on prepared data (with its tokenizer), and broken copies."""
     save = root / "ck"
-    train(TrainConfig(model="tiny", data=data_dir, seq_len=16, steps=2, micro_batch=2, save=str(save),
+    train(train_config(model="tiny", data=data_dir, seq_len=16, steps=2, micro_batch=2, save=str(save),
                       progress=False, eval_batches=1, peak_flops=1e10))
     step = save / "step_000002"
     found = {"save": str(save), "good": str(step)}

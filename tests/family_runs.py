@@ -5,7 +5,7 @@ import contextlib
 import io
 
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.train.trainer import train
 
 PROMPT_IDS, NEW_TOKENS = "5,17,42", 40
@@ -14,7 +14,7 @@ PROMPT_IDS, NEW_TOKENS = "5,17,42", 40
 def fp64_losses(checkpoint: str, **layout) -> list[float]:
     settings = dict(init_from=checkpoint, dtype="fp64", steps=6, micro_batch=2, global_batch=4, seq_len=32, lr=3e-3,
                     seed=3, progress=False, eval_batches=1, peak_flops=1e10)
-    return train(TrainConfig(**{**settings, **layout}))["losses"]
+    return train(train_config(**{**settings, **layout}))["losses"]
 
 
 def greedy_tokens(checkpoint: str, tp: int = 1, pp: int = 1) -> str:

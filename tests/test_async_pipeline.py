@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.presets import get_preset
 from strata.rules.schedules import SCHEDULES, flushless, one_f_one_b, profile, segment, simulate
 from strata.train.trainer import train
@@ -30,7 +30,7 @@ def _settings(schedule: str, p: int) -> dict:
 
 
 def _run(settings: dict, keep_state: bool = False) -> dict:
-    s = train(TrainConfig(**{**BASE, **settings}), keep_state=keep_state)
+    s = train(train_config(**{**BASE, **settings}), keep_state=keep_state)
     return {"losses": s["losses"], "val": [v for _, v in s["val_losses"]], "records": s["records"],
             "state": s.get("state")}
 

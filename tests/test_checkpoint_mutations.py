@@ -45,7 +45,7 @@ from strata.cli import main
 from strata.cli.generate import generate_command
 from strata.cli.parser import build_parser
 from strata.cli.train import checked_train
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.data.prepare import prepare
 from strata.distributed import comm
 from strata.errors import ConfigError, CorruptError, as_flag
@@ -69,7 +69,7 @@ def tiny(tmp_path_factory):
     prepare([str(root / "corpus.txt")], str(root / "data"), "bpe:300", 0.1)
     save = root / "pristine"
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        train(TrainConfig(model="tiny", data=str(root / "data"), steps=1, micro_batch=1, seq_len=16, save=str(save),
+        train(train_config(model="tiny", data=str(root / "data"), steps=1, micro_batch=1, seq_len=16, save=str(save),
                           progress=False, eval_batches=1, peak_flops=1e10))
     pristine = {name: (save / STEP / name).read_bytes() for name in FILES}
     pristine["latest"] = (save / "latest").read_bytes()

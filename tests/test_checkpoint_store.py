@@ -9,7 +9,7 @@ import torch
 
 from strata.checkpoint import shards, store
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.errors import ConfigError
 from strata.train.trainer import train
 
@@ -32,7 +32,7 @@ SAVE_AT = 5
 
 def _run_jobs(jobs):
     """Train each job in turn (this world size's layouts); returns their losses."""
-    return [train(TrainConfig(**{**BASE, **job}))["losses"] for job in jobs]
+    return [train(train_config(**{**BASE, **job}))["losses"] for job in jobs]
 
 
 def _on_world(world, jobs):
@@ -92,7 +92,7 @@ def test_each_rank_writes_only_its_own_pieces_and_nothing_twice(saved):
 
 # --- safety -------------------------------------------------------------------------------------
 def _tiny_run(tmp_path, **extra):
-    return train(TrainConfig(**{**BASE, "steps": 4, "save": str(tmp_path / "ck"), "save_every": 2, **extra}))
+    return train(train_config(**{**BASE, "steps": 4, "save": str(tmp_path / "ck"), "save_every": 2, **extra}))
 
 
 def test_keep_prunes_old_checkpoints_and_latest_names_the_newest(tmp_path):
@@ -126,14 +126,14 @@ def test_a_save_killed_midway_is_never_loaded(tmp_path, monkeypatch):
         real_write_json(path, obj)
     monkeypatch.setattr(store, "_write_json", die_at_the_manifest)
     with pytest.raises(SystemExit):
-        train(TrainConfig(**{**BASE, "steps": 6, "save": str(ck), "resume": str(ck)}))
+        train(train_config(**{**BASE, "steps": 6, "save": str(ck), "resume": str(ck)}))
     monkeypatch.undo()
     assert (ck / "step_000006.tmp" / "shard_0.safetensors").exists() and not (ck / "step_000006").exists()
     assert store.resolve(str(ck)).endswith("step_000004")
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         store.resolve(str(ck / "step_000006.tmp"))
     # a crash between the rename and the `latest` update leaves latest on the older one: still complete
-    summary = train(TrainConfig(**{**BASE, "steps": 6, "save": str(ck), "resume": "auto"}))
+    summary = train(train_config(**{**BASE, "steps": 6, "save": str(ck), "resume": "auto"}))
     assert len(summary["losses"]) == 2  # resumed at step 4
     assert not (ck / "step_000006.tmp").exists()  # the next save cleaned it up
 
@@ -159,7 +159,7 @@ def test_a_damaged_file_is_named_at_load(tmp_path, capsys, damage):
 
 def test_init_from_starts_a_new_run_from_the_weights(tmp_path):
     saving = _tiny_run(tmp_path)
-    started = train(TrainConfig(**{**BASE, "steps": 2, "init_from": str(tmp_path / "ck")}))
+    started = train(train_config(**{**BASE, "steps": 2, "init_from": str(tmp_path / "ck")}))
     # validation reads the same batches every time: the new run's step-0 loss is the old run's last
     assert started["val_losses"][0][1] == saving["val_losses"][-1][1]
     assert len(started["losses"]) == 2  # from step 0, with a fresh optimizer

@@ -5,7 +5,7 @@ et al.'s terms for this model's layout."""
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.errors import ConfigError
 from strata.plan.memory import activation_bytes_per_layer
 from strata.train import trainer
@@ -22,7 +22,7 @@ BASE = dict(model="tiny", seq_len=32, steps=3, micro_batch=2, global_batch=4, pr
 def _every_mode(layout):
     out = {}
     for mode in MODES:
-        s = trainer.train(TrainConfig(**BASE, **layout, checkpointing=mode), keep_state=True)
+        s = trainer.train(train_config(**BASE, **layout, checkpointing=mode), keep_state=True)
         out[mode] = (s["losses"], s["state"])
     return out
 
@@ -63,4 +63,4 @@ def test_bytes_kept_per_layer_match_korthikanti_for_this_layout():
 def test_bad_checkpointing_mode_is_refused():
     for mode in ("some", "every:0", "every:x"):
         with pytest.raises(ConfigError, match="valid: none, full, selective, every:K"):
-            checked_model(TrainConfig(checkpointing=mode), 1)
+            checked_model(train_config(checkpointing=mode), 1)

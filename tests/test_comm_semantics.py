@@ -205,9 +205,9 @@ def test_the_watchdog_dumps_the_flight_record_and_every_rank_writes_its_own(tmp_
 def test_a_run_says_its_semantics_in_its_logs_first_line_and_every_metrics_record(tmp_path, semantics, words):
     import json
 
-    from strata.config import TrainConfig
+    from strata.config import train_config
     from strata.train.trainer import train
-    train(TrainConfig(model="tiny", seq_len=16, steps=2, micro_batch=1, eval_batches=1, progress=False,
+    train(train_config(model="tiny", seq_len=16, steps=2, micro_batch=1, eval_batches=1, progress=False,
                       peak_flops=1e10, run_dir=str(tmp_path / "run"), comm_semantics=semantics))
     first = (tmp_path / "run" / "train.log").read_text().splitlines()[0]
     assert words in first, first

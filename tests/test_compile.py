@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.train import trainer
 
 from distributed import run_on_ranks
@@ -22,7 +22,7 @@ def _eager_and_compiled(layout, metrics_dir=None):
     out = []
     for compile in (False, True):
         metrics = f"{metrics_dir}/{int(compile)}.jsonl" if metrics_dir else None
-        s = trainer.train(TrainConfig(**{**BASE, **layout}, compile=compile, metrics=metrics), keep_state=True)
+        s = trainer.train(train_config(**{**BASE, **layout}, compile=compile, metrics=metrics), keep_state=True)
         out.append((s["losses"], s["state"], s.get("compile_s")))
     return out
 

@@ -11,7 +11,7 @@ from family_runs import NEW_TOKENS, PROMPT_IDS, fp64_losses, greedy_tokens
 from hf_cases import hf_model
 
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.memory.activations import count_saved_activations
 from strata.model.presets import get_preset
 from strata.rules.context import attention_traffic, extra_activation_elements, recomputed_traffic
@@ -27,7 +27,7 @@ BASE = dict(model="tiny", seq_len=32, steps=6, progress=False, peak_flops=1e10, 
 
 
 def _run(settings):
-    s = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    s = train(train_config(**{**BASE, **settings}), keep_state=True)
     return {"losses": s["losses"], "val": s["val_losses"], "state": s["state"], "record": s["records"][-1]}
 
 
@@ -179,7 +179,7 @@ def _saved_bytes_per_layer(**settings) -> float:
     the rank's positions, cancels)."""
     counts = []
     for layers in (4, 2):
-        run = trainer.setup(TrainConfig(**{**BASE, "seq_len": 64, "n_layers": layers, "global_batch": 2, **settings}))
+        run = trainer.setup(train_config(**{**BASE, "seq_len": 64, "n_layers": layers, "global_batch": 2, **settings}))
         inputs, targets = run.train_data.batch(0)
         with count_saved_activations(run.model) as saved:
             run.model(inputs, targets)
@@ -207,7 +207,7 @@ def test_a_layer_keeps_one_cp_th_of_the_activations():
 
 # --- checkpoints and generation -----------------------------------------------------------------
 def _train_jobs(jobs):
-    return [train(TrainConfig(**{**BASE, "dtype": "fp32", **job}))["losses"] for job in jobs]
+    return [train(train_config(**{**BASE, "dtype": "fp32", **job}))["losses"] for job in jobs]
 
 
 def test_checkpoints_cross_between_cp_layouts_and_one_process(tmp_path):
@@ -247,10 +247,10 @@ def test_a_rotary_model_goes_on_training_with_a_longer_context(tmp_path):
     also from --init-from a checkpoint trained shorter; a learned position table cannot grow."""
     short = dict(model="tiny", steps=2, progress=False, eval_batches=1, micro_batch=1, global_batch=2, seq_len=64,
                  peak_flops=1e10)
-    train(TrainConfig(**short, save=str(tmp_path / "short")))
-    longer = train(TrainConfig(**{**short, "seq_len": 128}, max_seq_len=128, init_from=str(tmp_path / "short")))
+    train(train_config(**short, save=str(tmp_path / "short")))
+    longer = train(train_config(**{**short, "seq_len": 128}, max_seq_len=128, init_from=str(tmp_path / "short")))
     assert longer["model"].cfg.max_seq_len == 128 and len(longer["losses"]) == 2
-    train(TrainConfig(**{**short, "model": "tiny-gpt2"}, save=str(tmp_path / "learned")))
+    train(train_config(**{**short, "model": "tiny-gpt2"}, save=str(tmp_path / "learned")))
     result = run_strata("train", "--init-from", str(tmp_path / "learned"), "--max-seq-len", "128", "--steps", "1")
     assert result.returncode == 2
     assert result.stderr.strip() == ("strata: error: --max-seq-len 128: not with --init-from a model with learned "

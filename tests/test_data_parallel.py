@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.presets import get_preset
 from strata.parallel.buckets import plan_buckets, shard_pieces
 from strata.plan.cost import estimate
@@ -27,7 +27,7 @@ def SINGLE_MICRO(world): return dict(global_batch=world, micro_batch=1, grad_cli
 
 
 def _summary(settings, keep_state=True):
-    s = train(TrainConfig(**{**BASE, **settings}), keep_state=keep_state)
+    s = train(train_config(**{**BASE, **settings}), keep_state=keep_state)
     return {"losses": s["losses"], "state": s.get("state"), "record": s["records"][-1]}
 
 
@@ -87,7 +87,7 @@ BF16_LAYOUTS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"),
 
 
 def _bf16_state_breakdowns():
-    return [train(TrainConfig(**{**BASE, "steps": 1, "dtype": "bf16", "zero": zero, "gather_dtype": gather,
+    return [train(train_config(**{**BASE, "steps": 1, "dtype": "bf16", "zero": zero, "gather_dtype": gather,
                                  "global_batch": 2, "micro_batch": 1}))["records"][-1]["model_state_breakdown"]
             for zero, gather in BF16_LAYOUTS]
 
@@ -142,9 +142,9 @@ def _resume_under_zero(tmp, zero, gather_dtype):
     common = dict(model="tiny", seq_len=32, steps=6, global_batch=4, micro_batch=1, zero=zero, seed=3,
                   progress=False, peak_flops=1e10, eval_batches=1, gather_dtype=gather_dtype,
                   dtype="bf16" if gather_dtype == "bf16" else "fp32")
-    straight = train(TrainConfig(**common))["losses"]
-    train(TrainConfig(**common, save=f"{tmp}/ck", save_every=3))
-    resumed = train(TrainConfig(**common, resume=f"{tmp}/ck/step_000003"))["losses"]
+    straight = train(train_config(**common))["losses"]
+    train(train_config(**common, save=f"{tmp}/ck", save_every=3))
+    resumed = train(train_config(**common, resume=f"{tmp}/ck/step_000003"))["losses"]
     return straight, resumed
 
 
@@ -158,7 +158,7 @@ def test_resume_under_zero_is_exact(tmp_path, zero, gather_dtype):
 def _launch_points(zero):
     """For each bucket's collective: how many parameters still had no gradient when it started."""
     from strata.train import trainer
-    run = trainer.setup(TrainConfig(model="tiny", seq_len=32, global_batch=2, micro_batch=1, zero=zero,
+    run = trainer.setup(train_config(model="tiny", seq_len=32, global_batch=2, micro_batch=1, zero=zero,
                                     bucket_mb=0.05, progress=False, peak_flops=1e10, eval_batches=1))
     parallel, points = run.parallel, []
     arrived = set()
@@ -185,7 +185,7 @@ def test_buckets_are_reduced_while_backward_still_runs(zero):
 def _grads_after_an_accumulation_micro_step(zero):
     """Which parameters' .grad lies in the flat gradient buffer after a micro-batch that is not the last."""
     from strata.train import trainer
-    run = trainer.setup(TrainConfig(model="tiny", seq_len=32, global_batch=4, micro_batch=1, zero=zero,
+    run = trainer.setup(train_config(model="tiny", seq_len=32, global_batch=4, micro_batch=1, zero=zero,
                                     progress=False, peak_flops=1e10, eval_batches=1))
     inputs, targets = run.train_data.micro_batches(0, 1)[0]
     with run.parallel.backward(is_last_micro_batch=False):
@@ -218,7 +218,7 @@ def test_zero3_counts_its_gathered_parameters_as_buffers_not_activations(world):
 def _zero2_staging_over_steps():
     """The staging buffers ZeRO-2 has allocated after each of three steps of two micro-batches."""
     from strata.train import trainer
-    run = trainer.setup(TrainConfig(model="tiny", seq_len=32, global_batch=8, micro_batch=2, zero=2,
+    run = trainer.setup(train_config(model="tiny", seq_len=32, global_batch=8, micro_batch=2, zero=2,
                                     bucket_mb=0.05, progress=False, peak_flops=1e10, eval_batches=1))
     sharding, allocated = run.parallel.sharding, []
     for step in range(3):

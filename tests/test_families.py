@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from strata.checkpoint.hf import hf_config_from_model
 from strata.checkpoint.models import resolve_model
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.infer.generate import generate
 from strata.infer.session import load_for_inference
 from strata.model.config import ModelConfig
@@ -70,7 +70,7 @@ def test_the_round_trip_is_bit_identical_and_transformers_loads_it(converted):
 
 def test_six_fp64_steps_from_the_converted_weights_lower_the_loss(converted):
     _, root, _ = converted
-    summary = train(TrainConfig(init_from=str(root / "ck"), dtype="fp64", steps=6, micro_batch=4, global_batch=4,
+    summary = train(train_config(init_from=str(root / "ck"), dtype="fp64", steps=6, micro_batch=4, global_batch=4,
                                 seq_len=16, lr=3e-3, progress=False, eval_batches=2, peak_flops=1e10))
     assert len(summary["losses"]) == 6 and all(map(torch.isfinite, torch.tensor(summary["losses"])))
     (_, before), (_, after) = summary["val_losses"]  # the same validation batches, before and after
@@ -226,7 +226,7 @@ def test_fine_tune_a_converted_model_on_jsonl_and_parquet_with_its_tokenizer_the
                         "--out", str(tmp_path / "data")]) == 0
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     assert (meta["vocab_size"], meta["document_prefix"], meta["end_of_text"]) == (VOCAB, [1], 2)
-    summary = train(TrainConfig(init_from=str(tmp_path / "ck"), data=str(tmp_path / "data"), steps=2, micro_batch=2,
+    summary = train(train_config(init_from=str(tmp_path / "ck"), data=str(tmp_path / "data"), steps=2, micro_batch=2,
                                 global_batch=2, seq_len=16, progress=False, eval_batches=1, peak_flops=1e10,
                                 save=str(tmp_path / "tuned")))
     assert len(summary["losses"]) == 2

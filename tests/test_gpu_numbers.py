@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.distributed import mesh
 from strata.model.presets import get_preset
 from strata.plan.hardware import DEVICES, device_for_cuda_name
@@ -137,7 +137,7 @@ TINY = dict(model="tiny", seq_len=32, steps=2, micro_batch=1, global_batch=1, pr
 def test_a_cpu_run_records_its_measured_peak_and_no_allocator(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "device_peak", lambda device, dtype_name: 2.5e10)
     path = tmp_path / "metrics.jsonl"
-    train(TrainConfig(**TINY, metrics=str(path)))
+    train(train_config(**TINY, metrics=str(path)))
     records = [json.loads(line) for line in path.read_text().splitlines()]
     train_records = [r for r in records if r["kind"] == "train"]
     assert len(train_records) == 2
@@ -149,7 +149,7 @@ def test_a_cpu_run_records_its_measured_peak_and_no_allocator(tmp_path, monkeypa
 
 
 def test_the_flag_is_the_records_peak():
-    summary = train(TrainConfig(**TINY, peak_flops=1e10))
+    summary = train(train_config(**TINY, peak_flops=1e10))
     assert {(r["peak_flops"], r["peak_flops_source"]) for r in summary["records"]} == {(1e10, "flag")}
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from strata.checkpoint import shards, store
 from strata.checkpoint.hf import convert_from_hf, convert_to_hf
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.infer.session import load_for_inference
 from strata.model.config import ModelConfig
 from strata.model.transformer import build_model
@@ -122,7 +122,7 @@ FINE_TUNE = dict(steps=3, micro_batch=2, global_batch=4, seq_len=16, progress=Fa
 
 
 def _save_fine_tuned(ckpt, out):
-    train(TrainConfig(**FINE_TUNE, init_from=ckpt, tp=2, save=out))
+    train(train_config(**FINE_TUNE, init_from=ckpt, tp=2, save=out))
 
 
 def test_bad_sources_get_one_line(tmp_path, capsys):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.errors import ConfigError
 from strata.model.presets import PRESETS
 from strata.plan.inputs import workload
@@ -58,7 +58,7 @@ def _plan_accepts(case) -> bool:
 
 
 def _train_accepts(case) -> bool:
-    cfg = TrainConfig(model=case["model"], nproc=case["world"], dp=case["dp"], tp=case["tp"], pp=case["pp"],
+    cfg = train_config(model=case["model"], nproc=case["world"], dp=case["dp"], tp=case["tp"], pp=case["pp"],
                       virtual_stages=case["v"], zero=case["zero"], micro_batch=case["mb"], checkpointing=case["ckpt"],
                       offload=case["offload"], sequence_parallel=case["sp"], schedule=case["schedule"],
                       global_batch=case["global_batch"], seq_len=case["seq_len"],
@@ -90,7 +90,7 @@ def test_every_layout_the_search_proposes_is_one_train_runs(name, world):
     proposed = list(layouts(work, world))
     assert proposed
     for lay in proposed:
-        cfg = TrainConfig(model=name, nproc=world, dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages,
+        cfg = train_config(model=name, nproc=world, dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages,
                           zero=lay.zero, micro_batch=lay.micro_batch, checkpointing=lay.checkpointing,
                           offload=lay.offload, sequence_parallel=lay.sequence_parallel, schedule=lay.schedule,
                           tp_mode=lay.tp_mode, tp_depth=lay.tp_depth, cp=lay.cp, cp_mode=lay.cp_mode, global_batch=16)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.moe import MoE, RouterLosses
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
@@ -28,7 +28,7 @@ BASE = dict(model="tiny-moe", seq_len=31, steps=6, progress=False, peak_flops=1e
 
 
 def _run(settings):
-    s = train(TrainConfig(**{**BASE, **settings}), keep_state=settings.get("save") is None)
+    s = train(train_config(**{**BASE, **settings}), keep_state=settings.get("save") is None)
     return {"losses": s["losses"], "records": s["records"], "state": s.get("state"), "checkpoint": s["checkpoint"]}
 
 

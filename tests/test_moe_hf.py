@@ -19,7 +19,7 @@ from test_families import test_preset_counts_equal_transformers_on_the_meta_devi
 from strata.checkpoint.hf import model_config_from_hf
 from strata.checkpoint.models import resolve_model
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.infer.generate import generate
 from strata.infer.session import load_for_inference
 from strata.model.presets import PRESETS
@@ -128,7 +128,7 @@ def test_the_round_trip_is_bit_identical_and_transformers_loads_it(converted):
 
 def test_fp64_fine_tuning_lowers_the_loss_and_exports_what_strata_computes(converted, tmp_path):
     _, root, _ = converted
-    summary = train(TrainConfig(init_from=str(root / "ck"), dtype="fp64", steps=6, micro_batch=4, global_batch=4,
+    summary = train(train_config(init_from=str(root / "ck"), dtype="fp64", steps=6, micro_batch=4, global_batch=4,
                                 seq_len=16, lr=3e-3, progress=False, eval_batches=2, peak_flops=1e10,
                                 save=str(tmp_path / "tuned")))
     (_, before), (_, after) = summary["val_losses"]  # the same validation batches, before and after

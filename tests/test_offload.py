@@ -6,7 +6,7 @@ measured as peak RSS, is in bench/timing_checks.py)."""
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.train.trainer import train
 
 from distributed import run_on_ranks
@@ -18,7 +18,7 @@ BASE = dict(model="tiny", seq_len=32, steps=4, micro_batch=1, global_batch=4, pr
 def _both(settings):
     out = {}
     for offload in ("none", "disk"):
-        s = train(TrainConfig(**BASE, **settings, offload=offload), keep_state=True)
+        s = train(train_config(**BASE, **settings, offload=offload), keep_state=True)
         out[offload] = (s["losses"], s["state"], s["records"][-1]["model_state_breakdown"])
     return out
 
@@ -43,9 +43,9 @@ def test_disk_offload_under_zero_gives_the_same_training_and_streams_only_the_sh
 
 def test_disk_offload_resumes_exactly(tmp_path):
     common = {**BASE, "steps": 6, "offload": "disk", "offload_dir": str(tmp_path / "off")}
-    straight = train(TrainConfig(**common))["losses"]
-    train(TrainConfig(**common, save=str(tmp_path / "ck"), save_every=3))
-    resumed = train(TrainConfig(**common, resume=str(tmp_path / "ck" / "step_000003")))["losses"]
+    straight = train(train_config(**common))["losses"]
+    train(train_config(**common, save=str(tmp_path / "ck"), save_every=3))
+    resumed = train(train_config(**common, resume=str(tmp_path / "ck" / "step_000003")))["losses"]
     assert resumed == straight[3:]
 
 
@@ -71,8 +71,8 @@ def test_cpu_offload_copies_to_host_masters_and_back_exactly():
 
 
 def test_cpu_offload_in_training_gives_the_same_losses():
-    a = train(TrainConfig(**BASE))
-    b = train(TrainConfig(**BASE, offload="cpu"))
+    a = train(train_config(**BASE))
+    b = train(train_config(**BASE, offload="cpu"))
     assert a["losses"] == b["losses"]
     assert b["records"][-1]["model_state_breakdown"]["optimizer_on_host"] > 0
 
@@ -86,9 +86,9 @@ def test_an_fp64_run_keeps_fp64_masters_and_moments_in_every_tier():
     twin = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
     assert HostOffloadAdamW([{"params": [twin]}], 1e-2, (0.9, 0.999), copy_on_cpu=True).masters[0].dtype == torch.float64
     common = {**BASE, "dtype": "fp64"}
-    reference = train(TrainConfig(**common), keep_state=True)
+    reference = train(train_config(**common), keep_state=True)
     for tiers in (dict(offload="cpu"), dict(offload="disk"), dict(offload_params="disk", offload="disk")):
-        got = train(TrainConfig(**common, **tiers), keep_state=True)
+        got = train(train_config(**common, **tiers), keep_state=True)
         assert got["losses"] == reference["losses"], tiers
         for name, value in reference["state"].items():
             assert torch.equal(got["state"][name], value), (tiers, name)

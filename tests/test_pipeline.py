@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.distributed.mesh import ParallelDims, pipeline_links
 from strata.errors import ConfigError
 from strata.model.presets import get_preset
@@ -38,7 +38,7 @@ def _settings(p, schedule, v, m):
 
 
 def _summary(settings, keep_state=False):
-    s = train(TrainConfig(**{**BASE, **settings}), keep_state=keep_state)
+    s = train(train_config(**{**BASE, **settings}), keep_state=keep_state)
     return {"losses": s["losses"], "val": s["val_losses"], "state": s.get("state"), "records": s["records"]}
 
 
@@ -115,7 +115,7 @@ def _peaks(p):
     out = {}
     for schedule in ("gpipe", "1f1b"):
         for m in (1, p, 2 * p, 4 * p):
-            s = train(TrainConfig(**{**BASE, "steps": 1, "pp": p, "schedule": schedule, "global_batch": m}))
+            s = train(train_config(**{**BASE, "steps": 1, "pp": p, "schedule": schedule, "global_batch": m}))
             out[(schedule, m)] = s["records"][-1]["peak_activation_bytes"]
     return out
 
@@ -216,7 +216,7 @@ def test_the_executor_idles_exactly_as_the_schedule_says(schedule, v, cost):
 
 # --- trace and plot -----------------------------------------------------------------------------
 def _traced(path):
-    return train(TrainConfig(**{**BASE, "steps": 2, "pp": 2, "global_batch": 4, "trace": path}))["records"][-1]
+    return train(train_config(**{**BASE, "steps": 2, "pp": 2, "global_batch": 4, "trace": path}))["records"][-1]
 
 
 def test_trace_holds_every_action_and_plots(tmp_path):
@@ -270,15 +270,15 @@ def test_stage_keeps_its_layers_under_their_global_names():
 def test_bad_pipeline_settings_are_refused_with_the_reason(settings, message):
     world = settings.get("pp", 1) * settings.get("dp", 1)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        checked_model(TrainConfig(**settings), world)
+        checked_model(train_config(**settings), world)
 
 
 # --- checkpoints and bf16 -------------------------------------------------------------------------
 def _resume(save_dir):
     common = {**BASE, "steps": 6, "pp": 2, "global_batch": 4, "warmup_steps": 2, "schedule": "zb"}
-    straight = train(TrainConfig(**common))
-    train(TrainConfig(**common, save=save_dir, save_every=3))
-    resumed = train(TrainConfig(**common, resume=f"{save_dir}/step_000003"), keep_state=True)
+    straight = train(train_config(**common))
+    train(train_config(**common, save=save_dir, save_every=3))
+    resumed = train(train_config(**common, resume=f"{save_dir}/step_000003"), keep_state=True)
     return straight["losses"], resumed["losses"], resumed["state"]
 
 
@@ -295,11 +295,11 @@ def test_pipeline_resume_is_bit_exact_and_the_checkpoint_holds_the_whole_model(t
 
 
 def _bf16(schedule):
-    return train(TrainConfig(**{**BASE, "pp": 2, "global_batch": 4, "dtype": "bf16", "schedule": schedule}))["losses"]
+    return train(train_config(**{**BASE, "pp": 2, "global_batch": 4, "dtype": "bf16", "schedule": schedule}))["losses"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_bf16_pipeline_tracks_the_single_process_bf16_run(schedule):
     losses = run_on_ranks(_bf16, 2, schedule, timeout=300)[0]
-    reference = train(TrainConfig(**{**BASE, "global_batch": 4, "dtype": "bf16"}))["losses"]
+    reference = train(train_config(**{**BASE, "global_batch": 4, "dtype": "bf16"}))["losses"]
     torch.testing.assert_close(losses, reference, rtol=2e-3, atol=0)

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.errors import ConfigError
 from strata.rules.schedules import SCHEDULES
 from strata.train.preflight import checked_model
@@ -50,7 +50,7 @@ def _settings(p: int, combo: str, schedule: str, v: int, m: int) -> dict:
 
 
 def _accepted(settings: dict) -> bool:
-    cfg = TrainConfig(**settings)
+    cfg = train_config(**settings)
     world = settings["pp"] * settings.get("tp", 1) * settings.get("dp", 1) * settings.get("cp", 1)
     try:
         checked_model(cfg, world)
@@ -92,7 +92,7 @@ def matrix() -> dict[tuple, dict]:
 
 
 def _run(settings: dict) -> dict:
-    summary = train(TrainConfig(**settings))
+    summary = train(train_config(**settings))
     return {"losses": summary["losses"], "val": [v for _, v in summary["val_losses"]],
             "semantics": {r["comm_semantics"] for r in summary["records"]}}
 

@@ -67,7 +67,7 @@ def test_the_rule_cuts_as_documented():
 
 def test_parallel_auto_prices_the_runs_own_bucket_size(monkeypatch):
     """`--parallel auto` hands the planner the run's --bucket-mb, as `strata plan --bucket-mb` does."""
-    from strata.config import TrainConfig
+    from strata.config import train_config
     from strata.plan.inputs import build_cluster
     from strata.train import auto
     seen = []
@@ -78,5 +78,5 @@ def test_parallel_auto_prices_the_runs_own_bucket_size(monkeypatch):
     monkeypatch.setattr(auto, "local_cluster", lambda world: build_cluster("A100-80G", 1, world, None, "ib-200"))
     monkeypatch.setattr(auto, "search", search)
     with pytest.raises(ConfigError):  # no layout: the search was stubbed
-        auto.choose(TrainConfig(parallel="auto", bucket_mb=3.5, micro_batch=1), 2, get_preset("tiny"))
+        auto.choose(train_config(parallel="auto", bucket_mb=3.5, micro_batch=1), 2, get_preset("tiny"))
     assert seen == [3.5]

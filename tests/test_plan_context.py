@@ -10,7 +10,7 @@ import json
 import pytest
 
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.errors import ConfigError
 from strata.model.presets import get_preset
 from strata.plan.cost import Cluster, Workload, estimate
@@ -54,7 +54,7 @@ def _text(settings: dict) -> str:
 
 
 def _record(settings):
-    record = train(TrainConfig(**{**TINY, **settings}))["records"][-1]
+    record = train(train_config(**{**TINY, **settings}))["records"][-1]
     return {k: record[k] for k in ("model_state_bytes", "peak_activation_bytes", "comm_bytes_by_op")}
 
 
@@ -279,14 +279,14 @@ def test_parallel_auto_passes_the_chosen_cp_to_the_ranks(monkeypatch):
     from strata.cli.parser import build_parser
     from strata.train import auto
     monkeypatch.setattr(auto, "local_cluster", lambda n: build_cluster("H100-80G", 1, n, "nvlink", "ib-400"))
-    cfg = TrainConfig(model="llama3-8b", seq_len=131072, global_batch=8, dtype="bf16", parallel="auto")
+    cfg = train_config(model="llama3-8b", seq_len=131072, global_batch=8, dtype="bf16", parallel="auto")
     chosen, reasons = auto.choose(cfg, 8, LLAMA_128K)
-    assert chosen.cp > 1 and chosen.cp * chosen.dp * chosen.tp * chosen.pp == 8
-    assert reasons[0].startswith(f"--parallel auto chose dp={chosen.dp},cp={chosen.cp}")
+    assert chosen.layout.cp > 1 and chosen.layout.cp * chosen.layout.dp * chosen.layout.tp * chosen.layout.pp == 8
+    assert reasons[0].startswith(f"--parallel auto chose dp={chosen.layout.dp},cp={chosen.layout.cp}")
     flags = auto.as_flags(chosen)
-    assert flags[flags.index("--cp") + 1] == str(chosen.cp) and flags[flags.index("--cp-mode") + 1] == chosen.cp_mode
+    assert flags[flags.index("--cp") + 1] == str(chosen.layout.cp) and flags[flags.index("--cp-mode") + 1] == chosen.layout.cp_mode
     parsed = build_parser().parse_args(["train", *flags])
-    assert (parsed.cp, parsed.cp_mode, parsed.dp, parsed.parallel) == (chosen.cp, chosen.cp_mode, chosen.dp, "manual")
+    assert (parsed.cp, parsed.cp_mode, parsed.dp, parsed.parallel) == (chosen.layout.cp, chosen.layout.cp_mode, chosen.layout.dp, "manual")
     with pytest.raises(ConfigError, match="drop --cp"):
-        auto.choose(TrainConfig(model="llama3-8b", seq_len=131072, global_batch=8, parallel="auto", cp=2), 8,
+        auto.choose(train_config(model="llama3-8b", seq_len=131072, global_batch=8, parallel="auto", cp=2), 8,
                     LLAMA_128K)

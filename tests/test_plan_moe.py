@@ -9,7 +9,7 @@ import json
 import pytest
 
 from strata.cli import main as strata_main
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.presets import get_preset
 from strata.plan.cost import Cluster, Workload, estimate
 from strata.plan.hardware import get_device
@@ -27,7 +27,7 @@ MIXTRAL = Workload(get_preset("mixtral-8x7b"), 64, 4096, "bf16")
 
 
 def _record(settings):
-    return train(TrainConfig(**{**TINY, **settings}))["records"][-1]
+    return train(train_config(**{**TINY, **settings}))["records"][-1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ leaves the weights untouched, and training goes on."""
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.presets import get_preset
 from strata.model.transformer import build_model
 from strata.train.trainer import train
@@ -16,7 +16,7 @@ BASE = dict(model="tiny", seq_len=32, micro_batch=2, global_batch=4, progress=Fa
 
 
 def _scaled_run(settings):
-    s = train(TrainConfig(**{**BASE, **settings, "steps": 8, "loss_scale": 2.0**24, "loss_scale_window": 3}))
+    s = train(train_config(**{**BASE, **settings, "steps": 8, "loss_scale": 2.0**24, "loss_scale_window": 3}))
     return [(r["skipped"], r["loss_scale"], r["skipped_steps"]) for r in s["records"]]
 
 
@@ -37,7 +37,7 @@ def test_fp16_overflow_is_skipped_on_every_rank_the_scale_halves_and_training_co
 
 
 def test_a_skipped_step_leaves_the_weights_as_they_were():
-    s = train(TrainConfig(**BASE, steps=1, loss_scale=2.0**40, seed=4), keep_state=True)
+    s = train(train_config(**BASE, steps=1, loss_scale=2.0**40, seed=4), keep_state=True)
     assert s["records"][0]["skipped"]
     initial = build_model(get_preset("tiny"), seed=4).state_dict()
     for name, value in s["state"].items():
@@ -45,7 +45,7 @@ def test_a_skipped_step_leaves_the_weights_as_they_were():
 
 
 def _reduce_in(zero, reduce_dtype):
-    s = train(TrainConfig(**{**BASE, "dtype": "fp32"}, steps=4, zero=zero, reduce_dtype=reduce_dtype))
+    s = train(train_config(**{**BASE, "dtype": "fp32"}, steps=4, zero=zero, reduce_dtype=reduce_dtype))
     by_op = s["records"][-1]["comm_bytes_by_op"]
     return s["losses"], by_op.get("all_reduce/dp", 0) if zero == 0 else by_op["reduce_scatter/dp"]
 
@@ -60,7 +60,7 @@ def test_bf16_gradient_reduction_halves_the_bytes_and_tracks_fp32(zero):
 
 
 def _gathering_in(zero, gather_dtype):
-    s = train(TrainConfig(**{**BASE, "dtype": "bf16"}, steps=4, zero=zero, gather_dtype=gather_dtype), keep_state=True)
+    s = train(train_config(**{**BASE, "dtype": "bf16"}, steps=4, zero=zero, gather_dtype=gather_dtype), keep_state=True)
     return s["losses"], s["records"][-1]["comm_bytes_by_op"], {k: v.dtype for k, v in s["state"].items()}
 
 
@@ -83,7 +83,7 @@ TRANSFERS = [(0, "fp32", "fp32"), (0, "bf16", "fp32"), (1, "fp32", "fp32"), (1, 
 def _counted_dp_bytes():
     counted = {}
     for zero, reduce_dtype, gather_dtype in TRANSFERS:
-        cfg = TrainConfig(**{**BASE, "dtype": "bf16", "global_batch": 8}, steps=2, zero=zero,
+        cfg = train_config(**{**BASE, "dtype": "bf16", "global_batch": 8}, steps=2, zero=zero,
                           reduce_dtype=reduce_dtype, gather_dtype=gather_dtype)
         by_op = train(cfg)["records"][-1]["comm_bytes_by_op"]
         counted[(zero, reduce_dtype, gather_dtype)] = sum(
@@ -99,7 +99,7 @@ def test_the_planner_prices_the_data_parallel_bytes_each_transfer_dtype_moves():
     counted = run_on_ranks(_counted_dp_bytes, 2, timeout=600)[0]
     work, cluster = workload(get_preset("tiny"), 8, 32, "bf16"), build_cluster("A100-80G", 1, 2, None, "ib-200")
     for (zero, reduce_dtype, gather_dtype), nbytes in counted.items():
-        cfg = TrainConfig(**{**BASE, "dtype": "bf16", "global_batch": 8}, zero=zero, reduce_dtype=reduce_dtype,
+        cfg = train_config(**{**BASE, "dtype": "bf16", "global_batch": 8}, zero=zero, reduce_dtype=reduce_dtype,
                           gather_dtype=gather_dtype)
         planned = estimate(work, cluster, layout_of(cfg, 2)).comm_bytes["dp"]
         scalars = 8 + (16 if zero else 0)  # the loss's fp64 all-reduce; the norm's two fp64 squares (sharded states)

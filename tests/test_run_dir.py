@@ -5,11 +5,10 @@ import json
 import os
 import shutil
 import tomllib
-from dataclasses import fields
 
 import pytest
 
-from strata.config import TrainConfig, make_config
+from strata.config import load_toml, make_config, setting_fields, train_config
 from strata.config import run_dir_outputs as default_outputs
 from strata.train.run_dir import config_toml, toml_text
 
@@ -26,9 +25,9 @@ def test_toml_values_read_back_exactly(value):
     assert tomllib.loads(toml_text({"key": value})) == {"key": value}
 
 
-def test_a_config_reads_back_exactly():
+def test_a_config_reads_back_exactly(tmp_path):
     """Every field set away from its default, of every type TrainConfig holds."""
-    cfg = TrainConfig(model="small", n_layers=3, max_seq_len=512, data="data/it's \"here\"", seq_len=128, seed=2**40,
+    cfg = train_config(model="small", n_layers=3, max_seq_len=512, data="data/it's \"here\"", seq_len=128, seed=2**40,
                       dtype="bf16",
                       steps=7, micro_batch=3, global_batch=12, lr=3e-4, min_lr=1e-5, warmup_steps=2,
                       weight_decay=0.0, beta2=0.999, grad_clip=0.5, loss_scale=1024.0, parallel="manual", nproc=4,
@@ -38,17 +37,23 @@ def test_a_config_reads_back_exactly():
                       eval_every=5, metrics="m.jsonl", tensorboard="tb", save="ck", save_every=2, keep=3,
                       async_save=True, resume="auto", max_restarts=1, progress=False, trace="t.json",
                       peak_flops=1e12, pp_split="1,1", comm_semantics="nccl")
-    values = tomllib.loads(config_toml(cfg))
-    assert values == {k: v for k, v in cfg.to_dict().items() if v is not None}
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(cfg))
+    expected = {k: v for k, v in cfg.to_dict().items() if v is not None}
+    expected["layout"] = {k: v for k, v in expected["layout"].items() if v is not None}  # the [layout] table
+    assert tomllib.loads(path.read_text()) == expected
+    values = load_toml(str(path))
     assert make_config(values, {}) == cfg
-    assert {f.name for f in fields(TrainConfig)} - set(values) == {"vocab_size", "n_heads", "init_from", "run_dir",
-                                                                  "capacity_factor"}  # None
+    assert set(setting_fields()) - set(values) == {"vocab_size", "n_heads", "init_from", "run_dir",
+                                                   "capacity_factor"}  # None
 
 
 def test_a_run_directory_leaves_out_the_paths_it_implies(tmp_path):
-    cfg = TrainConfig(run_dir=str(tmp_path / "run"), metrics=str(tmp_path / "elsewhere.jsonl"))
+    cfg = train_config(run_dir=str(tmp_path / "run"), metrics=str(tmp_path / "elsewhere.jsonl"))
     assert cfg.save == str(tmp_path / "run" / "ckpt")  # filled from the run directory
-    values = tomllib.loads(config_toml(cfg))
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(cfg))
+    values = load_toml(str(path))
     assert values["metrics"] == str(tmp_path / "elsewhere.jsonl") and "save" not in values
     assert make_config(values, {}) == cfg
     other = make_config(values, {"run_dir": str(tmp_path / "other")})  # the same config in another directory

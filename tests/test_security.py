@@ -41,10 +41,10 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
 
 # --- names read from files stay inside their directory -----------------------------------------------
 def _checkpoint(tmp_path):
-    from strata.config import TrainConfig
+    from strata.config import train_config
     from strata.train.trainer import train
     save = tmp_path / "ck"
-    train(TrainConfig(model="tiny", seq_len=16, steps=1, micro_batch=2, save=str(save), progress=False,
+    train(train_config(model="tiny", seq_len=16, steps=1, micro_batch=2, save=str(save), progress=False,
                       eval_batches=1, peak_flops=1e10))
     return save
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.distributed import comm
 from strata.distributed.mesh import ParallelDims, grid_axes
 from strata.model.presets import get_preset
@@ -27,7 +27,7 @@ BASE = dict(model="tiny", seq_len=31, steps=6, progress=False, peak_flops=1e10, 
 
 
 def _run(settings):
-    s = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    s = train(train_config(**{**BASE, **settings}), keep_state=True)
     return {"losses": s["losses"], "state": s["state"], "record": s["records"][-1]}
 
 
@@ -150,7 +150,7 @@ def test_activations_between_layers_are_cut_tp_ways(world, layout):
 
 
 def _train_jobs(jobs):
-    return [train(TrainConfig(**{**BASE, **job}))["losses"] for job in jobs]
+    return [train(train_config(**{**BASE, **job}))["losses"] for job in jobs]
 
 
 def _on_world(world, jobs):

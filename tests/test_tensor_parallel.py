@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.presets import get_preset
 from strata.plan.cost import Cluster, Workload, estimate
 from strata.plan.hardware import get_device
@@ -26,7 +26,7 @@ BASE = dict(seq_len=32, steps=10, progress=False, peak_flops=1e10, eval_batches=
 
 
 def _run(settings):
-    s = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    s = train(train_config(**{**BASE, **settings}), keep_state=True)
     return {"losses": s["losses"], "state": s["state"], "record": s["records"][-1]}
 
 

@@ -2,14 +2,14 @@ import json
 
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.train.trainer import train
 
 FAST = dict(model="tiny", seq_len=32, progress=False, peak_flops=1e10, eval_batches=2, lr=3e-3)
 
 
 def run(**overrides) -> dict:
-    return train(TrainConfig(**{**FAST, **overrides}))
+    return train(train_config(**{**FAST, **overrides}))
 
 
 def test_training_lowers_the_loss():

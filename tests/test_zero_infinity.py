@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.rules.offload import activation_traffic, moment_traffic, parameter_traffic
 from strata.train.trainer import train
 
@@ -32,10 +32,10 @@ def _offloaded(params, optimizer, activations, directory):
 
 def _compare_all(settings, directory, combinations=COMBINATIONS):
     """(combination, same losses, same weights) for each, against the run without offload."""
-    reference = train(TrainConfig(**{**BASE, **settings}), keep_state=True)
+    reference = train(train_config(**{**BASE, **settings}), keep_state=True)
     out = []
     for combination in combinations:
-        run = train(TrainConfig(**{**BASE, **settings}, **_offloaded(*combination, directory)), keep_state=True)
+        run = train(train_config(**{**BASE, **settings}, **_offloaded(*combination, directory)), keep_state=True)
         out.append((combination, run["losses"] == reference["losses"] and run["val_losses"] == reference["val_losses"],
                     all(torch.equal(reference["state"][k], v) for k, v in run["state"].items())))
     return out
@@ -94,7 +94,7 @@ def test_bytes_moved_per_step_are_what_each_unit_must_read_and_write(model, tmp_
     shard; Adam's moments read and written once; each block's input written once and read once per
     micro-batch."""
     m = BASE["global_batch"] // BASE["micro_batch"]
-    run = train(TrainConfig(**{**BASE, "model": model}, **_offloaded("disk", "disk", "cpu", str(tmp_path))))
+    run = train(train_config(**{**BASE, "model": model}, **_offloaded("disk", "disk", "cpu", str(tmp_path))))
     shard = sum(p.numel() for p in run["model"].parameters())  # one process: the whole model, unpadded
     cfg = run["model"].cfg
     kept = cfg.unit_params()[0] if cfg.tie_embeddings else 0
@@ -114,11 +114,11 @@ def test_bytes_moved_per_step_are_what_each_unit_must_read_and_write(model, tmp_
 def test_checkpoints_cross_between_offloaded_and_in_memory_runs(tmp_path):
     common = {**BASE, "steps": 6}
     offload = _offloaded("disk", "disk", "cpu", str(tmp_path / "off"))
-    straight = train(TrainConfig(**common))["losses"]
-    train(TrainConfig(**common, **offload, save=str(tmp_path / "a"), save_every=3))
-    in_memory = train(TrainConfig(**common, resume=str(tmp_path / "a" / "step_000003")))["losses"]
-    train(TrainConfig(**common, save=str(tmp_path / "b"), save_every=3))
-    offloaded = train(TrainConfig(**common, **offload, resume=str(tmp_path / "b" / "step_000003")))["losses"]
+    straight = train(train_config(**common))["losses"]
+    train(train_config(**common, **offload, save=str(tmp_path / "a"), save_every=3))
+    in_memory = train(train_config(**common, resume=str(tmp_path / "a" / "step_000003")))["losses"]
+    train(train_config(**common, save=str(tmp_path / "b"), save_every=3))
+    offloaded = train(train_config(**common, **offload, resume=str(tmp_path / "b" / "step_000003")))["losses"]
     assert in_memory == straight[3:] and offloaded == straight[3:]
 
 
@@ -146,7 +146,7 @@ def test_bad_offload_flags_get_one_line(flags, says):
 
 def test_offload_params_alone_on_one_process_is_zero3_and_said_in_the_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    run = train(TrainConfig(**BASE, offload_params="cpu", metrics=str(metrics)))
+    run = train(train_config(**BASE, offload_params="cpu", metrics=str(metrics)))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     train_records = [r for r in records if r.get("kind") == "train"]
     assert len(train_records) == BASE["steps"] and run["losses"]
@@ -166,7 +166,7 @@ def test_the_planner_holds_in_each_tier_what_the_run_counted(tmp_path):
     from strata.model.presets import get_preset
     from strata.plan.cost import Workload, estimate
     from strata.rules.layout import Layout
-    run = train(TrainConfig(**BASE, **_offloaded("disk", "disk", "none", str(tmp_path))))
+    run = train(train_config(**BASE, **_offloaded("disk", "disk", "none", str(tmp_path))))
     counted = run["records"][-1]["model_state_breakdown"]
     work = Workload(get_preset("tiny"), BASE["global_batch"], BASE["seq_len"], "fp32")
     predicted = estimate(work, _cluster("A100-80G"), Layout(zero=3, micro_batch=1, checkpointing="full",

@@ -5,9 +5,9 @@ Nothing here imports torch: parsing and `--help` stay quick."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 
-from strata.config import TrainConfig
+from strata.config import LAYOUT_SECTION, default_of, is_layout_setting, setting_fields
 from strata.errors import ConfigError
 from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
 from strata.rules.dtypes import DTYPES
@@ -26,18 +26,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML file with the same keys as the flags")
-    for f in fields(TrainConfig):
-        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+    """One flag per setting, grouped in `--help` by section as the config file is (the layout's
+    fields in their own group, as its own [layout] table)."""
+    parser.add_argument("--config", help="TOML file with the same keys as the flags (the layout's under [layout])")
+    group = parser
+    for name, f in setting_fields().items():
+        section = LAYOUT_SECTION if is_layout_setting(name) else f.metadata.get("section")
+        if section and (group is parser or group.title != section):
+            group = parser.add_argument_group(section)
+        flag, text, default = "--" + name.replace("_", "-"), f.metadata["help"], default_of(name)
         if f.type == "bool":  # a flag that flips the default
-            on = f.default is False
-            parser.add_argument(flag if on else f"--no-{f.name.replace('_', '-')}", dest=f.name,
-                                action="store_const", const=on, default=None,
-                                help=text if on else f"turn off: {text}")
+            on = default is False
+            group.add_argument(flag if on else f"--no-{name.replace('_', '-')}", dest=name,
+                               action="store_const", const=on, default=None,
+                               help=text if on else f"turn off: {text}")
             continue
         kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-        default = "" if f.default in (None, MISSING) else f" (default: {f.default})"
-        parser.add_argument(flag, type=kind, default=None, help=f"{text}{default}")
+        shown = "" if default in (None, MISSING) else f" (default: {default})"
+        group.add_argument(flag, type=kind, default=None, help=f"{text}{shown}")
 
 
 def add_generate_flags(gen) -> None:

@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import fields
 
-from strata.config import TrainConfig, check_given, check_output_paths, given_settings, load_toml, make_config
+from strata.config import (
+    TrainConfig,
+    check_given,
+    check_output_paths,
+    given_settings,
+    load_toml,
+    make_config,
+    setting_fields,
+)
 from strata.errors import ConfigError
 
 LAUNCHED_COMMANDS = ("train", "doctor", "bench")  # what runs on the ranks of a multi-node job
@@ -20,7 +27,7 @@ def checked_train(args, argv: list[str], world_size: int | None, in_a_rank: bool
     a problem is one line), and the argv the ranks get (with --parallel auto's choice). The world
     size is the launched one, or --nproc's."""
     from strata.train.preflight import DONE, check_model_flag, checked_model, model_shape, preflight
-    flag_values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    flag_values = {name: getattr(args, name) for name in setting_fields()}
     file_values = load_toml(args.config) if args.config else {}
     cfg = make_config(file_values, flag_values)
     world_size = world_size or cfg.nproc

@@ -48,14 +48,15 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     experts: this rank's expert-parallel groups (with --ep > 1).
     context: this rank's context-parallel group (an Axis, with --cp > 1); dp_group is then the
     dp x cp ranks, over which the gradients are averaged."""
+    lay = cfg.layout
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
     if grid is not None:
         apply_grid_parallel(model, grid)
     elif tp_group is not None:
-        apply_tensor_parallel(model, tp_group, cfg.sequence_parallel)
+        apply_tensor_parallel(model, tp_group, lay.sequence_parallel)
     if context is not None:
-        apply_context_parallel(model, context, cfg.cp_mode, sequence_length(cfg, model_cfg))
-    set_capacity(model, cfg.capacity_factor)
+        apply_context_parallel(model, context, lay.cp_mode, sequence_length(cfg, model_cfg))
+    set_capacity(model, lay.capacity_factor)
     expert_names = apply_expert_parallel(model, experts) if experts is not None else set()
     if stage is not None:
         keep_stage(model, stage[0], stage[1])
@@ -64,19 +65,19 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         compile_layers(model)
     # activations to host memory on a GPU; a CPU device's host memory is where they are: a file then
     activations = OffloadedActivations(Tier("disk" if device.type == "cpu" else "cpu", "activations", offload_dir,
-                                            rank)) if cfg.offload_activations != "none" else None
-    apply_checkpointing(model, cfg.checkpointing,
+                                            rank)) if lay.offload_activations != "none" else None
+    apply_checkpointing(model, lay.checkpointing,
                         [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None,
                         activations)
     init = local_initial_values(model, cfg.seed, tp_group)
     on_wire = {name: torch_dtype(value) if value != "fp32" else None
-               for name, value in (("reduce_dtype", cfg.reduce_dtype), ("gather_dtype", cfg.gather_dtype))}
+               for name, value in (("reduce_dtype", lay.reduce_dtype), ("gather_dtype", lay.gather_dtype))}
     settings = DataParallelSettings(dp_group, tp_group, stage[2] if stage is not None else None, cfg.bucket_mb,
                                     **on_wire)
-    if cfg.zero == 3:  # (without pipeline stages: no tied copy to leave out)
+    if lay.zero == 3:  # (without pipeline stages: no tied copy to leave out)
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
-        offload = OffloadedShards(Tier(cfg.offload_params, "params", offload_dir, rank)) \
-            if cfg.offload_params != "none" else None
+        offload = OffloadedShards(Tier(lay.offload_params, "params", offload_dir, rank)) \
+            if lay.offload_params != "none" else None
         sharding: ShardingStrategy = ShardParameters(model, settings, lambda name: init(name).to(device, dtype),
                                                      device, dtype, offload)
     else:
@@ -91,15 +92,15 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
             settings = replace(settings, expert_ids=frozenset(id(p) for n, p in trainable if n in expert_names),
                                ep_group=experts.ep.group, edp_rank=experts.edp.rank)
             # (each expert on one rank, ep = dp: nothing to reduce nor shard)
-            expert_stage = BUCKET_STAGES[cfg.zero if experts.edp.group is not None else 0]
+            expert_stage = BUCKET_STAGES[lay.zero if experts.edp.group is not None else 0]
             sharding = ExpertSplit(
-                BUCKET_STAGES[cfg.zero]([p for n, p in trainable if n not in expert_names], settings),
+                BUCKET_STAGES[lay.zero]([p for n, p in trainable if n not in expert_names], settings),
                 expert_stage([p for n, p in trainable if n in expert_names],
                              replace(settings, dp_group=experts.edp.group, group_name="edp")),
                 expert_names)
         else:
-            sharding = BUCKET_STAGES[cfg.zero]([p for _, p in trainable], settings)
-        if SCHEDULES[cfg.schedule].asynchronous and cfg.zero == 0:  # weight stashing swaps the parameters' storage
+            sharding = BUCKET_STAGES[lay.zero]([p for _, p in trainable], settings)
+        if SCHEDULES[lay.schedule].asynchronous and lay.zero == 0:  # weight stashing swaps the parameters' storage
             sharding.separate_optimizer_targets()
     model.reset_buffers()
     return model, DataParallel(model, sharding, settings, activations)

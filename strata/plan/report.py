@@ -4,35 +4,21 @@ from __future__ import annotations
 
 from strata.errors import ConfigError, as_flag
 from strata.plan.cost import Estimate, Workload
+from strata.rules import layout_text
 from strata.rules.checkpointing import PLANNED_MODES
 from strata.rules.layout import Layout, check_layout, check_transfer_dtypes, data_parallel_degree
 
-# --layout's keys: the layout's fields under short names
-LAYOUT_KEYS = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "v": ("virtual_stages", int),
-               "zero": ("zero", int), "mb": ("micro_batch", int), "ckpt": ("checkpointing", str),
-               "offload": ("offload", str), "schedule": ("schedule", str), "sp": ("sequence_parallel", bool),
-               "reduce": ("reduce_dtype", str), "gather": ("gather_dtype", str),
-               "offload_params": ("offload_params", str), "offload_activations": ("offload_activations", str),
-               "tp_mode": ("tp_mode", str), "tp_depth": ("tp_depth", int), "ep": ("ep", int),
-               "cp": ("cp", int), "cp_mode": ("cp_mode", str)}
-KEY_OF_FIELD = {field: key for key, (field, _) in LAYOUT_KEYS.items()}
-
 
 def parse_layout(text: str, work: Workload, world: int) -> Layout:
-    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,schedule=interleaved,sp,reduce=bf16' (a mixture's
-    expert parallelism: ep=8, carved out of dp; context parallelism: cp=4,cp_mode=ulysses), checked by
-    the trainer's own layout check: the planner evaluates exactly the layouts `strata train` runs.
+    """'dp=8,tp=8,pp=16,zero=1,mb=1,v=2,ckpt=full,offload=cpu,interleaved,sp,reduce=bf16' (a mixture's
+    expert parallelism: ep=8, carved out of dp; context parallelism: cp=4,cp_mode=ulysses): the
+    Layout's fields under their keys (strata/rules/layout_text.py, what `describe()` writes), checked
+    by the trainer's own layout check: the planner evaluates exactly the layouts `strata train` runs.
     Without dp=, dp is what the world leaves: world / (cp x tp x pp)."""
-    values = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        if key not in LAYOUT_KEYS:
-            raise ConfigError(f"--layout {text}: unknown key {key!r}; valid: {', '.join(LAYOUT_KEYS)}")
-        field, kind = LAYOUT_KEYS[key]
-        try:
-            values[field] = True if kind is bool else kind(value)
-        except ValueError:
-            raise ConfigError(f"--layout {text}: {key}={value} is not a number") from None
+    try:
+        values = layout_text.parse(text, Layout)
+    except ConfigError as e:
+        raise ConfigError(f"--layout {text}: {e}") from None
     values.setdefault("schedule", "interleaved" if values.get("virtual_stages", 1) > 1 else "1f1b")
     cp, tp, pp = values.get("cp", 1), values.get("tp", 1), values.get("pp", 1)
     for field in ("cp", "tp", "pp"):
@@ -44,12 +30,13 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
     layout = Layout(**{"dp": data_parallel_degree(world, cp, tp, pp), **values})
     if layout.checkpointing not in PLANNED_MODES:
         raise ConfigError(f"--layout {text}: ckpt={layout.checkpointing}: the planner prices {', '.join(PLANNED_MODES)}")
+    by_field = {f.name: key for key, f in layout_text.keys(Layout).items()}
     try:
         check_transfer_dtypes(layout.reduce_dtype, layout.gather_dtype, work.precision)
         check_layout(work.model, layout, world, work.seq_len, work.global_batch)
     except ConfigError as e:
-        raise ConfigError(e.render(lambda field, value: f"--layout {text}: {KEY_OF_FIELD[field]}={value}"
-                                   if field in KEY_OF_FIELD else as_flag(field, value))) from None
+        raise ConfigError(e.render(lambda field, value: f"--layout {text}: {by_field[field]}={value}"
+                                   if field in by_field else as_flag(field, value))) from None
     return layout
 
 

@@ -61,8 +61,9 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                                 for place in ("none", "cpu") if offload else ("none",):
                                     for sp, mode, depth in modes:
                                         for ep in expert_degrees(work.model, d):
-                                            yield Layout(d, t, p, v, zero, b, checkpointing, place, sp, schedule,
-                                                         reduce_dtype=transfers[0], gather_dtype=transfers[1],
+                                            yield Layout(dp=d, tp=t, pp=p, virtual_stages=v, zero=zero, micro_batch=b,
+                                                         checkpointing=checkpointing, offload=place,
+                                                         sequence_parallel=sp, schedule=schedule, reduce_dtype=transfers[0], gather_dtype=transfers[1],
                                                          tp_mode=mode, tp_depth=depth, ep=ep, cp=c, cp_mode=cp_mode)
 
 
@@ -100,8 +101,8 @@ def _infinity_candidates(work: Workload, world: int, offload: bool, transfers: t
                     for moments in ("none", "cpu", "disk"):
                         for activations in ("none", "cpu") if checkpointing != "none" else ("none",):
                             for sp in (False, True) if t > 1 else (False,):
-                                yield Layout(world // t, t, 1, 1, 3, b, checkpointing, moments, sp,
-                                             reduce_dtype=transfers[0], gather_dtype=transfers[1],
+                                yield Layout(dp=world // t, tp=t, zero=3, micro_batch=b, checkpointing=checkpointing,
+                                             offload=moments, sequence_parallel=sp, reduce_dtype=transfers[0], gather_dtype=transfers[1],
                                              offload_params=params, offload_activations=activations)
 
 

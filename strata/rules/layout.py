@@ -8,12 +8,14 @@ field as its own flag (`--tp 3` for train, `tp=3` inside plan's `--layout`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.rules.checkpointing import parse as parse_checkpointing
 from strata.rules.context import check_context
 from strata.rules.experts import check_experts
+from strata.rules.layout_text import describe
 from strata.rules.limits import check_ceiling
 from strata.rules.pipeline_cut import PipelineLayout, make_layout
 from strata.rules.schedules import SCHEDULES
@@ -29,29 +31,73 @@ ACTIVATION_OFFLOAD_TARGETS = ("none", "cpu")  # checkpointed block inputs: host 
 TRANSFER_DTYPES = ("fp32", "bf16")
 
 
+def setting(default, help: str, key: str | None = None, auto: str = "kept", show: str = "changed",
+            bare: tuple = ()):
+    """A layout field: its default (the planner's; a run's config has its own, strata/config.py),
+    the one text that explains it (the flag's help, docs/config.md), and how the generic code
+    treats it: `key`, its name inside a `--layout` string (default: the field's name; "" keeps it
+    out of that grammar); `auto`, "planned" when `--parallel auto` chooses it (giving it then is
+    refused) or "kept" when the user's value goes into the chosen layout; `show`, when
+    `describe()` writes it: "always", "changed" (differs from the default) or "pipeline" (pp > 1);
+    `bare`, values written (and read) without their key."""
+    return dataclass_field(default=default,
+                           metadata={"help": help, "key": key, "auto": auto, "show": show, "bare": bare})
+
+
 @dataclass(frozen=True)
 class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    virtual_stages: int = 1
-    zero: int = 0
-    micro_batch: int = 1
-    checkpointing: str = "none"  # a mode of strata/rules/checkpointing.py
-    offload: str = "none"  # none | disk | cpu
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # a name in strata/rules/schedules.py (used when pp > 1)
-    pp_split: str | None = None  # blocks per chunk, e.g. "3,5" (None: balanced by FLOPs)
-    reduce_dtype: str = "fp32"  # a TRANSFER_DTYPES name: data-parallel gradients
-    gather_dtype: str = "fp32"  # a TRANSFER_DTYPES name: ZeRO-1/2/3's parameter all-gathers
-    offload_params: str = "none"  # a PARAM_OFFLOAD_TARGETS name (with zero 3)
-    offload_activations: str = "none"  # an ACTIVATION_OFFLOAD_TARGETS name (with checkpointing)
-    tp_mode: str = "1d"  # a TP_MODES name: how tp cuts the matrices (rules/tensor_modes.py)
-    tp_depth: int = 1  # 2.5d's depth
-    ep: int = 1  # expert parallelism, carved out of dp (rules/experts.py)
-    capacity_factor: float | None = None  # a mixture's expert capacity (None: dropless)
-    cp: int = 1  # context parallelism: each sequence split over cp ranks (rules/context.py)
-    cp_mode: str = "ring"  # a CP_MODES name: how attention sees the whole sequence
+    """Every degree and choice of a run's layout, the one place they are named: the `[layout]`
+    section of a run's config and its flags, `strata plan --layout`, a checkpoint's metadata and
+    `--parallel auto`'s choice are all generated from these fields (strata/rules/layout_text.py).
+    A field added here is a flag, a TOML key, a `--layout` key and a checkpoint entry at once."""
+    dp: int | None = setting(1, "data-parallel degree (default: world / (cp x tp x pp))", auto="planned",
+                             show="always")
+    cp: int = setting(1, "context-parallel degree: each sequence split over this many ranks (2 x cp chunks, rank r "
+                         "holding chunks r and 2cp-1-r), for long sequences", auto="planned")
+    cp_mode: str = setting("ring", "how context parallelism attends: ring (K and V passed around the cp ranks, "
+                                   "overlapped with attention) | ulysses (all-to-all to a split of the heads; cp must "
+                                   "divide heads / tp)", auto="planned")
+    ep: int = setting(1, "expert-parallel degree: a mixture's experts split over this many of the data-parallel "
+                         "ranks", auto="planned")
+    tp: int = setting(1, "tensor-parallel degree", auto="planned", show="always")
+    tp_mode: str = setting("1d", "how --tp cuts the matrices: 1d (Megatron) | 2d (q x q grid, SUMMA) | 2.5d (q x q x "
+                                 "--tp-depth, Tesseract) | 3d (q x q x q); 2d/2.5d/3d split activations too",
+                           auto="planned")
+    tp_depth: int = setting(1, "with --tp-mode 2.5d: the grid's depth d (--tp = q x q x d)", auto="planned")
+    pp: int = setting(1, "pipeline-parallel degree (stages)", auto="planned", show="always")
+    virtual_stages: int = setting(1, "with --schedule interleaved: model chunks per pipeline rank", key="v",
+                                  auto="planned")
+    zero: int = setting(0, "ZeRO stage 0-3", auto="planned", show="always")
+    micro_batch: int = setting(1, "sequences per forward/backward on one rank", key="mb", auto="replaced",
+                               show="always")
+    schedule: str = setting("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1) | "
+                                    "2bw (PipeDream-2BW) | pipedream | pipedream-vs (vertical sync); the last three "
+                                    "asynchronous: stale weights, no flush", auto="planned", show="pipeline",
+                              bare=tuple(SCHEDULES))
+    sequence_parallel: bool = setting(False, "with --tp: split norms and residuals along the sequence too", key="sp",
+                                      auto="planned")
+    checkpointing: str = setting("none", "activation checkpointing: none | full | selective | every:K (first K "
+                                         "blocks of each chunk)", key="ckpt", auto="planned")
+    offload: str = setting("none", "none | cpu | disk: optimizer step in host memory (cpu), or Adam's moments in a "
+                                   "file (disk)")
+    offload_params: str = setting("none", "none | cpu | disk: ZeRO-Infinity: ZeRO-3's parameter shards and their "
+                                          "gradients in host memory or in files under --offload-dir, read in a unit "
+                                          "at a time (ZeRO-3: implied by the default --zero 0, on one process too)",
+                                  auto="planned")
+    offload_activations: str = setting("none", "none | cpu: with --checkpointing full or every:K (not with --pp), the "
+                                               "block inputs kept for backward go to host memory (on a GPU) or to a "
+                                               "file under --offload-dir (on a CPU device)", auto="planned")
+    reduce_dtype: str = setting("fp32", "dtype of the data-parallel gradient reduction: fp32 (the master "
+                                        "gradients') or bf16 (half the bytes)", key="reduce")
+    gather_dtype: str = setting("fp32", "with ZeRO-1/2/3: dtype the parameters are all-gathered in: fp32 (the "
+                                        "masters) or, with --dtype bf16, bf16 (half the bytes; the layers then compute "
+                                        "with bf16 weights, as DeepSpeed's bf16 mode and FSDP2's param_dtype do)",
+                                key="gather")
+    pp_split: str | None = setting(None, "blocks per pipeline chunk, e.g. 3,5 (default: balanced by FLOPs)", key="",
+                                   auto="planned")  # its commas are the --layout grammar's separator
+    capacity_factor: float | None = setting(None, "mixture of experts: each expert takes at most factor x tokens x k "
+                                                  "/ n_experts of a micro-batch's tokens, the rest dropped (default: "
+                                                  "dropless)")
 
     @property
     def grid(self) -> TensorGrid:
@@ -68,32 +114,8 @@ class Layout:
         return self.dp * self.cp
 
     def describe(self) -> str:
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
-        if self.ep > 1:
-            parts.insert(1, f"ep={self.ep}")
-        if self.cp > 1:
-            parts.insert(1, f"cp={self.cp}" + (f",cp_mode={self.cp_mode}" if self.cp_mode != "ring" else ""))
-        if self.tp_mode != "1d":
-            parts.insert(2, f"tp_mode={self.tp_mode}" + (f",tp_depth={self.tp_depth}" if self.tp_depth > 1 else ""))
-        if self.virtual_stages > 1:
-            parts.append(f"v={self.virtual_stages}")
-        parts += [f"zero={self.zero}", f"mb={self.micro_batch}"]
-        if self.pp > 1:
-            parts.append(self.schedule)
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.checkpointing != "none":
-            parts.append(f"ckpt={self.checkpointing}")
-        if self.offload != "none":
-            parts.append(f"offload={self.offload}")
-        if self.offload_params != "none":
-            parts.append(f"offload_params={self.offload_params}")
-        if self.offload_activations != "none":
-            parts.append(f"offload_activations={self.offload_activations}")
-        for kind in ("reduce", "gather"):
-            if getattr(self, f"{kind}_dtype") != "fp32":
-                parts.append(f"{kind}={getattr(self, f'{kind}_dtype')}")
-        return ",".join(parts)
+        """The layout as `strata plan --layout` reads it back (strata/rules/layout_text.py)."""
+        return describe(self)
 
 
 def data_parallel_degree(world_size: int, cp: int = 1, tp: int = 1, pp: int = 1) -> int:

@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from strata.config import TrainConfig
+from strata.config import train_config
 from strata.model.presets import get_preset
 from strata.plan.compute import StepWork, attention_flops, block_gemms, head_gemm
 from strata.plan.cost import Cluster, estimate
@@ -26,7 +26,7 @@ from strata.train.trainer import train
 def step_time(model: str, micro_batch: int, micro_batches: int = 1, seq_len: int = 128, steps: int = 7) -> float:
     """Median seconds of a real fp32 training step of `model` on one process: `micro_batches`
     micro-batches of `micro_batch` sequences (the first step, which warms up, left out)."""
-    cfg = TrainConfig(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch=micro_batch * micro_batches,
+    cfg = train_config(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch=micro_batch * micro_batches,
                       steps=steps, progress=False, peak_flops=1e12, eval_batches=1)
     return statistics.median(train(cfg)["step_times"][1:])
 

@@ -5,22 +5,26 @@ the processes at hand, and says which and why."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
 from strata.checkpoint import store
-from strata.config import TrainConfig, validate
+from strata.config import RUN_LAYOUT, TrainConfig, validate
 from strata.errors import ConfigError
 from strata.plan.cost import Cluster
 from strata.plan.hardware import DEVICES
 from strata.plan.inputs import build_cluster, cpu_local_cluster, default_profile_path, load_profile, workload
 from strata.plan.search import explain, search
 from strata.rules.dtypes import DTYPES
+from strata.rules.layout import Layout
 from strata.train.preflight import resume_source
 
-LAYOUT_FLAGS = ("dp", "tp", "pp", "zero", "schedule", "virtual_stages", "checkpointing", "sequence_parallel", "pp_split",
-                "offload_params", "offload_activations", "tp_mode", "tp_depth", "ep", "cp", "cp_mode")
+# The layout's fields by what --parallel auto does with them (their `auto` metadata, rules/layout.py):
+# "planned", the planner's choice (giving one is refused); "replaced", the planner's choice (the
+# user's value only sizes the default global batch); "kept", the user's value, in the chosen layout.
+PLANNED = tuple(f.name for f in fields(Layout) if f.metadata["auto"] == "planned")
+KEPT = tuple(f.name for f in fields(Layout) if f.metadata["auto"] == "kept")
 
 
 def local_cluster(processes: int) -> Cluster:
@@ -44,31 +48,28 @@ def local_cluster(processes: int) -> Cluster:
 
 def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[str]]:
     """The config with the planner's best runnable layout filled in, and the reasons."""
-    given = [f for f in LAYOUT_FLAGS if getattr(cfg, f) != getattr(TrainConfig, f)]
+    given = [name for name in PLANNED if getattr(cfg.layout, name) != getattr(RUN_LAYOUT, name)]
     if given:
         raise ConfigError(f"--parallel auto chooses the layout; drop --{given[0].replace('_', '-')} "
                           f"(or use --parallel manual)")
     precision = cfg.dtype if DTYPES[cfg.dtype].autocast else "fp32"  # what the planner prices
     resumed = resumed_run(cfg)
     global_batch = cfg.global_batch if cfg.global_batch is not None else \
-        resumed["global_batch"] if resumed else cfg.micro_batch * world_size
+        resumed["global_batch"] if resumed else cfg.layout.micro_batch * world_size
     work = workload(model, global_batch, cfg.seq_len, precision, bucket_mb=cfg.bucket_mb)
     cluster = local_cluster(world_size)
-    ranked, rejected = search(work, cluster, offload=False, transfers=(cfg.reduce_dtype, cfg.gather_dtype),
+    transfers = (cfg.layout.reduce_dtype, cfg.layout.gather_dtype)
+    ranked, rejected = search(work, cluster, offload=False, transfers=transfers,
                               allow_async=cfg.allow_async)
     for e in ranked:
-        lay = e.layout
-        chosen = replace(cfg, parallel="manual", dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
-                         micro_batch=lay.micro_batch, global_batch=global_batch, schedule=lay.schedule,
-                         virtual_stages=lay.virtual_stages, checkpointing=lay.checkpointing,
-                         sequence_parallel=lay.sequence_parallel, tp_mode=lay.tp_mode, tp_depth=lay.tp_depth,
-                         ep=lay.ep, cp=lay.cp, cp_mode=lay.cp_mode)
+        chosen = replace(cfg, parallel="manual", global_batch=global_batch,
+                         layout=replace(e.layout, **{name: getattr(cfg.layout, name) for name in KEPT}))
         try:
             validate(chosen, world_size, model)
         except ConfigError:
             continue  # a layout the planner allows but this strata does not run
         reasons = explain(e, ranked, rejected, cluster)
-        return chosen, [f"--parallel auto chose {lay.describe()} for {world_size} x {cluster.device.name}: "
+        return chosen, [f"--parallel auto chose {chosen.layout.describe()} for {world_size} x {cluster.device.name}: "
                         f"{reasons[0].split(': ', 2)[2]}", *reasons[1:], *replanned(resumed, chosen, world_size)]
     raise ConfigError(f"--parallel auto: no layout of {world_size} x {cluster.device.name} fits this model")
 
@@ -84,7 +85,7 @@ def resumed_run(cfg: TrainConfig) -> dict | None:
     manifest = store.read_state(source)
     layout, position, saved = manifest["layout"], manifest["data_position"], manifest["config"]
     global_batch = position["sequences"] // position["step"] if position["step"] else \
-        saved["global_batch"] or saved["micro_batch"] * layout["dp"]
+        saved["global_batch"] or saved.get("layout", saved)["micro_batch"] * layout["dp"]  # (flat before [layout])
     world = layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]  # written before cp: 1
     return {"world": world, "global_batch": global_batch}
 
@@ -93,18 +94,22 @@ def replanned(resumed: dict | None, chosen: TrainConfig, world_size: int) -> lis
     """The line that says the cluster changed since the checkpoint, and what was kept."""
     if resumed is None or resumed["world"] == world_size:
         return []
-    accumulation = chosen.global_batch // (chosen.dp * chosen.micro_batch)
+    lay = chosen.layout
+    accumulation = chosen.global_batch // (lay.dp * lay.micro_batch)
     return [f"--parallel auto: the checkpoint was written by {resumed['world']} ranks, this run has {world_size}: "
             f"planned again, the global batch of {chosen.global_batch} sequences kept "
-            f"({accumulation} micro-batch{'es' if accumulation > 1 else ''} of {chosen.micro_batch} per step on each "
-            f"of {chosen.dp} data-parallel rank{'s' if chosen.dp > 1 else ''})"]
+            f"({accumulation} micro-batch{'es' if accumulation > 1 else ''} of {lay.micro_batch} per step on each "
+            f"of {lay.dp} data-parallel rank{'s' if lay.dp > 1 else ''})"]
 
 
 def as_flags(cfg: TrainConfig) -> list[str]:
-    """The chosen layout as command-line flags, for the ranks that the launcher starts."""
-    flags = ["--parallel", "manual", "--dp", str(cfg.dp), "--tp", str(cfg.tp), "--pp", str(cfg.pp),
-             "--zero", str(cfg.zero), "--micro-batch", str(cfg.micro_batch), "--global-batch", str(cfg.global_batch),
-             "--schedule", cfg.schedule, "--virtual-stages", str(cfg.virtual_stages),
-             "--checkpointing", cfg.checkpointing, "--tp-mode", cfg.tp_mode, "--tp-depth", str(cfg.tp_depth),
-             "--ep", str(cfg.ep), "--cp", str(cfg.cp), "--cp-mode", cfg.cp_mode]
-    return flags + (["--sequence-parallel"] if cfg.sequence_parallel else [])
+    """The chosen layout as command-line flags, for the ranks that the launcher starts: every field
+    of the Layout, as the parser made its flag (strata/cli/parser.add_train_flags)."""
+    flags = ["--parallel", "manual", "--global-batch", str(cfg.global_batch)]
+    for f in fields(Layout):
+        value, flag = getattr(cfg.layout, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):  # a switch: the flag that flips the default, when it differs
+            flags += [] if value == getattr(RUN_LAYOUT, f.name) else [flag if value else f"--no-{flag[2:]}"]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags

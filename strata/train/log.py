@@ -74,7 +74,8 @@ class RunLog:
                   "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
                   "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device),
                   **self.allocator.read(), "optimizer_step_s": run.update_s}
-        if any(setting != "none" for setting in (run.cfg.offload, run.cfg.offload_params, run.cfg.offload_activations)):
+        if any(setting != "none" for setting in (run.cfg.layout.offload, run.cfg.layout.offload_params,
+                                                 run.cfg.layout.offload_activations)):
             record["offload"] = {"read_bytes": dict(tiers.io.read), "written_bytes": dict(tiers.io.written),
                                  "io_wait_s": tiers.io.wait_s}
         record["peak_rss_bytes"] = tiers.peak_resident_bytes()
@@ -96,10 +97,10 @@ class RunLog:
 
 def _by_location(run, states: dict[str, int], sharding_stats: dict[str, int]) -> dict[str, int]:
     """Model-state bytes by kind, and, with offload, where the optimizer's states are instead."""
-    if run.cfg.offload_params != "none":  # the shards and gradients; the moments where --offload puts them
-        states = {**states, f"params_and_grads_on_{run.cfg.offload_params}": sharding_stats["offloaded_bytes"]}
-    if run.cfg.offload == "disk":
+    if run.cfg.layout.offload_params != "none":  # the shards and gradients; the moments where --offload puts them
+        states = {**states, f"params_and_grads_on_{run.cfg.layout.offload_params}": sharding_stats["offloaded_bytes"]}
+    if run.cfg.layout.offload == "disk":
         return {**states, "optimizer_on_disk": run.optimizer.disk_bytes()}
-    if run.cfg.offload == "cpu":  # what stays on the device, what the host holds
+    if run.cfg.layout.offload == "cpu":  # what stays on the device, what the host holds
         return {**states, "optimizer": 0, "optimizer_on_host": run.optimizer.host_bytes()}
     return states

@@ -22,11 +22,11 @@ def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.beta1, cfg.beta2)
-    if cfg.offload == "disk":
+    if cfg.layout.offload == "disk":
         return StreamingAdamW(groups, cfg.lr, betas, DiskMoments(offload_dir(cfg), rank), stream=stream)
     if stream is not None:
-        return StreamingAdamW(groups, cfg.lr, betas, MemoryMoments(host=cfg.offload == "cpu"), stream=stream)
-    if cfg.offload == "cpu":
+        return StreamingAdamW(groups, cfg.lr, betas, MemoryMoments(host=cfg.layout.offload == "cpu"), stream=stream)
+    if cfg.layout.offload == "cpu":
         return HostOffloadAdamW(groups, cfg.lr, betas)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
 

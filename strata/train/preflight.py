@@ -12,12 +12,20 @@ import os
 from dataclasses import replace
 
 from strata.checkpoint import store
-from strata.config import TrainConfig, check_run_memory, check_run_settings, sequence_length, validate
+from strata.config import (
+    TrainConfig,
+    check_run_settings,
+    data_parallel_size,
+    global_batch_size,
+    sequence_length,
+    validate,
+)
 from strata.data.loader import check_token_ids, check_windows, read_meta
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig, infer_family
 from strata.model.presets import PRESETS
-from strata.rules.limits import size_text
+from strata.rules.dtypes import DTYPES
+from strata.rules.limits import PROCESS_BYTES, check_fits_machine, size_text
 from strata.rules.offload import MASTER_BYTES, MOMENT_BYTES
 from strata.train.optim import offload_dir
 from strata.train.run_dir import check_outputs
@@ -85,12 +93,45 @@ def data_vocab_size(cfg: TrainConfig, model_vocab: int) -> int:
     return read_meta(cfg.data)["vocab_size"]
 
 
+def check_run_memory(cfg: TrainConfig, world_size: int, model: ModelConfig, memory: int | None = None) -> None:
+    """What this machine's processes of the run hold at least, against its memory (rules/limits.py):
+    lower bounds, so that a run which fits is never refused, and one that cannot is refused before
+    it allocates. Each process: the interpreter; its share of the weights (one copy over the whole
+    world, none in memory with offload_params disk); a step's token windows (the loader's int64
+    rows); one micro-batch's embedding output (split at most over cp x tp); the rotary tables
+    (strata/model/layers.rope_tables: cos and sin, float64, max_seq_len x head_dim each)."""
+    lay = cfg.layout
+    local = cfg.nproc if world_size == cfg.nproc else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    seq_len, dp = sequence_length(cfg, model), data_parallel_size(cfg, world_size)
+    weight_bytes = 8 if cfg.dtype == "fp64" else 4
+    shape_field = next((f for f in ("n_layers", "vocab_size", "max_seq_len") if getattr(cfg, f) is not None), "model")
+    context_field = "max_seq_len" if cfg.max_seq_len is not None else "model"
+    rows = global_batch_size(cfg, world_size) // max(dp, 1)
+    needs = [
+        ("nproc", cfg.nproc, local * PROCESS_BYTES, f"{local} process(es) of Python and torch"),
+        (shape_field, getattr(cfg, shape_field), 0 if lay.offload_params == "disk" else
+         model.num_params() * weight_bytes * local / world_size, f"this machine's share of the weights "
+                                                                 f"({model.num_params():,} parameters)"),
+        ("global_batch", global_batch_size(cfg, world_size),
+         local * (global_batch_size(cfg, world_size) + rows * (seq_len + 1)) * 8,
+         f"a step's token windows ({rows} x {seq_len + 1} int64 on each process)"),
+        ("micro_batch", lay.micro_batch, local * lay.micro_batch * seq_len * model.d_model *
+         DTYPES[cfg.dtype].bytes / (lay.cp * lay.tp), f"one micro-batch's embedding output on each process "
+                                                       f"({lay.micro_batch} x {seq_len} x {model.d_model})"),
+        (context_field, getattr(cfg, context_field),
+         local * 2 * model.max_seq_len * model.head_dim * 8 if model.position == "rope" else 0,
+         f"the rotary tables of a {model.max_seq_len:,}-token context on each process"),
+    ]
+    check_fits_machine(needs, memory)
+
+
 def check_offload_space(cfg: TrainConfig, model: ModelConfig) -> None:
     """Disk offload's files fit where they go: 8 bytes per parameter for the shards and their
     gradients (--offload-params disk), 8 for Adam's moments (--offload disk; each data-parallel
     replica its own under ZeRO-0), this machine's share of them (its processes out of the world)."""
-    replicas = max(1, cfg.nproc // (cfg.tp * cfg.pp)) if cfg.zero == 0 and cfg.offload_params == "none" else 1
-    per_param = 2 * MASTER_BYTES * (cfg.offload_params == "disk") + MOMENT_BYTES * replicas * (cfg.offload == "disk")
+    lay = cfg.layout
+    replicas = max(1, cfg.nproc // (lay.tp * lay.pp)) if lay.zero == 0 and lay.offload_params == "none" else 1
+    per_param = 2 * MASTER_BYTES * (lay.offload_params == "disk") + MOMENT_BYTES * replicas * (lay.offload == "disk")
     if not per_param:
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc))

@@ -1,7 +1,7 @@
 """A run directory (`--run-dir DIR`): one place for everything a run writes, enough to run it again
 from the directory alone (`strata train --config DIR/config.toml --resume auto`).
 
-    DIR/config.toml      the resolved config, every key with a value (TrainConfig; see docs/config.md)
+    DIR/config.toml      the resolved config, every key with a value, the layout's under [layout]
     DIR/metrics.jsonl    the metrics records            (unless --metrics says otherwise)
     DIR/tb/              TensorBoard event files        (unless --tensorboard; when tensorboard is installed)
     DIR/ckpt/            checkpoints                    (unless --save)
@@ -58,11 +58,15 @@ def toml_text(values: dict) -> str:
 
 
 def config_toml(cfg) -> str:
-    """The run's config as TOML: every key with a value, except outputs the run directory implies
-    (so the file run with another --run-dir writes there, not into this one)."""
+    """The run's config as TOML: every key with a value, the layout's in its [layout] table, except
+    outputs the run directory implies (so the file run with another --run-dir writes there, not
+    into this one)."""
     implied = run_dir_outputs(cfg.run_dir) if cfg.run_dir else {}
-    values = {k: v for k, v in cfg.to_dict().items() if not (k in implied and v == implied[k])}
-    return "# strata train --config this-file (the same keys as the flags; docs/config.md)\n" + toml_text(values)
+    values = cfg.to_dict()
+    layout = values.pop("layout")
+    values = {k: v for k, v in values.items() if not (k in implied and v == implied[k])}
+    return "# strata train --config this-file (the same keys as the flags; docs/config.md)\n" + \
+        toml_text(values) + "\n[layout]\n" + toml_text(layout)
 
 
 # --- checks ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ def _restore_versions(run: Run, reader: shards.ShardReader, step: int) -> None:
         missing = min(versions.delay, step) - len(older)
         if missing and run.rank == 0:
             print(f"note: the checkpoint holds no weights older than its last update for {missing} of the "
-                  f"versions --schedule {run.cfg.schedule} computes with; they start as the loaded weights",
+                  f"versions --schedule {run.cfg.layout.schedule} computes with; they start as the loaded weights",
                   file=sys.stderr, flush=True)
         versions.restore(step, older)
 
@@ -105,8 +106,7 @@ def full_model_state(run: Run) -> dict[str, torch.Tensor]:
 
 
 def layout(run: Run) -> dict:
-    """The layout, as a checkpoint records it (any layout loads any checkpoint)."""
-    return {"dp": run.dims.dp, "ep": run.cfg.ep, "cp": run.dims.cp, "cp_mode": run.cfg.cp_mode, "tp": run.dims.tp,
-            "tp_mode": run.cfg.tp_mode, "tp_depth": run.cfg.tp_depth,
-            "pp": run.dims.pp, "zero": run.cfg.zero, "virtual_stages": run.cfg.virtual_stages,
-            "blocks_per_chunk": list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None}
+    """The layout, as a checkpoint records it: every field of the run's resolved Layout, and the
+    pipeline's cut (any layout loads any checkpoint)."""
+    blocks = list(run.stage_layout.blocks_per_chunk) if run.stage_layout else None
+    return {**asdict(run.cfg.layout), "blocks_per_chunk": blocks}

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from strata.checkpoint import shards, store
-from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length, zero_stage
+from strata.config import TrainConfig, global_batch_size, resolve_layout, sequence_length
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import Mesh, ParallelDims, init_distributed, pick_device, process_groups, release_groups
@@ -57,12 +57,12 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     base = checked_model(cfg, world_size)
     # the run's own copy, resolved (the caller's config is left as it was given)
     cfg = replace(cfg, global_batch=global_batch_size(cfg, world_size),
-                  zero=zero_stage(cfg))  # --offload-params alone on one process: ZeRO-3
-    dims = ParallelDims(dp=data_parallel_size(cfg, world_size), tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
+                  layout=resolve_layout(cfg, world_size))  # dp filled in; --offload-params alone: ZeRO-3
+    dims = ParallelDims(dp=cfg.layout.dp, tp=cfg.layout.tp, pp=cfg.layout.pp, cp=cfg.layout.cp)
     mesh = Mesh.build(dims, rank, device.type, cfg.timeout)
     groups = mesh.groups
-    experts = ExpertAxes(*mesh.expert_axes(cfg.ep)) if cfg.ep > 1 else None
-    grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
+    experts = ExpertAxes(*mesh.expert_axes(cfg.layout.ep)) if cfg.layout.ep > 1 else None
+    grid = grid_of(cfg.layout.tp_mode, cfg.layout.tp, cfg.layout.tp_depth)
     grid_groups = GridGroups(grid, mesh.coordinate("tp"), mesh.tensor_axes(grid)) if grid.mode != "1d" else None
     dp_rank, tp_rank, pp_rank = (mesh.coordinate(d) for d in ("dp", "tp", "pp"))
     notes = preflight(cfg) if not checked and DONE not in os.environ else []  # else the launcher has run it
@@ -73,20 +73,21 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
     model_cfg = base.with_overrides(vocab_size=train_source.vocab_size)
     seq_len = sequence_length(cfg, model_cfg)
-    stage_layout = make_layout(model_cfg, cfg.pp, cfg.virtual_stages, seq_len, cfg.pp_split) if dims.pp > 1 else None
+    lay = cfg.layout
+    stage_layout = make_layout(model_cfg, lay.pp, lay.virtual_stages, seq_len, lay.pp_split) if dims.pp > 1 else None
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
                                   offload_dir(cfg), rank, grid_groups, experts, mesh.context_axis())
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
-                                parallel.sharding.stream_units if cfg.offload_params != "none" else None)
+                                parallel.sharding.stream_units if cfg.layout.offload_params != "none" else None)
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
               optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
               owns_process_group=owns_process_group, expert_axes=experts, groups_before=groups_before)
     if cfg.dtype == "fp16":
         run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
-    if SCHEDULES[cfg.schedule].asynchronous:
+    if SCHEDULES[cfg.layout.schedule].asynchronous:
         run.versions = _weight_versions(run, stage_layout, pp_rank, seq_len)
     if stage_layout is not None:
         _add_pipeline(run, stage_layout, pp_rank, mesh, seq_len)
@@ -99,6 +100,7 @@ def setup(cfg: TrainConfig, checked: bool = False) -> Run:
 
 def _add_pipeline(run: Run, stage_layout, pp_rank: int, mesh: Mesh, seq_len: int) -> None:
     cfg = run.cfg
+    lay = cfg.layout
     pp_group = mesh.groups["pp"]
     run.pp_group, run.stage_layout = pp_group, stage_layout
     if run.model_cfg.tie_embeddings:
@@ -106,11 +108,11 @@ def _add_pipeline(run: Run, stage_layout, pp_rank: int, mesh: Mesh, seq_len: int
     # what passes between stages: the hidden states of this rank's chunks of the sequence (1/cp),
     # 1/tp of them under sequence parallelism,
     # this rank's sequences and features under multi-dimensional tensor parallelism
-    grid = grid_of(cfg.tp_mode, cfg.tp, cfg.tp_depth)
-    shape = (cfg.micro_batch // grid.batch_parts, seq_len // cfg.cp // (cfg.tp if cfg.sequence_parallel else 1),
+    grid = grid_of(lay.tp_mode, lay.tp, lay.tp_depth)
+    shape = (lay.micro_batch // grid.batch_parts, seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1),
              run.model_cfg.d_model // grid.hidden_parts)
     links = mesh.pipeline_links(wraps=stage_layout.virtual_stages > 1)
-    run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, cfg.schedule,
+    run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, lay.schedule,
                                     pp_group, links, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
                                     run.model, run.versions[0] if run.versions else None)
 
@@ -118,13 +120,13 @@ def _add_pipeline(run: Run, stage_layout, pp_rank: int, mesh: Mesh, seq_len: int
 def _weight_versions(run: Run, stage_layout, pp_rank: int, seq_len: int) -> list[WeightVersions]:
     """The weight versions an asynchronous schedule stashes: this rank's stage's, or in one process
     each emulated stage's (--emulate-stages P runs the version rule of P stages), with its delay."""
-    cfg, spec = run.cfg, SCHEDULES[run.cfg.schedule]
+    cfg, spec = run.cfg, SCHEDULES[run.cfg.layout.schedule]
     trainable = [(name, p) for name, p in run.model.named_parameters() if p.requires_grad]
     if stage_layout is not None:
-        return [WeightVersions(trainable, spec.delay(cfg.pp, pp_rank))]
+        return [WeightVersions(trainable, spec.delay(cfg.layout.pp, pp_rank))]
     if cfg.emulate_stages == 1:
         return [WeightVersions(trainable, spec.delay(1, 0))]
-    emulated = make_layout(run.model_cfg, cfg.emulate_stages, 1, seq_len, cfg.pp_split)
+    emulated = make_layout(run.model_cfg, cfg.emulate_stages, 1, seq_len, cfg.layout.pp_split)
     return [WeightVersions(named, spec.delay(cfg.emulate_stages, stage))
             for stage, named in enumerate(stage_parameters(run.model, emulated))]
 
@@ -143,7 +145,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     cfg, model = run.cfg, run.model
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
-    micro_batches = run.train_data.micro_batches(step, cfg.micro_batch)
+    micro_batches = run.train_data.micro_batches(step, cfg.layout.micro_batch)
     scale = run.scaler.scale if run.scaler is not None else 1.0
     if model.router_losses is not None:  # the auxiliary loss's gradient scaled as the loss's is
         model.router_losses.grad_scale = scale * run.parallel.loss_factor / len(micro_batches)
@@ -256,12 +258,12 @@ def async_pipeline_step(run: Run, step: int) -> tuple[PendingMetrics, dict[str, 
     cfg = run.cfg
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
-    per_step = cfg.global_batch // (cfg.micro_batch * run.dims.dp)  # micro-batches of a step on this rank
+    per_step = cfg.global_batch // (cfg.layout.micro_batch * run.dims.dp)  # micro-batches of a step on this rank
     steps: dict[int, list] = {}  # the steps whose micro-batches this segment reads: this one and later ones
 
     def micro_batch(k: int):
         if k // per_step not in steps:
-            steps[k // per_step] = run.train_data.micro_batches(k // per_step, cfg.micro_batch)
+            steps[k // per_step] = run.train_data.micro_batches(k // per_step, cfg.layout.micro_batch)
         return steps[k // per_step][k % per_step]
 
     run.pipeline.loss_scale = run.parallel.loss_factor
@@ -300,7 +302,7 @@ def evaluate(run: Run) -> float:
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = 0
     for batch_index in range(run.cfg.eval_batches):
-        for inputs, targets in run.val_data.micro_batches(batch_index, run.cfg.micro_batch):
+        for inputs, targets in run.val_data.micro_batches(batch_index, run.cfg.layout.micro_batch):
             count += 1
             if run.pipeline is not None:
                 total += run.pipeline.forward_only(inputs, targets)
@@ -393,8 +395,8 @@ def finish(run: Run, log: RunLog, keep_state: bool) -> dict:
     if cfg.trace and run.pipeline is not None:
         timelines = gather_timeline(run.pipeline)
         if timelines is not None:
-            write_trace(cfg.trace, timelines, {"schedule": cfg.schedule, "pp": cfg.pp,
-                                               "virtual_stages": cfg.virtual_stages, "step": cfg.steps})
+            write_trace(cfg.trace, timelines, {"schedule": cfg.layout.schedule, "pp": cfg.layout.pp,
+                                               "virtual_stages": cfg.layout.virtual_stages, "step": cfg.steps})
     summary = {**log.summary, "model": run.model}
     if keep_state:
         summary["state"] = full_model_state(run)
