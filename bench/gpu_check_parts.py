@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from strata.config import TrainConfig, train_config
+from strata.config import TrainConfig, train_config, with_settings
 from strata.infer.generate import generate
 from strata.model.layers import attention_bias
 from strata.model.presets import get_preset
@@ -208,7 +208,7 @@ def offload_matches_memory(check: Check) -> dict:
     """ZeRO-Infinity's GPU paths (shards and Adam's moments in pinned host memory, checkpointed
     activations there too) against the same run kept on the device: bit for bit."""
     def run(**offload):
-        cfg = replace(tiny_config("fp32", check.device.type), checkpointing="full", **offload)
+        cfg = with_settings(tiny_config("fp32", check.device.type), checkpointing="full", **offload)
         return train(cfg, keep_state=True)
     reference = run()
     offloaded = run(offload_params="cpu", offload="cpu", offload_activations="cpu")

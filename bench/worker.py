@@ -86,7 +86,7 @@ def run_dtensor_tp(cfg, rank, world, sequence_parallel):
         opt.step()
         opt.zero_grad(set_to_none=True)
     # every rank of the TP group reads the same batch, of micro_batch sequences (as strata's)
-    cfg.global_batch = cfg.layout.micro_batch
+    cfg = with_settings(cfg, global_batch=cfg.layout.micro_batch)
     return peer_loop(model, step, lambda loss: loss.backward(), cfg.steps, cfg, 0, 1)
 
 
@@ -166,7 +166,7 @@ def run_torch_pipeline(schedule, cfg, rank, world, micro_batches):
 def run_strata(impl, cfg, world, micro_batches=1):
     from strata.train.trainer import train
     # "-nccl": the same run under NCCL's rules on gloo (bench/comm_semantics.py); else gloo's own
-    cfg.comm_semantics = "nccl" if impl.endswith("-nccl") else "native"
+    cfg = with_settings(cfg, comm_semantics="nccl" if impl.endswith("-nccl") else "native")
     impl = impl.removesuffix("-nccl")
     micro_batch = cfg.layout.micro_batch
     if impl.startswith("strata-pp-"):  # all ranks one pipeline
@@ -205,7 +205,7 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
         if impl.startswith("torch-pp-"):
-            cfg.global_batch = cfg.layout.micro_batch * args.micro_batches
+            cfg = with_settings(cfg, global_batch=cfg.layout.micro_batch * args.micro_batches)
             times = run_torch_pipeline(impl.removeprefix("torch-pp-"), cfg, rank, world, args.micro_batches)
         elif impl.startswith("deepspeed"):
             times = run_deepspeed(int(impl[-1]), cfg, rank, world)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import tomllib
 from dataclasses import Field, asdict, dataclass, field, fields, replace
 
 from strata.errors import ConfigError
@@ -35,8 +34,9 @@ RUN_LAYOUT = Layout(dp=None, micro_batch=8)
 LAYOUT_SECTION = "layout: [layout] in a TOML config (strata/rules/layout.py)"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
+    """A run's settings, never changed once made (a resolved copy: strata/train/spec.py)."""
     model: str = _key("tiny", "model preset (tiny, small, gpt2-124m, llama-7b, ...)", "model and data")
     n_layers: int | None = _key(None, "override the preset's number of transformer blocks")
     n_heads: int | None = _key(None, "override the preset's attention heads (as many KV heads; each d_model / heads wide)")
@@ -106,7 +106,7 @@ class TrainConfig:
         if self.run_dir:  # the run directory's paths for the outputs not given
             for name, path in run_dir_outputs(self.run_dir).items():
                 if getattr(self, name) is None:
-                    setattr(self, name, path)
+                    object.__setattr__(self, name, path)  # (frozen: made whole here)
 
     def to_dict(self) -> dict:
         """Every setting, the layout's as its own section (a checkpoint's metadata, config.toml)."""
@@ -114,6 +114,11 @@ class TrainConfig:
 
 
 LAYOUT_NAMES = frozenset(f.name for f in fields(Layout))
+
+
+def train_config_from_dict(raw: dict) -> TrainConfig:
+    """The config `to_dict` wrote (a run spec; the layout as its own section)."""
+    return TrainConfig(**{**raw, "layout": Layout(**raw["layout"])})
 
 
 def setting_fields() -> dict[str, Field]:
@@ -154,67 +159,6 @@ def run_dir_outputs(run_dir: str) -> dict[str, str]:
     if importlib.util.find_spec("tensorboard") is not None:  # events when they can be written
         paths["tensorboard"] = os.path.join(run_dir, "tb")
     return paths
-
-
-def load_toml(path: str) -> dict:
-    """Read a TOML config; keys are the long flag names with '_' or '-'."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"--config {path}: is a directory; want a TOML file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-    out, spelled = {}, {}
-    # the layout's keys in its [layout] table, or (as files written before that table) at the top
-    entries = [(key, value, "") for key, value in raw.items() if key != "layout" or not isinstance(value, dict)]
-    entries += [(key, value, "[layout] ") for key, value in raw.get("layout", {}).items()] \
-        if isinstance(raw.get("layout"), dict) else []
-    valid = setting_fields()
-    for key, value, table in entries:
-        name = key.replace("-", "_")
-        if name not in valid or (table and not is_layout_setting(name)):
-            names = sorted(LAYOUT_NAMES) if table else list(valid)
-            raise ConfigError(f"--config {path}: unknown key {table}{key!r}; valid keys: {', '.join(names)}")
-        if name in out:  # seq-len and seq_len: one value would win and the other vanish
-            raise ConfigError(f"--config {path}: {spelled[name]} and {table}{key!r} both set {name}; keep one")
-        out[name], spelled[name] = value, f"{table}{key!r}"
-    return out
-
-
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
-
-
-def _check_types(values: dict, source: str) -> None:
-    """TOML values must have the field's type (an int where a float is wanted is fine)."""
-    types = {name: f.type for name, f in setting_fields().items()}
-    for key, value in values.items():
-        base = types[key].split(" | ")[0]
-        ok = isinstance(value, _TYPES[base]) and not (base in ("int", "float") and isinstance(value, bool))
-        if not ok and not (value is None and "None" in types[key]):
-            raise ConfigError(f"{source}: {key} = {value!r} is not of type {base}")
-
-
-def make_config(file_values: dict, flag_values: dict, source: str = "--config") -> TrainConfig:
-    """Defaults < config file < flags (flags given as None were not set). Both hold settings by
-    their one names (load_toml flattens the [layout] table)."""
-    _check_types(file_values, source)
-    values = dict(file_values)
-    values.update({k: v for k, v in flag_values.items() if v is not None})
-    types = setting_fields()
-    for name, value in values.items():  # TOML gives ints where floats are meant
-        if types[name].type.split(" | ")[0] == "float" and isinstance(value, int) and not isinstance(value, bool):
-            values[name] = float(value)
-    return train_config(**values)
-
-
-def given_settings(file_values: dict, flag_values: dict) -> set[str]:
-    """The settings the user set: every flag given, and the config file's keys whose value is not
-    the default (a config.toml that --run-dir wrote lists every key, defaults included)."""
-    return {k for k, v in flag_values.items() if v is not None} | \
-        {k for k, v in file_values.items() if v != default_of(k)}
 
 
 def check_given(cfg: TrainConfig, given: set[str]) -> None:
@@ -263,14 +207,29 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def validate(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
+class RunChecks:
+    """How many runs `validate` has checked in this process: strata/train/spec.resolve checks a
+    run once per launch, and its ranks none (a test counts them)."""
+    runs = 0
+
+
+def validate(cfg: TrainConfig, world_size: int, model: ModelConfig, settings_checked: bool = False) -> None:
     """Check every setting against the others, the world size and the model (the shape the run
     builds: see strata/train/preflight.model_shape); raise ConfigError naming the first bad field,
     its value and what would be valid. Pure: no file is read, and nothing of this machine (its
-    memory is checked where a run starts: train/preflight.check_run_memory), so that `strata plan` and training
-    accept the same layouts."""
+    memory is checked where a run starts: train/preflight.check_run_memory), so that `strata plan`
+    and training accept the same layouts. settings_checked: check_run_settings passed already (the
+    model's shape needs a valid preset before this runs)."""
+    RunChecks.runs += 1
+    if not settings_checked:
+        check_run_settings(cfg)
+    check_run_layout(cfg, world_size, model)
+
+
+def check_run_layout(cfg: TrainConfig, world_size: int, model: ModelConfig) -> None:
+    """The run's layout against the world size, the model and the run's other settings (what
+    --parallel auto checks of each layout the planner offers)."""
     lay = cfg.layout
-    check_run_settings(cfg)
     _need(cfg.nproc == 1 or world_size == cfg.nproc, "nproc", cfg.nproc,
           f"does not match the {world_size} processes launched")
     _need(cfg.max_restarts == 0 or world_size > 1, "max_restarts", cfg.max_restarts,

@@ -257,11 +257,11 @@ def _train_argv(ck: Checkpoint, data: str) -> list[str]:
 def load_train(ck: Checkpoint, data: str, out) -> None:
     argv = _train_argv(ck, data)
     with contextlib.redirect_stderr(io.StringIO()):
-        cfg, _ = checked_train(build_parser().parse_args(argv), argv, None, in_a_rank=False)
-        run = setup(cfg, checked=True)
+        spec = checked_train(build_parser().parse_args(argv), None, in_a_rank=False)
+        run = setup(spec)  # the spec says its files were checked
     run.parallel.close()
     comm.close_streams()
-    assert run.start_step == store.read_state(str(ck.save))["step"]
+    assert run.state.start_step == store.read_state(str(ck.save))["step"]
 
 
 def load_convert(ck: Checkpoint, data: str, out) -> None:

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(strata.__file__)
 LAYERS = [
     ("errors", ("strata.errors", "strata.files")),
     ("facts", ("strata.model.config", "strata.model.presets", "strata.plan.hardware")),
-    ("rules", ("strata.rules", "strata.config")),
+    ("rules", ("strata.rules", "strata.config", "strata.config_file")),
     ("model", ("strata.model",)),
     ("plan", ("strata.plan",)),
     ("distributed", ("strata.distributed",)),

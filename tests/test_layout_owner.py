@@ -14,7 +14,8 @@ from dataclasses import fields
 
 import pytest
 
-from strata.config import RUN_LAYOUT, load_toml, make_config, train_config
+from strata.config import RUN_LAYOUT, train_config
+from strata.config_file import load_toml, make_config
 from strata.model.presets import get_preset
 from strata.plan.inputs import build_cluster, workload
 from strata.plan.report import parse_layout
@@ -31,7 +32,8 @@ CHECKS = textwrap.dedent('''
     import strata
     assert strata.__file__.startswith(sys.argv[1]), strata.__file__
     from strata.cli.parser import build_parser
-    from strata.config import load_toml, make_config, setting_fields, train_config
+    from strata.config import setting_fields, train_config
+    from strata.config_file import load_toml, make_config
     from strata.model.presets import get_preset
     from strata.plan.inputs import build_cluster, workload
     from strata.plan.report import parse_layout

@@ -8,8 +8,9 @@ import tomllib
 
 import pytest
 
-from strata.config import load_toml, make_config, setting_fields, train_config
 from strata.config import run_dir_outputs as default_outputs
+from strata.config import setting_fields, train_config
+from strata.config_file import load_toml, make_config
 from strata.train.run_dir import config_toml, toml_text
 
 from cli_runner import run_strata

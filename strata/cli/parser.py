@@ -29,6 +29,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, grouped in `--help` by section as the config file is (the layout's
     fields in their own group, as its own [layout] table)."""
     parser.add_argument("--config", help="TOML file with the same keys as the flags (the layout's under [layout])")
+    parser.add_argument("--spec", help=argparse.SUPPRESS)  # the resolved run a launcher hands its ranks
     group = parser
     for name, f in setting_fields().items():
         section = LAYOUT_SECTION if is_layout_setting(name) else f.metadata.get("section")

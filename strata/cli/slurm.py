@@ -8,49 +8,42 @@ from __future__ import annotations
 import os
 import sys
 
-from strata.config import load_toml, make_config
+from strata.config_file import load_toml, make_config
 from strata.distributed import slurm
 from strata.distributed.slurm import started_by_srun  # noqa: F401 - the CLI asks here
 from strata.errors import ConfigError
 from strata.files import check_output_file
-from strata.train.preflight import DONE, preflight
 
 
-def join_job(args, argv: list[str], checked_train) -> int | None:
-    """srun started this process. One task per node with --nproc G: start this node's G ranks as
-    `strata launch` does, and return their exit code. One task per rank: check the run (in every
-    task, before any process group), make this process the rank Slurm says it is (its environment
-    as torchrun's ranks get it), and return None; the caller then trains as such a rank."""
+def join_job(args, checked_train, with_spec_file):
+    """srun started this process. One task per node with --nproc G: resolve the run, start this
+    node's G ranks on it as `strata launch` does, and return their exit code. One task per rank:
+    resolve and check the run (in every task, before any process group), make this process the
+    rank Slurm says it is (its environment as torchrun's ranks get it), and return the run's spec;
+    the caller then trains as that rank."""
     job = slurm.read_job()
     nproc = make_config(load_toml(args.config) if args.config else {}, {"nproc": args.nproc}).nproc
     slurm.check_tasks(job, nproc)
     if nproc == 1 and job.world == 1:
-        return None  # one process: nothing to join
+        return checked_train(args, 1, in_a_rank=False)  # one process: nothing to join
     master_ip = slurm.master_address(job)
     socket_env = slurm.socket_environment(job, master_ip)
     if nproc > 1:  # each rank is one of nodes x nproc, and torchrun tells it which
         args.nproc = 1
-        cfg, ranks_argv = checked_train(args, [*argv, "--nproc", "1"], job.nnodes * nproc, in_a_rank=True)
-        _print_notes(preflight(cfg), job.node_rank == 0)
-        print(slurm.describe(job, master_ip, socket_env, nproc), file=sys.stderr, flush=True)
-        return slurm.launch_node(job, nproc, ranks_argv, master_ip, socket_env, cfg.max_restarts, {DONE: "1"})
+        spec = checked_train(args, job.nnodes * nproc, in_a_rank=False, announce=job.node_rank == 0)
+        if job.node_rank == 0:
+            print(slurm.describe(job, master_ip, socket_env, nproc), file=sys.stderr, flush=True)
+        return with_spec_file(spec, lambda ranks_argv: slurm.launch_node(job, nproc, ranks_argv, master_ip, socket_env,
+                                                                         spec.config.max_restarts))
     os.environ.update({**slurm.rank_environment(job, master_ip), **socket_env})
-    cfg, _ = checked_train(args, argv, job.world, in_a_rank=True)
-    if cfg.max_restarts:
+    spec = checked_train(args, job.world, in_a_rank=False)
+    if spec.config.max_restarts:
         raise ConfigError("srun starts each rank itself, so nothing could restart them; run one task per node "
-                          "with --nproc N instead", "max_restarts", cfg.max_restarts)
-    _print_notes(preflight(cfg), job.rank == 0)
+                          "with --nproc N instead", "max_restarts", spec.config.max_restarts)
     if job.rank == 0:
         print(slurm.describe(job, master_ip, socket_env, None), file=sys.stderr, flush=True)
-    os.environ[DONE] = "1"  # checked: the rank's setup does not check the files again
-    slurm.host_store(job, master_ip, cfg.timeout)
-    return None
-
-
-def _print_notes(notes: list[str], here: bool) -> None:
-    if here:
-        for note in notes:
-            print(note, file=sys.stderr, flush=True)
+    slurm.host_store(job, master_ip, spec.config.timeout)
+    return spec
 
 
 def check_hostfile_flags(args) -> None:
@@ -80,7 +73,7 @@ def write_script(args, launched, command: list[str], checked_train) -> int:
     if args.socket_ifname is not None:
         slurm.check_interface_name(args.socket_ifname)
     check_output_file(args.slurm_script, "slurm_script")
-    cfg, _ = checked_train(launched, command, args.nodes * args.gpus_per_node, in_a_rank=False)
+    cfg = checked_train(launched, args.nodes * args.gpus_per_node, in_a_rank=False).config
     if cfg.nproc != 1:
         raise ConfigError(f"leave it out of the command: each srun task is one rank, and the script starts "
                           f"{args.nodes} x {args.gpus_per_node} of them", "nproc", cfg.nproc)

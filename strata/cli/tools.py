@@ -60,16 +60,16 @@ def convert_command(args, argv: list[str]) -> int:
 
 def doctor_command(args, argv: list[str]) -> int:
     from strata.tools.doctor import run
-    check_doctor_flags(args)
-    if args.bandwidth and "LOCAL_RANK" not in os.environ:
+    config = doctor_config(args)
+    if config.bandwidth and "LOCAL_RANK" not in os.environ:
         raise ConfigError("--bandwidth: run it on every node through `strata launch --hostfile H -- doctor --bandwidth`")
-    return run(args)
+    return run(config)
 
 
 def bench_command(args, argv: list[str]) -> int:
     if args.bench_command == "generate":
         from strata.tools.bench_generate import run_bench
-        return run_bench(args)
+        return run_bench(generate_bench_config(args))
     return _bench_comm(args, argv)
 
 
@@ -119,27 +119,33 @@ def plot_command(args, argv: list[str]) -> int:
     return 0
 
 
-def check_doctor_flags(args) -> None:
-    """The planned job's flags go with --bandwidth, and are checked as `strata plan` checks them;
-    --flight-recorder names a directory holding at least one dump."""
+def doctor_config(args):
+    """`strata doctor`'s flags, checked as `strata plan` checks the planned job's, typed: the planned
+    job's flags go with --bandwidth; --flight-recorder names a directory holding at least one dump."""
     from strata.plan.hardware import DEVICES
     from strata.tools.commbench import parse_size
+    from strata.tools.doctor import DoctorConfig
     try:
-        args.bandwidth_bytes = parse_size(args.bandwidth_bytes)
+        bandwidth_bytes = parse_size(args.bandwidth_bytes)
     except ValueError as e:
         raise ConfigError(f"--bandwidth-bytes: {e}") from None
-    planned = {"model": args.model, "layout": args.layout, "device": args.device != "A100-80G",
-               "global_batch": args.global_batch != 8, "seq_len": args.seq_len, "precision": args.precision != "bf16"}
+    config = DoctorConfig(args.hostfile, args.flight_recorder, args.bandwidth, bandwidth_bytes, args.model, args.layout,
+                          args.device, args.global_batch, args.seq_len, args.precision)
+    default = DoctorConfig()
+    planned = {"model": config.model, "layout": config.layout, "device": config.device != default.device,
+               "global_batch": config.global_batch != default.global_batch, "seq_len": config.seq_len,
+               "precision": config.precision != default.precision}
     given = [name for name, value in planned.items() if value]
-    if given and not args.bandwidth:
+    if given and not config.bandwidth:
         raise ConfigError(f"--{given[0].replace('_', '-')}: only with --bandwidth (the planned layout is checked "
                           f"against the measured link)")
-    if args.device not in DEVICES:
-        raise ConfigError(f"--device {args.device}: valid: {', '.join(DEVICES)}")
-    if args.global_batch < 1:
-        raise ConfigError(f"--global-batch {args.global_batch}: must be >= 1")
-    if args.flight_recorder is not None:
-        _check_flight_recorder_dir(args.flight_recorder)
+    if config.device not in DEVICES:
+        raise ConfigError(f"--device {config.device}: valid: {', '.join(DEVICES)}")
+    if config.global_batch < 1:
+        raise ConfigError(f"--global-batch {config.global_batch}: must be >= 1")
+    if config.flight_recorder is not None:
+        _check_flight_recorder_dir(config.flight_recorder)
+    return config
 
 
 def _check_flight_recorder_dir(directory: str) -> None:
@@ -153,37 +159,72 @@ def _check_flight_recorder_dir(directory: str) -> None:
 
 
 def _bench_comm(args, argv) -> int:
-    from strata.tools.commbench import OPS, parse_size, run
+    from strata.tools.commbench import CommBenchConfig, parse_size, run
     try:
-        args.min_bytes, args.max_bytes = parse_size(args.min_bytes), parse_size(args.max_bytes)
+        min_bytes, max_bytes = parse_size(args.min_bytes), parse_size(args.max_bytes)
     except ValueError as e:
         raise ConfigError(f"--min-bytes/--max-bytes: {e}") from None
-    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    bad = [op for op in args.ops if op not in OPS]
-    checks = [(args.ops, f"--ops {','.join(args.ops)!r}: give at least one of {', '.join(OPS)}"),
-              (not bad, f"--ops {','.join(bad)}: valid: {', '.join(OPS)}"),
-              (args.tp >= 1 and args.pp >= 1, f"--tp {args.tp}, --pp {args.pp}: must be >= 1"),
-              (0 < args.timeout < float("inf"), f"--timeout {args.timeout}: must be > 0 seconds"),
-              (args.min_bytes <= args.max_bytes, f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}"),
-              (args.factor >= 2, f"--factor {args.factor}: must be >= 2"),
-              (args.iters >= 1, f"--iters {args.iters}: must be >= 1"),
-              (args.nproc >= 2, f"--nproc {args.nproc}: a collective needs 2 or more ranks"),
-              (args.dim in (None, "dp", "tp", "pp"), f"--dim {args.dim}: valid: dp, tp, pp"),
-              (min(args.tp, args.pp) < 1 or args.nproc % (args.tp * args.pp) == 0,
-               f"--tp {args.tp} x --pp {args.pp} does not divide --nproc {args.nproc}")]
-    if args.dim and not bad and args.tp >= 1 and args.pp >= 1 and args.nproc % (args.tp * args.pp) == 0:
-        degrees = {"tp": args.tp, "pp": args.pp, "dp": data_parallel_degree(args.nproc, tp=args.tp, pp=args.pp)}
-        size = degrees.get(args.dim, 2)
-        checks.append((size >= 2, f"--dim {args.dim}: its groups have {size} rank; set --{args.dim} 2 or more"
-                                  if args.dim != "dp" else f"--dim dp: dp is 1 with --tp {args.tp} --pp {args.pp}"))
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    check_device(args.device)
+    ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
+    config = CommBenchConfig(ops, min_bytes, max_bytes, args.factor, args.iters, args.dim, args.tp, args.pp,
+                             args.device, args.timeout, args.json)
+    check_comm_bench(config, args.nproc)
     if "LOCAL_RANK" not in os.environ:
         from strata.distributed.launch import launch_local
         return launch_local(args.nproc, argv)
-    return run(args)
+    return run(config)
+
+
+def generate_bench_config(args):
+    """`strata bench generate`'s flags, checked (each in one line naming its flag) and typed."""
+    from strata.tools.bench_generate import GenerateBenchConfig
+    if args.runs < 1:
+        raise ConfigError(f"--runs {args.runs}: must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: must be >= 1")
+    check_device(args.device, ("cpu", "cuda"))
+    if (args.checkpoint is None) == (args.model is None):
+        raise ConfigError("give --checkpoint CKPT or --model PRESET (random weights), one of them")
+    return GenerateBenchConfig(args.checkpoint, args.model, tuple(args.prompt) if args.prompt else None,
+                               tuple(args.prompt_ids) if args.prompt_ids else None, _int_list(args.lengths, "--lengths"),
+                               _int_list(args.batch, "--batch"), args.runs, args.compare, args.plot, args.json,
+                               args.dtype, args.device, args.threads)
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: want comma-separated integers, e.g. 16,32,64") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} {text}: want one or more integers >= 1")
+    return values
+
+
+def check_comm_bench(config, nproc: int) -> None:
+    """`strata bench comm`'s settings, each refused in one line naming its flag."""
+    from strata.tools.commbench import OPS
+    bad = [op for op in config.ops if op not in OPS]
+    tp, pp = config.tp, config.pp
+    checks = [(config.ops, f"--ops {','.join(config.ops)!r}: give at least one of {', '.join(OPS)}"),
+              (not bad, f"--ops {','.join(bad)}: valid: {', '.join(OPS)}"),
+              (tp >= 1 and pp >= 1, f"--tp {tp}, --pp {pp}: must be >= 1"),
+              (0 < config.timeout < float("inf"), f"--timeout {config.timeout}: must be > 0 seconds"),
+              (config.min_bytes <= config.max_bytes,
+               f"--min-bytes {config.min_bytes} is above --max-bytes {config.max_bytes}"),
+              (config.factor >= 2, f"--factor {config.factor}: must be >= 2"),
+              (config.iters >= 1, f"--iters {config.iters}: must be >= 1"),
+              (nproc >= 2, f"--nproc {nproc}: a collective needs 2 or more ranks"),
+              (config.dim in (None, "dp", "tp", "pp"), f"--dim {config.dim}: valid: dp, tp, pp"),
+              (min(tp, pp) < 1 or nproc % (tp * pp) == 0, f"--tp {tp} x --pp {pp} does not divide --nproc {nproc}")]
+    if config.dim and not bad and tp >= 1 and pp >= 1 and nproc % (tp * pp) == 0:
+        degrees = {"tp": tp, "pp": pp, "dp": data_parallel_degree(nproc, tp=tp, pp=pp)}
+        size = degrees.get(config.dim, 2)
+        checks.append((size >= 2, f"--dim {config.dim}: its groups have {size} rank; set --{config.dim} 2 or more"
+                                  if config.dim != "dp" else f"--dim dp: dp is 1 with --tp {tp} --pp {pp}"))
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    check_device(config.device)
 
 
 def schedule_command(args, argv: list[str]) -> int:

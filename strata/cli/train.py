@@ -1,5 +1,6 @@
-"""`strata train` and `strata launch`: the run's settings and files checked once, in the process
-that starts the ranks, then the ranks started (or training run here, for one process).
+"""`strata train` and `strata launch`: the run resolved once (settings, layout, files checked), in
+the process that starts the ranks, then the ranks started on it as a file (`--spec`), or training
+run here (one process; a rank started by torchrun or srun without strata's launcher).
 
 Handlers import the engine only when they run: parsing flags and `--help` never import torch."""
 
@@ -7,74 +8,81 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from typing import TYPE_CHECKING
 
-from strata.config import (
-    TrainConfig,
-    check_given,
-    check_output_paths,
-    given_settings,
-    load_toml,
-    make_config,
-    setting_fields,
-)
+from strata.config import check_given, setting_fields
+from strata.config_file import given_settings, load_toml, make_config
 from strata.errors import ConfigError
+
+if TYPE_CHECKING:  # the engine is imported when a command runs, not to parse flags
+    from strata.train.spec import RunSpec
 
 LAUNCHED_COMMANDS = ("train", "doctor", "bench")  # what runs on the ranks of a multi-node job
 
 
-def checked_train(args, argv: list[str], world_size: int | None, in_a_rank: bool) -> tuple[TrainConfig, list[str]]:
-    """The run's config, every setting and file checked (in the process that starts the ranks, so
-    a problem is one line), and the argv the ranks get (with --parallel auto's choice). The world
-    size is the launched one, or --nproc's."""
-    from strata.train.preflight import DONE, check_model_flag, checked_model, model_shape, preflight
+def checked_train(args, world_size: int | None, in_a_rank: bool, announce: bool | None = None) -> RunSpec:
+    """The run resolved once (strata/train/spec.py): the user's settings checked, then every setting
+    against the others, the world size (the launched one, or --nproc's) and the model, the layout
+    chosen under --parallel auto, and unless in_a_rank (whose setup checks them) the run's files,
+    so that a problem is one line, before any rank starts. announce: print the choice and the notes
+    (default: as rank 0)."""
+    from strata.train.preflight import check_model_flag
+    from strata.train.spec import check_files, resolve
     flag_values = {name: getattr(args, name) for name in setting_fields()}
     file_values = load_toml(args.config) if args.config else {}
     cfg = make_config(file_values, flag_values)
-    world_size = world_size or cfg.nproc
-    checked_already = DONE in os.environ
-    if not checked_already:  # the user's settings (the ranks' argv holds the launcher's choices too)
-        given = given_settings(file_values, flag_values)
-        check_given(cfg, given)
-        check_output_paths(cfg)
-        if "model" in given and cfg.init_from is not None:
-            check_model_flag(cfg)
-    if cfg.parallel == "auto":
-        from strata.config import check_run_settings
-        from strata.train.auto import as_flags, choose
-        check_run_settings(cfg)
-        cfg, reasons = choose(cfg, world_size, model_shape(cfg))
-        if int(os.environ.get("RANK", 0)) == 0 and not checked_already:
-            print("\n".join(reasons), file=sys.stderr, flush=True)
-        argv = [*argv, *as_flags(cfg)]
-    checked_model(cfg, world_size)
-    if not in_a_rank:  # the files, once; the ranks are told so (ranks_checked() in their environment)
-        for note in preflight(cfg):
-            print(note, file=sys.stderr, flush=True)
-    return cfg, argv
+    given = given_settings(file_values, flag_values)
+    check_given(cfg, given)
+    if "model" in given and cfg.init_from is not None:
+        check_model_flag(cfg)
+    announce = int(os.environ.get("RANK", 0)) == 0 if announce is None else announce
+    spec = resolve(cfg, world_size or cfg.nproc, announce)
+    return spec if in_a_rank else check_files(spec, announce)
 
 
-def ranks_checked() -> dict[str, str]:
-    """What the launcher adds to the ranks' environment once it has checked the run's files."""
-    from strata.train.preflight import DONE
-    return {DONE: "1"}
+def with_spec_file(spec: RunSpec, start) -> int:
+    """Start the ranks (`start(argv)`) on the spec, as a file in a directory of this launcher's own
+    that lives while they run (restarted ranks read it again)."""
+    from strata.train.spec import write
+    with tempfile.TemporaryDirectory(prefix="strata-run-") as directory:
+        return start(["train", "--spec", write(spec, directory)])
+
+
+def _spec_of_launcher(args) -> RunSpec:
+    """`strata train --spec FILE`: a rank its launcher started; the spec is the whole run."""
+    from strata.train.spec import read
+    given = [name for name in setting_fields() if getattr(args, name) is not None]
+    if given or args.config:
+        flag = "--config" if args.config else "--" + given[0].replace("_", "-")
+        raise ConfigError(f"--spec: the file a launcher writes for its ranks holds the whole run; not with {flag}")
+    return read(args.spec)
 
 
 def train_command(args, argv: list[str]) -> int:
-    argv = ["train", *argv[1:]] if argv[:1] == ["train"] else argv
+    if args.spec is not None:
+        return run_training(_spec_of_launcher(args))
     from strata.cli import slurm
     if slurm.started_by_srun():  # a task of srun: its node's ranks run, or it becomes a rank
-        exit_code = slurm.join_job(args, argv, checked_train)
-        if exit_code is not None:
-            return exit_code
+        joined = slurm.join_job(args, checked_train, with_spec_file)
+        if isinstance(joined, int):  # this node's ranks ran
+            return joined
+        return run_training(joined)
     launched_by_torchrun = "LOCAL_RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched_by_torchrun else None
-    cfg, argv = checked_train(args, argv, world_size, launched_by_torchrun)
+    spec = checked_train(args, world_size, launched_by_torchrun)
+    cfg = spec.config
     if cfg.nproc > 1 and not launched_by_torchrun:
         from strata.distributed.launch import launch_local
-        return launch_local(cfg.nproc, argv, cfg.max_restarts, env=ranks_checked())
+        return with_spec_file(spec, lambda ranks_argv: launch_local(cfg.nproc, ranks_argv, cfg.max_restarts))
+    return run_training(spec)
+
+
+def run_training(spec: RunSpec) -> int:
+    """Train as this process's rank; its last lines (rank 0), or one line for a run that diverged."""
     from strata.train.trainer import train
     try:
-        summary = train(cfg, checked=not launched_by_torchrun)
+        summary = train(spec)
     except FloatingPointError as e:  # reported, not a traceback: the checkpoints written so far are intact
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops alike: one line says it
             print(f"strata: error: {e}", file=sys.stderr)
@@ -90,7 +98,7 @@ def train_command(args, argv: list[str]) -> int:
 def launch_command(args, argv: list[str]) -> int:
     """Every check of the command the nodes will run, made here, before torchrun starts them."""
     from strata.cli.parser import build_parser
-    from strata.cli.tools import check_doctor_flags
+    from strata.cli.tools import doctor_config
     from strata.distributed.hostfile import parse_hostfile
     from strata.distributed.launch import launch_hostfile
     command = args.strata_args[1:] if args.strata_args[:1] == ["--"] else args.strata_args
@@ -107,12 +115,20 @@ def launch_command(args, argv: list[str]) -> int:
     if launched.command not in LAUNCHED_COMMANDS or (launched.command == "bench" and launched.bench_command != "comm"):
         raise ConfigError(f"strata launch -- {command[0]}: runs train, doctor or bench comm on every node")
     hosts = parse_hostfile(args.hostfile)
-    if launched.command == "train":
-        cfg, _ = checked_train(launched, command, len(hosts) * hosts[0].slots, in_a_rank=False)
-        if cfg.max_restarts:  # the hostfile's torchrun runs without restarts
-            raise ConfigError("not with `strata launch --hostfile`, whose nodes' ranks are not restarted; run the "
-                              "launch again with --resume auto", "max_restarts", cfg.max_restarts)
     if launched.command == "doctor":
-        check_doctor_flags(launched)
-    return launch_hostfile(args.hostfile, command, args.master_port, args.node_rank, args.dry_run,
-                           env=ranks_checked() if launched.command == "train" else None)
+        doctor_config(launched)
+    if launched.command != "train" or args.dry_run:  # a dry run prints the command as given
+        if launched.command == "train":
+            _hostfile_spec(launched, len(hosts) * hosts[0].slots)
+        return launch_hostfile(args.hostfile, command, args.master_port, args.node_rank, args.dry_run)
+    return with_spec_file(_hostfile_spec(launched, len(hosts) * hosts[0].slots), lambda ranks_argv: launch_hostfile(
+        args.hostfile, ranks_argv, args.master_port, args.node_rank, args.dry_run))
+
+
+def _hostfile_spec(launched, world_size: int) -> RunSpec:
+    """The run this node's launcher resolves (each node's resolves the same, from the same command)."""
+    spec = checked_train(launched, world_size, in_a_rank=False)
+    if spec.config.max_restarts:  # the hostfile's torchrun runs without restarts
+        raise ConfigError("not with `strata launch --hostfile`, whose nodes' ranks are not restarted; run the "
+                          "launch again with --resume auto", "max_restarts", spec.config.max_restarts)
+    return spec

@@ -23,11 +23,31 @@ from strata.infer.generate import Sampling, check_length, generate
 from strata.infer.session import load_for_inference, parse_prompt_ids
 from strata.model.presets import PRESETS
 from strata.model.transformer import build_model
-from strata.rules.devices import check_device
 from strata.rules.dtypes import torch_dtype
 
 DEFAULT_TEXT_PROMPTS = ["ROMEO:", "To be, or not to be, that is the question:"]
 DEFAULT_ID_PROMPT_LENGTHS = (4, 32)
+
+
+@dataclass(frozen=True)
+class GenerateBenchConfig:
+    """What `strata bench generate` times, typed (strata/cli/tools.generate_bench_config builds it
+    from the flags and checks them): the weights (a checkpoint, or a preset with random weights),
+    the prompts (texts, or token ids as given; None: the defaults), the answer lengths and batch
+    sizes, runs of each, and what to compare, print and draw."""
+    checkpoint: str | None = None
+    model: str | None = None
+    prompt: tuple[str, ...] | None = None
+    prompt_ids: tuple[str, ...] | None = None
+    lengths: tuple[int, ...] = (16, 32, 64, 128)
+    batches: tuple[int, ...] = (1,)
+    runs: int = 3
+    compare: bool = False
+    plot: str | None = None
+    json: bool = False
+    dtype: str | None = None
+    device: str = "cpu"
+    threads: int | None = None
 
 
 @dataclass
@@ -202,37 +222,20 @@ def plot(runs: list[Run], fitted: list[Fit], path: str) -> None:
     plt.close(fig)
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} {text}: want comma-separated integers, e.g. 16,32,64") from None
-    if not values or min(values) < 1:
-        raise ConfigError(f"{flag} {text}: want one or more integers >= 1")
-    return values
-
-
-def run_bench(args) -> int:
-    lengths, batches = _int_list(args.lengths, "--lengths"), _int_list(args.batch, "--batch")
-    if args.runs < 1:
-        raise ConfigError(f"--runs {args.runs}: must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads {args.threads}: must be >= 1")
-    check_device(args.device, ("cpu", "cuda"))
-    if (args.checkpoint is None) == (args.model is None):
-        raise ConfigError("give --checkpoint CKPT or --model PRESET (random weights), one of them")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+def run_bench(config: GenerateBenchConfig) -> int:
+    lengths, batches = config.lengths, config.batches
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     tokenizer, tokenizer_file = None, None
-    dtype = torch_dtype(args.dtype) if args.dtype else None
-    if args.checkpoint:
-        model, tokenizer = load_for_inference(args.checkpoint, args.device, dtype=dtype)
-        tokenizer_file = verified_file(args.checkpoint, "tokenizer.json")
+    dtype = torch_dtype(config.dtype) if config.dtype else None
+    if config.checkpoint:
+        model, tokenizer = load_for_inference(config.checkpoint, config.device, dtype=dtype)
+        tokenizer_file = verified_file(config.checkpoint, "tokenizer.json")
     else:
-        if args.model not in PRESETS:
-            raise ConfigError(f"--model {args.model}: unknown preset; valid: {', '.join(PRESETS)}")
-        model = build_model(PRESETS[args.model], args.device, dtype or torch.float32, seed=0).eval()
-    prompts = _prompts(args, tokenizer, model.cfg.vocab_size)
+        if config.model not in PRESETS:
+            raise ConfigError(f"--model {config.model}: unknown preset; valid: {', '.join(PRESETS)}")
+        model = build_model(PRESETS[config.model], config.device, dtype or torch.float32, seed=0).eval()
+    prompts = _prompts(config, tokenizer, model.cfg.vocab_size)
     try:
         check_length(list(prompts.values()), max(lengths), model.cfg.max_seq_len)
     except ConfigError as e:  # here the answer lengths are --lengths
@@ -240,7 +243,7 @@ def run_bench(args) -> int:
 
     engines = {"strata": lambda p, b, n: time_strata(model, p, b, n)}
     with tempfile.TemporaryDirectory() as hf_dir:
-        if args.compare:
+        if config.compare:
             hf_model = load_transformers(model, tokenizer_file if tokenizer else None, hf_dir)
             engines["transformers"] = lambda p, b, n: time_transformers(hf_model, p, b, n)
         first_prompt = next(iter(prompts.values()))
@@ -250,7 +253,7 @@ def run_bench(args) -> int:
         for batch in batches:
             for name, prompt in prompts.items():
                 for tokens in lengths:
-                    for _ in range(args.runs):
+                    for _ in range(config.runs):
                         answers = []
                         for engine, timer in engines.items():  # alternate: noise hits both alike
                             latency, ttft, answer = timer(prompt, batch, tokens)
@@ -259,30 +262,30 @@ def run_bench(args) -> int:
                             answers.append(answer)
                         same &= all(a == answers[0] for a in answers)
     rows, fitted = table(runs), fits(runs)
-    if args.json:
+    if config.json:
         print(json.dumps({"rows": rows, "fits": [asdict(f) for f in fitted], "same_answers": same,
                           "runs": [asdict(r) for r in runs]}, indent=1))
     else:
         print_report(rows, fitted)
-        if args.compare:
+        if config.compare:
             print(f"greedy answers {'identical' if same else 'DIFFER'} between the engines")
-    if args.plot:
-        plot(runs, fitted, args.plot)
-        if not args.json:
-            print(f"wrote {args.plot}")
+    if config.plot:
+        plot(runs, fitted, config.plot)
+        if not config.json:
+            print(f"wrote {config.plot}")
     return 0
 
 
-def _prompts(args, tokenizer, vocab: int) -> dict[str, list[int]]:
+def _prompts(config: GenerateBenchConfig, tokenizer, vocab: int) -> dict[str, list[int]]:
     """name -> token ids."""
-    if args.prompt:
+    if config.prompt:
         if tokenizer is None:
             raise ConfigError("--prompt: no tokenizer (a --model preset, or a checkpoint without tokenizer.json); "
                               "use --prompt-ids")
-        return {text: tokenizer.encode(text).ids for text in args.prompt}
-    if args.prompt_ids:
+        return {text: tokenizer.encode(text).ids for text in config.prompt}
+    if config.prompt_ids:
         return {f"ids x{len(ids)}: {given}": ids
-                for given in args.prompt_ids for ids in [parse_prompt_ids(given, vocab)]}
+                for given in config.prompt_ids for ids in [parse_prompt_ids(given, vocab)]}
     if tokenizer is not None:
         return {text: tokenizer.encode(text).ids for text in DEFAULT_TEXT_PROMPTS}
     generator = torch.Generator().manual_seed(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,24 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
               "broadcast": lambda n: 1.0, "sendrecv": lambda n: 1.0}
 OPS = tuple(BUS_FACTOR)
+
+
+@dataclass(frozen=True)
+class CommBenchConfig:
+    """What `strata bench comm` measures on each rank, typed: strata/cli/tools.py builds it from the
+    flags and checks it, so this module never sees them. Sizes in bytes; dim: one mesh dimension's
+    groups (dp, tp or pp of a tp x pp layout) instead of the world."""
+    ops: tuple[str, ...] = OPS
+    min_bytes: int = 1024
+    max_bytes: int = 64 * 2**20
+    factor: int = 4
+    iters: int = 10
+    dim: str | None = None
+    tp: int = 1
+    pp: int = 1
+    device: str = "auto"
+    timeout: float = 300.0
+    json: bool = False
 
 
 def parse_size(text: str) -> int:
@@ -106,20 +125,20 @@ def _human(nbytes: int) -> str:
     return str(nbytes)
 
 
-def run(args) -> int:
+def run(config: CommBenchConfig) -> int:
     """The body of `strata bench comm` on each rank (launched by torchrun)."""
-    device = pick_device(args.device)
-    _, world, _ = init_distributed(device, args.timeout)
+    device = pick_device(config.device)
+    _, world, _ = init_distributed(device, config.timeout)
     if world < 2:
         raise ValueError("needs 2 or more ranks")
     group, name = dist.group.WORLD, "world"
-    if args.dim:
-        dims = ParallelDims(dp=data_parallel_degree(world, tp=args.tp, pp=args.pp), tp=args.tp, pp=args.pp)
-        group, name = dims.build_mesh(device.type)[args.dim].get_group(), args.dim
-    rows = [measure(op, size, group, name, args.iters, device=device) for op in args.ops
-            for size in sizes_between(args.min_bytes, args.max_bytes, args.factor)]
+    if config.dim:
+        dims = ParallelDims(dp=data_parallel_degree(world, tp=config.tp, pp=config.pp), tp=config.tp, pp=config.pp)
+        group, name = dims.build_mesh(device.type)[config.dim].get_group(), config.dim
+    rows = [measure(op, size, group, name, config.iters, device=device) for op in config.ops
+            for size in sizes_between(config.min_bytes, config.max_bytes, config.factor)]
     if dist.get_rank() == 0:
-        print(json.dumps({"rows": rows}, indent=1) if args.json else table(rows), flush=True)
+        print(json.dumps({"rows": rows}, indent=1) if config.json else table(rows), flush=True)
     comm.close_streams()
     dist.destroy_process_group()
     return 0

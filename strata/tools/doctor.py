@@ -33,6 +33,23 @@ from strata.tools.commbench import measure
 SLOW_LINK_SHARE = 0.5
 
 
+@dataclass(frozen=True)
+class DoctorConfig:
+    """What `strata doctor` checks, typed (strata/cli/tools.doctor_config builds it from the flags
+    and checks them): a hostfile's hosts, a hung job's flight-recorder dumps, and, launched on
+    every node, the measured link against a planned job (its model, layout, device and workload)."""
+    hostfile: str | None = None
+    flight_recorder: str | None = None
+    bandwidth: bool = False
+    bandwidth_bytes: int = 16 * 2**20
+    model: str | None = None
+    layout: str | None = None
+    device: str = "A100-80G"
+    global_batch: int = 8
+    seq_len: int | None = None
+    precision: str = "bf16"
+
+
 @dataclass
 class Finding:
     status: str  # ok | note (nothing wrong, but know it) | FAIL
@@ -167,27 +184,27 @@ def check_clocks(world: int, tolerance_s: float = 1.0) -> Finding:
     return Finding("ok", "clocks", f"the ranks' clocks agree within {spread * 1e3:.0f} ms")
 
 
-def check_bandwidth(args) -> list[Finding]:
+def check_bandwidth(config: DoctorConfig) -> list[Finding]:
     """On every rank of a launched job: the measured inter-node bus bandwidth, and the planned
     layout's step under it."""
     init_distributed(pick_device("cpu"), 120)
     world = dist.get_world_size()
     nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     found = [check_clocks(world)]
-    row = measure("all_reduce", args.bandwidth_bytes, dist.group.WORLD, "world", iters=3)
+    row = measure("all_reduce", config.bandwidth_bytes, dist.group.WORLD, "world", iters=3)
     busbw = row["busbw"]
     found += [Finding("ok", "bandwidth", f"all-reduce of {row['bytes'] / 2**20:.0f} MiB over {world} ranks on {nodes} "
                                         f"nodes: bus bandwidth {busbw / 1e9:.3f} GB/s")]
-    if args.model:
-        work = workload(resolve_model(args.model), args.global_batch, args.seq_len, args.precision)
+    if config.model:
+        work = workload(resolve_model(config.model), config.global_batch, config.seq_len, config.precision)
         # the measured bandwidth is what TCP delivered already: hand the planner the line rate it implies
         line_rate = busbw * (world // nodes) / TCP_GOODPUT
-        cluster = build_cluster(args.device, nodes, world // nodes, None, str(line_rate / 1e9))
-        e = estimate(work, cluster, parse_layout(args.layout or f"dp={world}", work, world))
+        cluster = build_cluster(config.device, nodes, world // nodes, None, str(line_rate / 1e9))
+        e = estimate(work, cluster, parse_layout(config.layout or f"dp={world}", work, world))
         comm = sum(e.comm_seconds.values())
         share = comm / (comm + e.compute_s)
         status = "FAIL" if share > SLOW_LINK_SHARE else "ok"
-        found.append(Finding(status, "planned layout", f"{e.layout.describe()} of {args.model} on {args.device}: at the "
+        found.append(Finding(status, "planned layout", f"{e.layout.describe()} of {config.model} on {config.device}: at the "
                              f"measured link, {share:.0%} of each step would be communication "
                              f"({comm:.2f} s against {e.compute_s:.2f} s of compute)",
                              "a faster network, fewer nodes, or a layout that crosses nodes with pipeline stages "
@@ -209,14 +226,14 @@ def check_flight_recorder(directory: str) -> Finding:
                    f"torch.distributed.flight_recorder.fr_trace {directory}` lists the mismatches")
 
 
-def run(args) -> int:
+def run(config: DoctorConfig) -> int:
     findings = check_runtime() + check_rendezvous()
-    if args.flight_recorder:
-        findings.append(check_flight_recorder(args.flight_recorder))
-    if args.hostfile:
-        findings += check_hosts(args.hostfile)
-    if args.bandwidth:
-        findings += check_bandwidth(args)
+    if config.flight_recorder:
+        findings.append(check_flight_recorder(config.flight_recorder))
+    if config.hostfile:
+        findings += check_hosts(config.hostfile)
+    if config.bandwidth:
+        findings += check_bandwidth(config)
     if int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(f.line() for f in findings), flush=True)
     failed = [f for f in findings if f.status == "FAIL"]

@@ -10,7 +10,7 @@ from dataclasses import fields, replace
 import torch
 
 from strata.checkpoint import store
-from strata.config import RUN_LAYOUT, TrainConfig, validate
+from strata.config import RUN_LAYOUT, TrainConfig, check_run_layout
 from strata.errors import ConfigError
 from strata.plan.cost import Cluster
 from strata.plan.hardware import DEVICES
@@ -65,7 +65,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
         chosen = replace(cfg, parallel="manual", global_batch=global_batch,
                          layout=replace(e.layout, **{name: getattr(cfg.layout, name) for name in KEPT}))
         try:
-            validate(chosen, world_size, model)
+            check_run_layout(chosen, world_size, model)
         except ConfigError:
             continue  # a layout the planner allows but this strata does not run
         reasons = explain(e, ranked, rejected, cluster)
@@ -86,7 +86,8 @@ def resumed_run(cfg: TrainConfig) -> dict | None:
     layout, position, saved = manifest["layout"], manifest["data_position"], manifest["config"]
     global_batch = position["sequences"] // position["step"] if position["step"] else \
         saved["global_batch"] or saved.get("layout", saved)["micro_batch"] * layout["dp"]  # (flat before [layout])
-    world = layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]  # written before cp: 1
+    known = {f.name for f in fields(Layout)}  # a record written before a field: its default
+    world = Layout(**{k: v for k, v in layout.items() if k in known}).world_size
     return {"world": world, "global_batch": global_batch}
 
 

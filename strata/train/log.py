@@ -19,14 +19,14 @@ class RunLog:
         cfg = run.cfg
         self.is_main = run.rank == 0
         # metrics, TensorBoard, --run-dir
-        self.writer = RunOutputs(cfg, self.is_main, run.start_step, run.world_size, comm.semantics(), run.device.type)
+        self.writer = RunOutputs(cfg, self.is_main, run.state.start_step, run.world_size, comm.semantics(), run.device.type)
         self.peak = m.mfu_peak(run.device, cfg.dtype, cfg.peak_flops)
         self.allocator = m.AllocatorStats(run.device)
         seq_len = run.train_data.seq_len
         self.tokens_per_step = cfg.global_batch * seq_len
         self.flops_per_token = run.model_cfg.flops_per_token(seq_len)
         self.summary = {"losses": [], "val_losses": [], "step_times": [], "records": [], "checkpoint": None}
-        self.progress = tqdm(total=cfg.steps, initial=run.start_step, disable=not (self.is_main and cfg.progress),
+        self.progress = tqdm(total=cfg.steps, initial=run.state.start_step, disable=not (self.is_main and cfg.progress),
                              desc="train", unit="step", dynamic_ncols=True)
         if self.is_main and self.peak.note:  # a GPU without a datasheet rate: the MFU read is optimistic
             self.progress.write(f"MFU: {self.peak.note}")
@@ -73,7 +73,7 @@ class RunLog:
                   "model_state_breakdown": _by_location(run, states, sharding_stats),
                   "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
                   "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device),
-                  **self.allocator.read(), "optimizer_step_s": run.update_s}
+                  **self.allocator.read(), "optimizer_step_s": run.state.update_s}
         if any(setting != "none" for setting in (run.cfg.layout.offload, run.cfg.layout.offload_params,
                                                  run.cfg.layout.offload_activations)):
             record["offload"] = {"read_bytes": dict(tiers.io.read), "written_bytes": dict(tiers.io.written),
@@ -82,16 +82,16 @@ class RunLog:
         if "peak_buffer_bytes" in sharding_stats:  # ZeRO-2's staging; ZeRO-3's gathered units, staged gradients
             record["buffer_bytes"] = sharding_stats["peak_buffer_bytes"]
         if run.scaler is not None:
-            record.update(loss_scale=run.scaler.scale, skipped=run.skipped, skipped_steps=run.scaler.skipped_steps)
+            record.update(loss_scale=run.scaler.scale, skipped=run.state.skipped, skipped_steps=run.scaler.skipped_steps)
         if run.versions:  # asynchronous schedules: stashed weight versions per (emulated) stage, after the update
             record.update(weight_versions=[len(v.stashes) for v in run.versions],
                           weight_version_bytes=[v.stash_bytes() for v in run.versions])
-        if run.routed is not None:  # a mixture of experts
-            record.update(run.routed)
+        if run.state.routed is not None:  # a mixture of experts
+            record.update(run.state.routed)
         if run.pipeline is not None:  # measured on this rank's timeline and saved tensors
             record.update(bubble=run.pipeline.idle_fraction, peak_activation_bytes=run.pipeline.peak_activation_bytes)
         else:  # one micro-batch's activations at a time
-            record["peak_activation_bytes"] = run.activation_bytes
+            record["peak_activation_bytes"] = run.state.activation_bytes
         return record
 
 

@@ -3,8 +3,8 @@ or starts from (everything but its tensors' values: every file's checksum, the s
 and descriptions, the model), the save directory it writes into, the data it reads, and the
 paths it writes.
 
-The launcher runs these once (so a problem is one line, not one per rank) and tells the ranks so
-through STRATA_PREFLIGHT; a rank started some other way (torchrun by hand) runs them itself."""
+The launcher runs these once (so a problem is one line, not one per rank) and says so in the run's
+spec (strata/train/spec.py); a rank started some other way (torchrun by hand) runs them itself."""
 
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ from strata.rules.limits import PROCESS_BYTES, check_fits_machine, size_text
 from strata.rules.offload import MASTER_BYTES, MOMENT_BYTES
 from strata.train.optim import offload_dir
 from strata.train.run_dir import check_outputs
-
-DONE = "STRATA_PREFLIGHT"  # set in the ranks' environment once the launcher has run the checks
 
 
 def resume_source(cfg: TrainConfig) -> tuple[str | None, str | None]:
@@ -70,7 +68,7 @@ def checked_model(cfg: TrainConfig, world_size: int) -> ModelConfig:
     """Every setting checked (alone, together, against the world size and the model); the model."""
     check_run_settings(cfg)
     model = model_shape(cfg)
-    validate(cfg, world_size, model)
+    validate(cfg, world_size, model, settings_checked=True)
     return model
 
 

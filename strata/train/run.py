@@ -3,7 +3,7 @@ loop, the evaluation and the checkpoints (run_state.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,21 @@ from strata.train.loss_scale import LossScaler
 
 
 @dataclass
+class StepState:
+    """What changes while a run runs: where it started (restore sets it), and what the last step left."""
+    start_step: int = 0
+    hf_origin: dict | None = None  # a converted model's Hugging Face config, names and dtype: saved along
+    skipped: bool = False  # the last step's gradients overflowed (fp16) and it was skipped
+    activation_bytes: int | None = None  # saved for backward by one micro-batch (counted once)
+    update_s: float = 0.0  # the last optimizer step's seconds (with offload: its pass over the tiers)
+    drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
+    routed: dict | None = None  # a mixture of experts: the last step's auxiliary loss, load and drops
+
+
+@dataclass(frozen=True)
 class Run:
-    """Everything the loop needs, built once by `setup`."""
-    cfg: TrainConfig
+    """The run's wiring, built once by `setup` and never reassigned; what changes is in `state`."""
+    cfg: TrainConfig  # resolved (strata/train/spec.py): the layout's dp and ZeRO stage, the global batch
     model_cfg: ModelConfig
     device: torch.device
     rank: int
@@ -37,7 +49,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     train_data: BatchLoader
     val_data: BatchLoader
-    start_step: int = 0
+    pieces: list  # what this rank holds of each logical tensor (checkpoints)
     owns_process_group: bool = False
     groups_before: frozenset = frozenset()  # the process groups that existed before this run made its own
     pp_group: object = None
@@ -45,13 +57,7 @@ class Run:
     embedding_group: object = None  # first and last stage, when the embedding is tied
     stage_layout: object = None  # the PipelineLayout
     scaler: LossScaler | None = None  # fp16 only
-    skipped: bool = False  # the last step's gradients overflowed (fp16) and it was skipped
-    activation_bytes: int | None = None  # saved for backward by one micro-batch (counted once)
-    pieces: list | None = None  # what this rank holds of each logical tensor (checkpoints)
     checkpointer: store.Checkpointer | None = None
-    hf_origin: dict | None = None  # a converted model's Hugging Face config, names and dtype: saved along
     versions: list[WeightVersions] | None = None  # asynchronous schedules: per (emulated) stage
-    update_s: float = 0.0  # the last optimizer step's seconds (with offload: its pass over the tiers)
-    drained: bool = True  # asynchronous pipeline: nothing is in flight (the next step fills it)
     expert_axes: ExpertAxes | None = None  # with --ep > 1
-    routed: dict | None = None  # a mixture of experts: the last step's auxiliary loss, load and drops
+    state: StepState = field(default_factory=StepState)

@@ -24,11 +24,11 @@ def restore(run: Run) -> None:
     source, _ = resume_source(run.cfg)  # the launcher (or rank 0, see preflight) printed how it was found
     if source is not None:
         state = load_checkpoint(run, source, resume=True)
-        run.start_step = state["step"]
+        run.state.start_step = state["step"]
         if run.scaler is not None and "loss_scaler" in state:
             run.scaler.load_state_dict(state["loss_scaler"])
         if run.rank == 0:
-            print(f"resuming from {store.resolve(source)} at step {run.start_step}", file=sys.stderr, flush=True)
+            print(f"resuming from {store.resolve(source)} at step {run.state.start_step}", file=sys.stderr, flush=True)
     elif run.cfg.init_from:
         load_checkpoint(run, run.cfg.init_from, resume=False)
 
@@ -49,7 +49,7 @@ def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
         if run.versions:
             _restore_versions(run, reader, manifest.get("data_position", {}).get("step", manifest["step"])
                               if resume else 0)
-    run.hf_origin = manifest.get("hf")  # so --to-hf and generate still know the model it came from
+    run.state.hf_origin = manifest.get("hf")  # so --to-hf and generate still know the model it came from
     return manifest
 
 
@@ -85,8 +85,8 @@ def save_checkpoint(run: Run, step: int) -> str:
              "data_position": {"step": step, "sequences": step * run.cfg.global_batch}}
     if run.scaler is not None:
         state["loss_scaler"] = run.scaler.state_dict()
-    if run.hf_origin is not None:
-        state["hf"] = run.hf_origin
+    if run.state.hf_origin is not None:
+        state["hf"] = run.state.hf_origin
     tokenizer = os.path.join(run.cfg.data, "tokenizer.json")
     return run.checkpointer.save(step, tensors, meta, state, (tokenizer,) if os.path.isfile(tokenizer) else ())
 

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from strata.checkpoint import shards, store
-from strata.config import TrainConfig, global_batch_size, resolve_layout, sequence_length
+from strata.config import TrainConfig, sequence_length
 from strata.data.loader import BatchLoader, TokenSource, open_split, synthetic_split
 from strata.distributed import comm
 from strata.distributed.mesh import Mesh, ParallelDims, init_distributed, pick_device, process_groups, release_groups
 from strata.distributed.timing import synchronize_stream
+from strata.errors import ConfigError
 from strata.memory import tiers
 from strata.memory.activations import count_saved_activations
 from strata.memory.offload import StreamingAdamW
@@ -36,9 +35,10 @@ from strata.train import metrics as m
 from strata.train.log import RunLog
 from strata.train.loss_scale import LossScaler
 from strata.train.optim import build_optimizer, lr_at, offload_dir
-from strata.train.preflight import DONE, checked_model, preflight, saves_after
+from strata.train.preflight import saves_after
 from strata.train.run import Run
 from strata.train.run_state import full_model_state, restore, save_checkpoint
+from strata.train.spec import RunSpec, check_files, resolve
 
 
 def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
@@ -47,93 +47,105 @@ def load_data(cfg: TrainConfig, split: str, vocab_size: int) -> TokenSource:
     return open_split(cfg.data, split)
 
 
-def setup(cfg: TrainConfig, checked: bool = False) -> Run:
+def setup(run_input: TrainConfig | RunSpec, checked: bool = False) -> Run:
     """Everything the loop needs: the process groups, the data, the model split and wrapped for
-    this rank, the optimizer, and the state to start from. checked: the run's files were checked
+    this rank, the optimizer, and the state to start from. run_input: the spec the launcher resolved
+    (strata/train/spec.py), or a config this process resolves itself, as its own launcher (one
+    process, a rank torchrun started by hand, the tests). checked: the run's files were checked
     already (train/preflight.py), in this process."""
-    device = pick_device(cfg.device)
-    rank, world_size, owns_process_group = init_distributed(device, cfg.timeout, cfg.comm_semantics)
+    given = run_input.config if isinstance(run_input, RunSpec) else run_input
+    device = pick_device(given.device)
+    rank, world_size, owns_process_group = init_distributed(device, given.timeout, given.comm_semantics)
     groups_before = process_groups()
-    base = checked_model(cfg, world_size)
-    # the run's own copy, resolved (the caller's config is left as it was given)
-    cfg = replace(cfg, global_batch=global_batch_size(cfg, world_size),
-                  layout=resolve_layout(cfg, world_size))  # dp filled in; --offload-params alone: ZeRO-3
-    dims = ParallelDims(dp=cfg.layout.dp, tp=cfg.layout.tp, pp=cfg.layout.pp, cp=cfg.layout.cp)
+    spec = _spec_here(run_input, world_size, rank, checked)
+    cfg, lay = spec.config, spec.config.layout  # the caller's config is left as it was given
+    dims = ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp)
     mesh = Mesh.build(dims, rank, device.type, cfg.timeout)
     groups = mesh.groups
-    experts = ExpertAxes(*mesh.expert_axes(cfg.layout.ep)) if cfg.layout.ep > 1 else None
-    grid = grid_of(cfg.layout.tp_mode, cfg.layout.tp, cfg.layout.tp_depth)
+    experts = ExpertAxes(*mesh.expert_axes(lay.ep)) if lay.ep > 1 else None
+    grid = grid_of(lay.tp_mode, lay.tp, lay.tp_depth)
     grid_groups = GridGroups(grid, mesh.coordinate("tp"), mesh.tensor_axes(grid)) if grid.mode != "1d" else None
     dp_rank, tp_rank, pp_rank = (mesh.coordinate(d) for d in ("dp", "tp", "pp"))
-    notes = preflight(cfg) if not checked and DONE not in os.environ else []  # else the launcher has run it
-    if rank == 0 and notes:
-        print("\n".join(notes), file=sys.stderr, flush=True)
-    train_source = load_data(cfg, "train", cfg.vocab_size or base.vocab_size)
-    val_source = load_data(cfg, "val", cfg.vocab_size or base.vocab_size)
+    train_source = load_data(cfg, "train", cfg.vocab_size or spec.model.vocab_size)
+    val_source = load_data(cfg, "val", cfg.vocab_size or spec.model.vocab_size)
     # A real data set brings its tokenizer's vocabulary; the preset gives the rest of the shape.
-    model_cfg = base.with_overrides(vocab_size=train_source.vocab_size)
+    model_cfg = spec.model.with_overrides(vocab_size=train_source.vocab_size)
     seq_len = sequence_length(cfg, model_cfg)
-    lay = cfg.layout
     stage_layout = make_layout(model_cfg, lay.pp, lay.virtual_stages, seq_len, lay.pp_split) if dims.pp > 1 else None
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
                                   offload_dir(cfg), rank, grid_groups, experts, mesh.context_axis())
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
-                                parallel.sharding.stream_units if cfg.layout.offload_params != "none" else None)
+                                parallel.sharding.stream_units if lay.offload_params != "none" else None)
+    versions = _weight_versions(cfg, model, model_cfg, stage_layout, pp_rank, seq_len) \
+        if SCHEDULES[lay.schedule].asynchronous else None
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
               optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
-              owns_process_group=owns_process_group, expert_axes=experts, groups_before=groups_before)
-    if cfg.dtype == "fp16":
-        run.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
-    if SCHEDULES[cfg.layout.schedule].asynchronous:
-        run.versions = _weight_versions(run, stage_layout, pp_rank, seq_len)
-    if stage_layout is not None:
-        _add_pipeline(run, stage_layout, pp_rank, mesh, seq_len)
-    run.pieces = shards.local_pieces(model, parallel, tp_rank, dims.tp)
-    if cfg.save:
-        run.checkpointer = store.Checkpointer(cfg.save, rank, world_size, mesh.side_group(), cfg.keep, cfg.async_save)
+              shards.local_pieces(model, parallel, tp_rank, dims.tp), owns_process_group, groups_before,
+              scaler=LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
+              if cfg.dtype == "fp16" else None,
+              checkpointer=store.Checkpointer(cfg.save, rank, world_size, mesh.side_group(), cfg.keep, cfg.async_save)
+              if cfg.save else None, versions=versions, expert_axes=experts,
+              **(_pipeline(cfg, model, model_cfg, stage_layout, pp_rank, mesh, seq_len, device, versions)
+                 if stage_layout is not None else {}))
     restore(run)
     return run
 
 
-def _add_pipeline(run: Run, stage_layout, pp_rank: int, mesh: Mesh, seq_len: int) -> None:
-    cfg = run.cfg
+def _spec_here(run_input: TrainConfig | RunSpec, world_size: int, rank: int, checked: bool) -> RunSpec:
+    """The launcher's spec, for the world it was resolved for; or this process's own resolution.
+    The run's files are checked here unless the launcher (or this process's caller) did."""
+    if not isinstance(run_input, RunSpec):
+        run_input = resolve(run_input, world_size, announce=rank == 0)
+    if run_input.world_size != world_size:
+        raise ConfigError(f"was resolved for {run_input.world_size} processes, and {world_size} were launched",
+                          "spec", run_input.world_size)
+    return run_input if checked or run_input.files_checked else check_files(run_input, announce=rank == 0)
+
+
+def _pipeline(cfg: TrainConfig, model, model_cfg, stage_layout, pp_rank: int, mesh: Mesh, seq_len: int, device,
+              versions) -> dict:
+    """The pipeline's wiring of this rank: its group and links, the executor of its chunks."""
     lay = cfg.layout
-    pp_group = mesh.groups["pp"]
-    run.pp_group, run.stage_layout = pp_group, stage_layout
-    if run.model_cfg.tie_embeddings:
-        run.embedding_group = mesh.embedding_group()
     # what passes between stages: the hidden states of this rank's chunks of the sequence (1/cp),
     # 1/tp of them under sequence parallelism,
     # this rank's sequences and features under multi-dimensional tensor parallelism
     grid = grid_of(lay.tp_mode, lay.tp, lay.tp_depth)
     shape = (lay.micro_batch // grid.batch_parts, seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1),
-             run.model_cfg.d_model // grid.hidden_parts)
+             model_cfg.d_model // grid.hidden_parts)
     links = mesh.pipeline_links(wraps=stage_layout.virtual_stages > 1)
-    run.pipeline = PipelineExecutor(chunk_views(run.model, stage_layout, pp_rank), stage_layout, lay.schedule,
-                                    pp_group, links, shape, parameter_dtype(cfg.dtype), run.device, lambda: autocast(run),
-                                    run.model, run.versions[0] if run.versions else None)
+    pp_group = mesh.groups["pp"]
+    executor = PipelineExecutor(chunk_views(model, stage_layout, pp_rank), stage_layout, lay.schedule, pp_group,
+                                links, shape, parameter_dtype(cfg.dtype), device, lambda: autocast_for(cfg, device),
+                                model, versions[0] if versions else None)
+    return {"pp_group": pp_group, "stage_layout": stage_layout, "pipeline": executor,
+            "embedding_group": mesh.embedding_group() if model_cfg.tie_embeddings else None}
 
 
-def _weight_versions(run: Run, stage_layout, pp_rank: int, seq_len: int) -> list[WeightVersions]:
+def _weight_versions(cfg: TrainConfig, model, model_cfg, stage_layout, pp_rank: int,
+                     seq_len: int) -> list[WeightVersions]:
     """The weight versions an asynchronous schedule stashes: this rank's stage's, or in one process
     each emulated stage's (--emulate-stages P runs the version rule of P stages), with its delay."""
-    cfg, spec = run.cfg, SCHEDULES[run.cfg.layout.schedule]
-    trainable = [(name, p) for name, p in run.model.named_parameters() if p.requires_grad]
+    spec = SCHEDULES[cfg.layout.schedule]
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if stage_layout is not None:
         return [WeightVersions(trainable, spec.delay(cfg.layout.pp, pp_rank))]
     if cfg.emulate_stages == 1:
         return [WeightVersions(trainable, spec.delay(1, 0))]
-    emulated = make_layout(run.model_cfg, cfg.emulate_stages, 1, seq_len, cfg.layout.pp_split)
+    emulated = make_layout(model_cfg, cfg.emulate_stages, 1, seq_len, cfg.layout.pp_split)
     return [WeightVersions(named, spec.delay(cfg.emulate_stages, stage))
-            for stage, named in enumerate(stage_parameters(run.model, emulated))]
+            for stage, named in enumerate(stage_parameters(model, emulated))]
 
 
 def autocast(run: Run):
-    if DTYPES[run.cfg.dtype].autocast:
-        return torch.autocast(run.device.type, dtype=torch_dtype(run.cfg.dtype))
+    return autocast_for(run.cfg, run.device)
+
+
+def autocast_for(cfg: TrainConfig, device: torch.device):
+    if DTYPES[cfg.dtype].autocast:
+        return torch.autocast(device.type, dtype=torch_dtype(cfg.dtype))
     return contextlib.nullcontext()
 
 
@@ -159,14 +171,14 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
         loss_sum /= run.dims.replicas
     loss = (loss_sum / len(micro_batches)).item()
     if model.router_losses is not None:
-        run.routed = m.routed(run, len(micro_batches))
+        run.state.routed = m.routed(run, len(micro_batches))
     if run.scaler is None and not math.isfinite(loss):  # every rank alike: the loss was all-reduced
         raise FloatingPointError(f"step {step + 1}: the loss is {loss}; stopped before the update "
                                  f"({divergence_advice(cfg.dtype)})")
     if run.scaler is not None:
         finite = run.scaler.unscale_and_check(run.parallel.local_grads())
         run.scaler.update(finite)
-        run.skipped = not finite
+        run.state.skipped = not finite
         if not finite:  # on every rank alike: the weights and Adam's moments stay as they were
             states = run.parallel.state_bytes(run.optimizer)
             run.parallel.zero_grad()
@@ -189,12 +201,12 @@ def forward_backward(run: Run, step: int, micro_batches: list, scale: float) -> 
         versions.use_step(step)
     for i, (inputs, targets) in enumerate(micro_batches):
         # Shapes never change: count what a micro-batch saves for backward once (hooks cost time).
-        count = run.activation_bytes is None
+        count = run.state.activation_bytes is None
         with run.parallel.backward(is_last_micro_batch=i == len(micro_batches) - 1), autocast(run), \
                 count_saved_activations(model) if count else contextlib.nullcontext() as saved:
             loss = model(inputs.to(run.device), targets.to(run.device))
             if count:
-                run.activation_bytes = saved.bytes
+                run.state.activation_bytes = saved.bytes
             # Every micro-batch has the same number of tokens: the mean of means is the batch mean.
             # (the average over micro-batches and over the data-parallel ranks: their reductions sum)
             (loss * (scale * run.parallel.loss_factor / len(micro_batches))).backward()
@@ -221,7 +233,7 @@ def update(run: Run) -> dict[str, int]:
     run.optimizer.step()
     run.parallel.after_step()
     synchronize_stream(run.device)  # its kernels, not the next step's, own the time
-    run.update_s = time.perf_counter() - started
+    run.state.update_s = time.perf_counter() - started
     for versions in run.versions or ():
         versions.updated()
     states = run.parallel.state_bytes(run.optimizer)
@@ -269,8 +281,8 @@ def async_pipeline_step(run: Run, step: int) -> tuple[PendingMetrics, dict[str, 
     run.pipeline.loss_scale = run.parallel.loss_factor
     with run.parallel.backward(is_last_micro_batch=False):
         pause = next(s for s in range(step + 1, cfg.steps + 1) if pauses_after(cfg, s))
-        loss_sum = run.pipeline.segment(micro_batch, per_step, step, fill=run.drained, stop=pause * per_step)
-    run.drained = pause == step + 1
+        loss_sum = run.pipeline.segment(micro_batch, per_step, step, fill=run.state.drained, stop=pause * per_step)
+    run.state.drained = pause == step + 1
     if run.embedding_group is not None:
         comm.all_reduce(run.model.tied_weight().grad, run.embedding_group, "embedding")
     run.parallel.reduce_gradients()
@@ -318,16 +330,18 @@ def evaluate(run: Run) -> float:
     return (total / count).item()
 
 
-def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> dict:
-    """Run training; returns a summary: losses, validation losses, the metrics records, the final
-    checkpoint, and with keep_state the full final parameters (gathered, on every rank)."""
-    run = setup(cfg, checked)
+def train(run_input: TrainConfig | RunSpec, keep_state: bool = False, checked: bool = False) -> dict:
+    """Run training (a spec the launcher resolved, or a config: see `setup`); returns a summary:
+    losses, validation losses, the metrics records, the final checkpoint, and with keep_state the
+    full final parameters (gathered, on every rank)."""
+    run = setup(run_input, checked)
+    cfg = run.cfg
     log = RunLog(run)
-    if run.start_step == 0:
+    if run.state.start_step == 0:
         validate_and_log(run, log, 0)
     try:  # a non-finite loss stops training; a checkpoint being written is finished first
         pending = None  # an asynchronous pipeline's step whose loss is still being summed, and its record
-        for step in range(run.start_step, cfg.steps):
+        for step in range(run.state.start_step, cfg.steps):
             comm.counter.reset()
             tiers.io.reset()
             routed_rows.reset()
@@ -342,12 +356,12 @@ def train(cfg: TrainConfig, keep_state: bool = False, checked: bool = False) -> 
                 if pending is not None:  # the step before: its sums are in by now, or soon
                     log.emit(pending[1], *pending[0].wait())
                 pending = (metrics, record)
-                if run.drained:
+                if run.state.drained:
                     log.emit(record, *metrics.wait())
                     pending = None
             else:
                 log.emit(record, loss, grad_norm)
-            if cfg.compile and step == run.start_step:
+            if cfg.compile and step == run.state.start_step:
                 log.compiled(step + 1, compile_seconds())
             evaluate_and_save(run, log, step + 1)
     except FloatingPointError:
