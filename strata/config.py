@@ -163,8 +163,9 @@ def run_dir_outputs(run_dir: str) -> dict[str, str]:
 
 def check_given(cfg: TrainConfig, given: set[str]) -> None:
     """Settings the user set that the run would not use: each refused in one line, never dropped.
-    (Run in the process the user started: the ranks' argv also holds the launcher's choices. A
-    --model beside --init-from is checked against the checkpoint: train/preflight.check_model_flag.)"""
+    (Run where the user's settings are read, before the run is resolved: the resolved config also
+    holds the launcher's choices. A --model beside --init-from is checked against the checkpoint:
+    train/preflight.check_model_flag.)"""
     if cfg.dtype != "fp16":
         for name in ("loss_scale", "min_loss_scale", "loss_scale_window"):
             _need(name not in given, name, getattr(cfg, name),
@@ -286,7 +287,7 @@ def check_run_settings(cfg: TrainConfig) -> None:
               f"must divide the model's d_model {width}")
     check_checkpoint_flags(cfg)
     _need(cfg.parallel in ("manual", "auto"), "parallel", cfg.parallel, "valid: manual, auto")
-    # (--allow-async stays in the ranks' argv after --parallel auto's choice, as --parallel manual: no effect there)
+    # (--allow-async stays in the resolved config after --parallel auto's choice, as --parallel manual: no effect)
     _need(not cfg.allow_async or cfg.parallel != "auto" or (cfg.grad_clip == 0 and cfg.dtype != "fp16"), "allow_async", True,
           "the asynchronous schedules run without clipping and without fp16; add --grad-clip 0 (and use bf16 or fp32)")
     _need(cfg.dtype in DTYPES, "dtype", cfg.dtype, f"valid: {', '.join(DTYPES)}")
@@ -376,7 +377,6 @@ def sequence_length(cfg: TrainConfig, model: ModelConfig) -> int:
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
-    lay = cfg.layout
     lay = cfg.layout
     return lay.dp if lay.dp is not None else data_parallel_degree(world_size, lay.cp, lay.tp, lay.pp)
 

@@ -11,7 +11,8 @@ from strata.errors import ConfigError
 
 
 def load_toml(path: str) -> dict:
-    """Read a TOML config; keys are the long flag names with '_' or '-'."""
+    """Read a TOML config into settings by their one names; keys are the long flag names with '_'
+    or '-', the layout's in the [layout] table or, as in files written before it, at the top."""
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
@@ -21,11 +22,12 @@ def load_toml(path: str) -> dict:
         raise ConfigError(f"--config {path}: is a directory; want a TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    if "layout" in raw and not isinstance(raw["layout"], dict):
+        raise ConfigError(f"--config {path}: layout = {raw['layout']!r}: 'layout' is a table of the layout's keys "
+                          f"([layout], then dp = ..., tp = ..., one per line)")
     out, spelled = {}, {}
-    # the layout's keys in its [layout] table, or (as files written before that table) at the top
-    entries = [(key, value, "") for key, value in raw.items() if key != "layout" or not isinstance(value, dict)]
-    entries += [(key, value, "[layout] ") for key, value in raw.get("layout", {}).items()] \
-        if isinstance(raw.get("layout"), dict) else []
+    entries = [(key, value, "") for key, value in raw.items() if key != "layout"]
+    entries += [(key, value, "[layout] ") for key, value in raw.get("layout", {}).items()]
     valid = setting_fields()
     for key, value, table in entries:
         name = key.replace("-", "_")

@@ -275,18 +275,18 @@ def test_plan_refuses_a_context_layout_the_trainer_refuses_in_one_line(model, se
 
 def test_parallel_auto_passes_the_chosen_cp_to_the_ranks(monkeypatch):
     """`strata train --parallel auto` on 8 H100 for 131,072-token sequences: the planner's layout
-    splits them, and the ranks get --cp and --cp-mode."""
-    from strata.cli.parser import build_parser
+    splits them, and the ranks' spec (the file the launcher hands them) holds cp and its mode."""
     from strata.train import auto
+    from strata.train.spec import RunSpec
     monkeypatch.setattr(auto, "local_cluster", lambda n: build_cluster("H100-80G", 1, n, "nvlink", "ib-400"))
     cfg = train_config(model="llama3-8b", seq_len=131072, global_batch=8, dtype="bf16", parallel="auto")
     chosen, reasons = auto.choose(cfg, 8, LLAMA_128K)
-    assert chosen.layout.cp > 1 and chosen.layout.cp * chosen.layout.dp * chosen.layout.tp * chosen.layout.pp == 8
-    assert reasons[0].startswith(f"--parallel auto chose dp={chosen.layout.dp},cp={chosen.layout.cp}")
-    flags = auto.as_flags(chosen)
-    assert flags[flags.index("--cp") + 1] == str(chosen.layout.cp) and flags[flags.index("--cp-mode") + 1] == chosen.layout.cp_mode
-    parsed = build_parser().parse_args(["train", *flags])
-    assert (parsed.cp, parsed.cp_mode, parsed.dp, parsed.parallel) == (chosen.layout.cp, chosen.layout.cp_mode, chosen.layout.dp, "manual")
+    lay = chosen.layout
+    assert lay.cp > 1 and lay.cp * lay.dp * lay.tp * lay.pp == 8
+    assert reasons[0].startswith(f"--parallel auto chose dp={lay.dp},cp={lay.cp}")
+    spec = RunSpec(chosen, LLAMA_128K, 8)
+    received = RunSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert (received.config.layout, received.config.parallel) == (lay, "manual")
     with pytest.raises(ConfigError, match="drop --cp"):
         auto.choose(train_config(model="llama3-8b", seq_len=131072, global_batch=8, parallel="auto", cp=2), 8,
                     LLAMA_128K)

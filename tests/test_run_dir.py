@@ -9,7 +9,7 @@ import tomllib
 import pytest
 
 from strata.config import run_dir_outputs as default_outputs
-from strata.config import setting_fields, train_config
+from strata.config import setting_fields, train_config, with_settings
 from strata.config_file import load_toml, make_config
 from strata.train.run_dir import config_toml, toml_text
 
@@ -41,12 +41,13 @@ def test_a_config_reads_back_exactly(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(config_toml(cfg))
     expected = {k: v for k, v in cfg.to_dict().items() if v is not None}
-    expected["layout"] = {k: v for k, v in expected["layout"].items() if v is not None}  # the [layout] table
+    # the [layout] table, less dp: what the world leaves of cp x tp x pp, so the file runs on any world size
+    expected["layout"] = {k: v for k, v in expected["layout"].items() if v is not None and k != "dp"}
     assert tomllib.loads(path.read_text()) == expected
     values = load_toml(str(path))
-    assert make_config(values, {}) == cfg
+    assert make_config(values, {}) == with_settings(cfg, dp=None)
     assert set(setting_fields()) - set(values) == {"vocab_size", "n_heads", "init_from", "run_dir",
-                                                   "capacity_factor"}  # None
+                                                   "capacity_factor", "dp"}  # None, and dp
 
 
 def test_a_run_directory_leaves_out_the_paths_it_implies(tmp_path):
@@ -108,3 +109,16 @@ def test_a_fine_tuning_run_continues_from_its_own_checkpoint(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from ft/ckpt/step_000002 at step 2" in again.stderr
     assert [r["loss"] for r in _train_records(tmp_path / "ft" / "metrics.jsonl")] == [r["loss"] for r in straight]
+
+
+def test_a_run_directorys_config_resolves_again_on_another_world_size(tmp_path):
+    """A run resolved for one process writes a config.toml that resolves for two: dp is left to the
+    world, the global batch stays as the first run fixed it (the same optimisation)."""
+    from strata.train.spec import resolve
+    first = resolve(train_config(model="tiny", seq_len=16, micro_batch=2, progress=False, run_dir=str(tmp_path)), 1,
+                    announce=False)
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(first.config))
+    again = resolve(make_config(load_toml(str(path)), {"nproc": 2, "micro_batch": 1}), 2, announce=False)
+    assert (first.config.layout.dp, again.config.layout.dp) == (1, 2)
+    assert again.config.global_batch == first.config.global_batch == 2

@@ -77,7 +77,7 @@ def test_the_spec_round_trips_and_the_config_is_frozen(tmp_path):
 def test_a_spec_for_another_world_size_is_refused(tmp_path):
     spec, _ = _launcher(FLAGS, 1)
     path = run_spec.write(spec, str(tmp_path))
-    with pytest.raises(RuntimeError, match="spec 1: was resolved for 1 processes, and 2 were launched"):
+    with pytest.raises(RuntimeError, match="the run's spec was resolved for 1 processes, and 2 were launched"):
         run_on_ranks(_rank_from_file, 2, path)
 
 
@@ -111,3 +111,10 @@ def test_the_launcher_starts_its_ranks_on_the_spec_alone(tmp_path, monkeypatch):
     assert not os.path.exists(started["argv"][2])  # the launcher's directory is gone with it
     with pytest.raises(ConfigError):
         run_spec.read(started["argv"][2])
+
+
+def test_a_launcher_refuses_a_spec_among_the_flags_it_resolves():
+    """`strata launch -- train --spec F` (or an srun task given one): the launcher resolves flags,
+    and would otherwise train a default run while ignoring F."""
+    with pytest.raises(ConfigError, match="--spec: only for the ranks a launcher starts"):
+        checked_train(build_parser().parse_args(["train", "--spec", "run_spec.json"]), 2, in_a_rank=False)

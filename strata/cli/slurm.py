@@ -31,8 +31,7 @@ def join_job(args, checked_train, with_spec_file):
     if nproc > 1:  # each rank is one of nodes x nproc, and torchrun tells it which
         args.nproc = 1
         spec = checked_train(args, job.nnodes * nproc, in_a_rank=False, announce=job.node_rank == 0)
-        if job.node_rank == 0:
-            print(slurm.describe(job, master_ip, socket_env, nproc), file=sys.stderr, flush=True)
+        print(slurm.describe(job, master_ip, socket_env, nproc), file=sys.stderr, flush=True)  # each node's own
         return with_spec_file(spec, lambda ranks_argv: slurm.launch_node(job, nproc, ranks_argv, master_ip, socket_env,
                                                                          spec.config.max_restarts))
     os.environ.update({**slurm.rank_environment(job, master_ip), **socket_env})

@@ -29,6 +29,9 @@ def checked_train(args, world_size: int | None, in_a_rank: bool, announce: bool 
     (default: as rank 0)."""
     from strata.train.preflight import check_model_flag
     from strata.train.spec import check_files, resolve
+    if args.spec is not None:  # through `strata launch` or srun: the launcher resolves the flags
+        raise ConfigError("--spec: only for the ranks a launcher starts (it writes the file); give the run's flags "
+                          "or --config")
     flag_values = {name: getattr(args, name) for name in setting_fields()}
     file_values = load_toml(args.config) if args.config else {}
     cfg = make_config(file_values, flag_values)

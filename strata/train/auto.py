@@ -101,16 +101,3 @@ def replanned(resumed: dict | None, chosen: TrainConfig, world_size: int) -> lis
             f"planned again, the global batch of {chosen.global_batch} sequences kept "
             f"({accumulation} micro-batch{'es' if accumulation > 1 else ''} of {lay.micro_batch} per step on each "
             f"of {lay.dp} data-parallel rank{'s' if lay.dp > 1 else ''})"]
-
-
-def as_flags(cfg: TrainConfig) -> list[str]:
-    """The chosen layout as command-line flags, for the ranks that the launcher starts: every field
-    of the Layout, as the parser made its flag (strata/cli/parser.add_train_flags)."""
-    flags = ["--parallel", "manual", "--global-batch", str(cfg.global_batch)]
-    for f in fields(Layout):
-        value, flag = getattr(cfg.layout, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):  # a switch: the flag that flips the default, when it differs
-            flags += [] if value == getattr(RUN_LAYOUT, f.name) else [flag if value else f"--no-{flag[2:]}"]
-        elif value is not None:
-            flags += [flag, str(value)]
-    return flags

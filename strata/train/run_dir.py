@@ -59,11 +59,14 @@ def toml_text(values: dict) -> str:
 
 def config_toml(cfg) -> str:
     """The run's config as TOML: every key with a value, the layout's in its [layout] table, except
-    outputs the run directory implies (so the file run with another --run-dir writes there, not
-    into this one)."""
+    dp and the outputs the run directory implies (so the file run with another --run-dir writes
+    there, not into this one)."""
     implied = run_dir_outputs(cfg.run_dir) if cfg.run_dir else {}
     values = cfg.to_dict()
     layout = values.pop("layout")
+    # dp is what the world leaves of cp x tp x pp (the layout check holds their product to it), and
+    # a resolved run has it filled in: left out, the file runs again on any world size
+    layout.pop("dp")
     values = {k: v for k, v in values.items() if not (k in implied and v == implied[k])}
     return "# strata train --config this-file (the same keys as the flags; docs/config.md)\n" + \
         toml_text(values) + "\n[layout]\n" + toml_text(layout)

@@ -6,7 +6,7 @@ under `--parallel auto`, fills in dp, the ZeRO stage and the global batch, and c
 files (train/preflight.py). The ranks get the result as one file (`strata train --spec FILE`,
 written by `write`), so nothing is parsed, chosen or checked again there. A process that is its
 own launcher (one process; a rank torchrun started by hand; an srun task per rank) resolves in
-place. `validate` counts the runs it checks (config.RUN_CHECKS): one per launch."""
+place. `validate` counts the runs it checks (config.RunChecks.runs): one per launch."""
 
 from __future__ import annotations
 

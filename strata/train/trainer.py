@@ -100,8 +100,8 @@ def _spec_here(run_input: TrainConfig | RunSpec, world_size: int, rank: int, che
     if not isinstance(run_input, RunSpec):
         run_input = resolve(run_input, world_size, announce=rank == 0)
     if run_input.world_size != world_size:
-        raise ConfigError(f"was resolved for {run_input.world_size} processes, and {world_size} were launched",
-                          "spec", run_input.world_size)
+        raise ConfigError(f"the run's spec was resolved for {run_input.world_size} processes, and {world_size} "
+                          f"were launched")
     return run_input if checked or run_input.files_checked else check_files(run_input, announce=rank == 0)
 
 
