@@ -60,6 +60,7 @@ class DataParallel:
         self.params = sharding.params
         specs = shard_specs(model)
         self._spec_of = {id(p): specs[name] for name, p in model.named_parameters()}
+        self._norm_indices: dict[tuple, tuple[torch.Tensor, ...]] = {}  # see _norm_parts
 
     @property
     def stage(self) -> int:
@@ -140,14 +141,10 @@ class DataParallel:
         experts = torch.zeros(1, dtype=torch.float64, device=self.params[0].device)
         if pairs:
             norms = torch.stack([n for n, _ in pairs]).double()
-            specs = [self.spec_of(p) for _, p in pairs]
-            expert = torch.tensor([id(p) in settings.expert_ids for _, p in pairs], device=norms.device)
-            replicated = torch.tensor([not spec.split for spec in specs], device=norms.device) & ~expert
-            # a block several tp ranks hold (multi-dimensional tp) is counted by its owner only
-            owned = torch.tensor([spec.owner for spec in specs], device=norms.device) & ~expert
-            squares[0] = norms[~replicated & owned].square().sum()
-            squares[1] = norms[replicated].square().sum()
-            experts[0] = norms[expert].square().sum()
+            split, replicated, expert = self._norm_parts([p for _, p in pairs], norms.device)
+            squares[0] = norms.index_select(0, split).square().sum()
+            squares[1] = norms.index_select(0, replicated).square().sum()
+            experts[0] = norms.index_select(0, expert).square().sum()
         if settings.expert_ids:
             # the expert-parallel ranks hold different experts; under ZeRO the dp reduction below
             # covers them (ep x edp = dp, every part disjoint), else their replicas are alike
@@ -161,6 +158,21 @@ class DataParallel:
             comm.all_reduce(split, settings.tp_group, "tp")
             squares[0] = split[0]
         return squares.sum()
+
+    def _norm_parts(self, params: list, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The positions, among `params`, of the tensor-parallel slices this rank counts (a block
+        several tp ranks hold, under multi-dimensional tp, by its owner only), of the replicated
+        parameters, and of the experts: index tensors made on the device once per parameter list
+        (a boolean mask would make the host read the device on every step to size its result)."""
+        key = tuple(id(p) for p in params)
+        if key not in self._norm_indices:
+            expert = [id(p) in self.settings.expert_ids for p in params]
+            specs = [self.spec_of(p) for p in params]
+            rows = ([i for i, s in enumerate(specs) if s.split and s.owner and not expert[i]],
+                    [i for i, s in enumerate(specs) if not s.split and not expert[i]],
+                    [i for i in range(len(params)) if expert[i]])
+            self._norm_indices[key] = tuple(torch.tensor(r, dtype=torch.long, device=device) for r in rows)
+        return self._norm_indices[key]
 
     def clip_(self, max_norm: float, total_norm: torch.Tensor) -> None:
         self.sharding.clip_(max_norm, total_norm)

@@ -169,27 +169,28 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     if run.dp_group is not None:
         comm.all_reduce(loss_sum, run.dp_group, "dp")
         loss_sum /= run.dims.replicas
-    loss = (loss_sum / len(micro_batches)).item()
+    mean_loss = loss_sum / len(micro_batches)
     if model.router_losses is not None:
         run.state.routed = m.routed(run, len(micro_batches))
-    if run.scaler is None and not math.isfinite(loss):  # every rank alike: the loss was all-reduced
-        raise FloatingPointError(f"step {step + 1}: the loss is {loss}; stopped before the update "
-                                 f"({divergence_advice(cfg.dtype)})")
-    if run.scaler is not None:
+    if run.scaler is not None:  # fp16: the loss may overflow with the gradients; the scaler decides
         finite = run.scaler.unscale_and_check(run.parallel.local_grads())
         run.scaler.update(finite)
         run.state.skipped = not finite
         if not finite:  # on every rank alike: the weights and Adam's moments stay as they were
             states = run.parallel.state_bytes(run.optimizer)
             run.parallel.zero_grad()
-            return loss, float("inf"), states
+            return mean_loss.item(), float("inf"), states
     grad_norm = run.parallel.grad_norm()
-    if not torch.isfinite(grad_norm):  # global, so the same on every rank
-        raise FloatingPointError(f"step {step + 1}: the gradient norm is {grad_norm.item()}; stopped "
-                                 f"before the update ({divergence_advice(cfg.dtype)})")
+    # the step's one read of the device: the loss and the norm together (both global, so every
+    # rank stops alike when one is not finite, before the update)
+    loss, norm = torch.stack([mean_loss, grad_norm.double()]).tolist()
+    for what, value in (("loss", loss), ("gradient norm", norm))[run.scaler is not None:]:  # fp16: the scaler's
+        if not math.isfinite(value):
+            raise FloatingPointError(f"step {step + 1}: the {what} is {value}; stopped before the update "
+                                     f"({divergence_advice(cfg.dtype)})")
     if cfg.grad_clip > 0:
         run.parallel.clip_(cfg.grad_clip, grad_norm)
-    return loss, grad_norm.item(), update(run)
+    return loss, norm, update(run)
 
 
 def forward_backward(run: Run, step: int, micro_batches: list, scale: float) -> torch.Tensor:

@@ -81,7 +81,7 @@ class PipelineExecutor:
         self.store = WeightGradStore() if SCHEDULES[schedule].splits_backward else None
         self.timeline: list[Timed] = []
         self.saved_bytes: dict[int, int] = {}  # chunk -> bytes one micro-batch's forward saves
-        self.idle_fraction = 0.0
+        self._idle: float | tuple[float, torch.Tensor] = 0.0  # see idle_fraction
         self.loss_scale = 1.0  # fp16: the trainer's dynamic loss scale, times 1/dp (the average over data-parallel ranks)
         self.peak_activation_bytes = 0
 
@@ -259,14 +259,22 @@ class PipelineExecutor:
         end = time.perf_counter()
         span = end - (self.previous_end if self.previous_end is not None else self.t0_host)
         self.previous_end = end
-        self.idle_fraction = 1 - busy / span if span > 0 else 0.0
+        self._idle = 1 - busy / span if span > 0 else 0.0
 
     def _measure_idle(self) -> None:
         """Idle fraction of this rank over the step: 1 - compute time / the slowest rank's span."""
         busy = sum(t.end - t.start for t in self.timeline)
         span = torch.tensor([self.timeline[-1].end if self.timeline else 0.0], dtype=torch.float64, device=self.device)
         comm.all_reduce(span, self.group, GROUP, op=dist.ReduceOp.MAX)
-        self.idle_fraction = 1 - busy / span.item() if span.item() > 0 else 0.0
+        self._idle = (busy, span)  # read when asked, after the step: no host sync inside it
+
+    @property
+    def idle_fraction(self) -> float:
+        """The last step's idle fraction of this rank (its bubble)."""
+        if isinstance(self._idle, tuple):
+            busy, span = self._idle[0], self._idle[1].item()
+            self._idle = 1 - busy / span if span > 0 else 0.0
+        return self._idle
 
     # --- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
