@@ -46,7 +46,7 @@ LAYOUTS = {"one process": (1, {}), "dp2": (2, {}), "dp2 zero1": (2, {"zero": 1})
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_dense_step_reads_the_device_once_whatever_its_micro_batches(name):
     world, settings = LAYOUTS[name]
-    results = [_both(settings)] if world == 1 else run_on_ranks(_both, world, settings)
+    results = run_on_ranks(_both, world, settings)  # one process too: its process group stays there
     for fewer, more in results:
         assert fewer == more, (fewer, more)  # nothing per micro-batch
         assert sum(fewer.values()) <= 1, fewer  # the loss and the gradient norm, read together
