@@ -50,3 +50,19 @@ def test_a_dense_step_reads_the_device_once_whatever_its_micro_batches(name):
     for fewer, more in results:
         assert fewer == more, (fewer, more)  # nothing per micro-batch
         assert sum(fewer.values()) <= 1, fewer  # the loss and the gradient norm, read together
+
+
+MOE_LAYOUTS = {"moe one process": (1, {"model": "tiny-moe"}), "moe ep2": (2, {"model": "tiny-moe", "ep": 2}),
+               "moe capacity": (1, {"model": "tiny-moe", "capacity_factor": 1.0})}
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_a_mixture_of_experts_reads_the_rows_per_expert_once_per_layer(name):
+    """Beside the dense step's one read (and one for the routing's statistics), each MoE layer's
+    forward reads its rows per expert once: the split sizes its experts compute on (under ep, the
+    rows sent and received, read together after the counts' exchange)."""
+    world, settings = MOE_LAYOUTS[name]
+    layers = 2  # tiny-moe's
+    for fewer, more in run_on_ranks(_both, world, settings):
+        assert sum(more.values()) - sum(fewer.values()) == 2 * layers, (fewer, more)  # 2 more micro-batches
+        assert sum(fewer.values()) == 2 + 2 * layers, fewer

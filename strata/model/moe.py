@@ -100,9 +100,17 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
-def local_dispatch(experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Every expert on this device: compute the sorted rows in place."""
-    return experts(x, counts.tolist())
+def local_dispatch(experts: Experts, x: torch.Tensor, counts: torch.Tensor,
+                   sizes: list[int] | None = None) -> torch.Tensor:
+    """Every expert on this device: compute the sorted rows in place (sizes: counts as read by the
+    caller already; else read here, the layer's one read of the device)."""
+    return experts(x, sizes if sizes is not None else counts.tolist())
+
+
+def _per_expert(index: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of `index`'s entries name each of 0..n-1: bincount's answer, whose output size the
+    host need not read (bincount's depends on the largest value)."""
+    return torch.zeros(n, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
 
 
 class SharedExpert(nn.Module):
@@ -149,16 +157,22 @@ class MoE(nn.Module):
         weights, chosen = torch.topk(probs, self.k, dim=-1)  # (T, k)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        assigned = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+        flat_expert = chosen.reshape(-1)
+        assigned = _per_expert(flat_expert, self.n_experts)
         aux = self.n_experts * (assigned.to(compute) / tokens * probs.mean(0)).sum()
         keep = self._within_capacity(chosen, tokens)
-        # assignments (token, slot) sorted by expert, stable so that each expert sees its tokens in order
-        flat_expert = chosen.reshape(-1)
-        order = torch.argsort(flat_expert[keep] if keep is not None else flat_expert, stable=True)
-        slots = (keep.nonzero().squeeze(1) if keep is not None else torch.arange(tokens * self.k, device=x.device))[order]
+        # Assignments (token, slot) sorted by expert, stable so that each expert sees its tokens in
+        # order; dropped ones (key n_experts) sort last and are cut off once the kept count is read.
+        # No boolean mask and no bincount: the layer reads the device once, for the rows per expert.
+        keys = flat_expert if keep is None else torch.where(keep, flat_expert, self.n_experts)
+        slots = torch.argsort(keys, stable=True)
+        counts, sizes = assigned, None
+        if keep is not None:
+            counts = _per_expert(keys, self.n_experts + 1)[:-1]
+            sizes = counts.tolist()
+            slots = slots[:sum(sizes)]
         token_of = slots // self.k
-        counts = torch.bincount(flat_expert[slots], minlength=self.n_experts)
-        routed = self.dispatch(self.experts, x[token_of], counts)
+        routed = self.dispatch(self.experts, x[token_of], counts, sizes)
         w = self.whole_gradient(weights.to(x.dtype)).reshape(-1)[slots]
         out = self.reduce_partial(torch.zeros_like(x).index_add_(0, token_of, routed * w[:, None]))
         if self.shared is not None:
@@ -169,7 +183,7 @@ class MoE(nn.Module):
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
             self.losses.aux.append(aux.detach())
             self.losses.load.append(assigned.detach())
-            self.losses.dropped.append(torch.tensor(tokens * self.k - slots.numel(), device=x.device))
+            self.losses.dropped.append(torch.full((), tokens * self.k - slots.numel(), device=x.device))
         if self.training and self.losses.coef and torch.is_grad_enabled():
             out = _AddAuxGradient.apply(out, aux, self.losses.grad_scale * self.losses.coef / self.losses.n_layers)
         return out.reshape(shape)
@@ -179,6 +193,7 @@ class MoE(nn.Module):
         if self.capacity_factor is None:
             return None
         capacity = math.ceil(self.capacity_factor * tokens * self.k / self.n_experts)
-        one_hot = F.one_hot(chosen.reshape(-1), self.n_experts)
+        flat = chosen.reshape(-1, 1)  # one-hot by scatter: F.one_hot reads the ids' range on some devices
+        one_hot = torch.zeros(flat.shape[0], self.n_experts, dtype=torch.long, device=flat.device).scatter_(1, flat, 1)
         position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # the assignment's place in its expert's queue
         return position < capacity

@@ -76,9 +76,12 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def expert_dispatch(axes: ExpertAxes, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def expert_dispatch(axes: ExpertAxes, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
+                    sizes: list[int] | None = None) -> torch.Tensor:
     """MoE.dispatch under expert parallelism. x: this rank's routed rows sorted by expert,
-    counts[e] for global expert e. Returns the experts' outputs for the same rows, in the same order."""
+    counts[e] for global expert e (sizes: the same as a list, when the caller read it). Returns the
+    experts' outputs for the same rows, in the same order. The rows each rank sends and receives
+    are read from the device once, after the exchange of the counts."""
     ep = axes.ep.size
     local = counts.numel() // ep
     if torch.is_autocast_enabled(x.device.type):  # the experts compute in it: send the rows in it too
@@ -86,11 +89,11 @@ def expert_dispatch(axes: ExpertAxes, experts: nn.Module, x: torch.Tensor, count
     to_rank = counts.view(ep, local).contiguous()  # [j, e]: rows for rank j's local expert e
     from_rank = torch.empty_like(to_rank)  # [j, e]: rows rank j sends to this rank's expert e
     comm.all_to_all(from_rank, to_rank, axes.ep.group, GROUP)
-    sent, received = to_rank.sum(1).tolist(), from_rank.sum(1).tolist()
+    to_sizes, sizes = torch.stack([to_rank, from_rank]).tolist()
+    sent, received = [sum(row) for row in to_sizes], [sum(row) for row in sizes]
     if torch._C._current_graph_task_id() == -1:  # a forward, not its recomputation in backward
         routed_rows.add(sent, received)
     rows = _AllToAll.apply(x, received, sent, axes.ep.group)  # by source rank, then by expert
-    sizes = from_rank.tolist()
     # by expert, then by source rank, for the experts' loop; and back
     by_source = rows.split([sizes[j][e] for j in range(ep) for e in range(local)])
     by_expert = [by_source[j * local + e] for e in range(local) for j in range(ep)]

@@ -224,8 +224,9 @@ def routed(run, micro_batches: int) -> dict:
     for group, name in ((run.pp_group, "pp"), (run.dp_group, "dp")):
         if group is not None:
             comm.all_reduce(sums, group, name)
-    out = {"aux_loss": sums[0].item() / (micro_batches * run.dims.dp), "expert_load": [int(v) for v in sums[1:1 + n]],
-           "dropped_tokens": int(sums[-1].item())}
+    values = sums.tolist()  # one read of the device for all of it
+    out = {"aux_loss": values[0] / (micro_batches * run.dims.dp), "expert_load": [int(v) for v in values[1:1 + n]],
+           "dropped_tokens": int(values[-1])}
     if routed_rows.dispatches:
         out["all_to_all_rows"] = {"sent": routed_rows.sent, "received": routed_rows.received,
                                   "dispatches": routed_rows.dispatches}
