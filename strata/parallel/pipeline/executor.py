@@ -264,7 +264,8 @@ class PipelineExecutor:
     def _measure_idle(self) -> None:
         """Idle fraction of this rank over the step: 1 - compute time / the slowest rank's span."""
         busy = sum(t.end - t.start for t in self.timeline)
-        span = torch.tensor([self.timeline[-1].end if self.timeline else 0.0], dtype=torch.float64, device=self.device)
+        # filled on the device (a tensor of a Python list would be copied up from pageable memory)
+        span = torch.full((1,), self.timeline[-1].end if self.timeline else 0.0, dtype=torch.float64, device=self.device)
         comm.all_reduce(span, self.group, GROUP, op=dist.ReduceOp.MAX)
         self._idle = (busy, span)  # read when asked, after the step: no host sync inside it
 
