@@ -135,9 +135,10 @@ def stub_missing_modules() -> list[str]:
 
 # --- running the parts -------------------------------------------------------------------------------
 def run_parts(check, names: list[str], results: dict, write) -> None:
+    import gpu_check_correctness as correctness
     import gpu_check_device as device_parts
     import gpu_check_parts as parts
-    functions = {"environment": parts.environment, "correctness": parts.correctness, "mfu": parts.mfu,
+    functions = {"environment": parts.environment, "correctness": correctness.correctness, "mfu": parts.mfu,
                  "event_timing": device_parts.event_timing, "collectives": device_parts.collectives,
                  "generation": parts.generation, "memory": parts.memory,
                  "step_time": parts.step_time}

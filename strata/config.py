@@ -142,8 +142,7 @@ def default_of(name: str):
 
 def train_config(**values) -> TrainConfig:
     """A config from settings by their names (as the flags give them): the layout's go into its section."""
-    layout = {k: values.pop(k) for k in list(values) if is_layout_setting(k)}
-    return TrainConfig(**values, layout=replace(RUN_LAYOUT, **layout))
+    return with_settings(TrainConfig(), **values)
 
 
 def with_settings(cfg: TrainConfig, **values) -> TrainConfig:

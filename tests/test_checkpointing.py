@@ -9,7 +9,7 @@ from strata.config import train_config
 from strata.errors import ConfigError
 from strata.plan.memory import activation_bytes_per_layer
 from strata.train import trainer
-from strata.train.preflight import checked_model
+from strata.train.spec import resolve
 
 from distributed import run_on_ranks
 from memory_probe import saved_bytes_of_first_block
@@ -63,4 +63,4 @@ def test_bytes_kept_per_layer_match_korthikanti_for_this_layout():
 def test_bad_checkpointing_mode_is_refused():
     for mode in ("some", "every:0", "every:x"):
         with pytest.raises(ConfigError, match="valid: none, full, selective, every:K"):
-            checked_model(train_config(checkpointing=mode), 1)
+            resolve(train_config(checkpointing=mode), 1)

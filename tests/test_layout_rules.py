@@ -2,6 +2,7 @@
 and this checks it from the outside, through what each one is given (plan's `--layout` text and a
 workload; train's config), over random (model, world size, layout) tuples."""
 
+import dataclasses
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from strata.plan.report import parse_layout
 from strata.plan.search import layouts
 from strata.rules.checkpointing import PLANNED_MODES
 from strata.rules.schedules import SCHEDULES
-from strata.train.preflight import checked_model
+from strata.train.spec import resolve
 
 PRESET_NAMES = ["tiny", "tiny-gpt2", "small", "gpt2-124m", "llama-7b", "llama-70b", "bloom-176b"]
 
@@ -66,7 +67,7 @@ def _train_accepts(case) -> bool:
                       grad_clip=0.0 if case["schedule"] in SCHEDULES and SCHEDULES[case["schedule"]].asynchronous
                       else 1.0)
     try:
-        checked_model(cfg, case["world"])
+        resolve(cfg, case["world"])
     except ConfigError:
         return False
     return True
@@ -90,8 +91,4 @@ def test_every_layout_the_search_proposes_is_one_train_runs(name, world):
     proposed = list(layouts(work, world))
     assert proposed
     for lay in proposed:
-        cfg = train_config(model=name, nproc=world, dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages,
-                          zero=lay.zero, micro_batch=lay.micro_batch, checkpointing=lay.checkpointing,
-                          offload=lay.offload, sequence_parallel=lay.sequence_parallel, schedule=lay.schedule,
-                          tp_mode=lay.tp_mode, tp_depth=lay.tp_depth, cp=lay.cp, cp_mode=lay.cp_mode, global_batch=16)
-        checked_model(cfg, world)
+        resolve(dataclasses.replace(train_config(model=name, nproc=world, global_batch=16), layout=lay), world)

@@ -21,7 +21,7 @@ from strata.parallel.pipeline.stage import keep_stage
 from strata.parallel.pipeline.timeline import plot_schedule, read_trace
 from strata.rules.pipeline_cut import balanced_split, make_layout
 from strata.rules.schedules import build, simulate
-from strata.train.preflight import checked_model
+from strata.train.spec import resolve
 from strata.train.trainer import train
 
 from distributed import run_on_ranks
@@ -270,7 +270,7 @@ def test_stage_keeps_its_layers_under_their_global_names():
 def test_bad_pipeline_settings_are_refused_with_the_reason(settings, message):
     world = settings.get("pp", 1) * settings.get("dp", 1)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        checked_model(train_config(**settings), world)
+        resolve(train_config(**settings), world)
 
 
 # --- checkpoints and bf16 -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from strata.config import train_config
 from strata.errors import ConfigError
 from strata.rules.schedules import SCHEDULES
-from strata.train.preflight import checked_model
+from strata.train.spec import resolve
 from strata.train.trainer import train
 
 from distributed import SharedLaunches
@@ -53,7 +53,7 @@ def _accepted(settings: dict) -> bool:
     cfg = train_config(**settings)
     world = settings["pp"] * settings.get("tp", 1) * settings.get("dp", 1) * settings.get("cp", 1)
     try:
-        checked_model(cfg, world)
+        resolve(cfg, world)
         return True
     except ConfigError:
         return False

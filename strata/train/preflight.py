@@ -12,14 +12,7 @@ import os
 from dataclasses import replace
 
 from strata.checkpoint import store
-from strata.config import (
-    TrainConfig,
-    check_run_settings,
-    data_parallel_size,
-    global_batch_size,
-    sequence_length,
-    validate,
-)
+from strata.config import TrainConfig, data_parallel_size, global_batch_size, sequence_length
 from strata.data.loader import check_token_ids, check_windows, read_meta
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig, infer_family
@@ -62,14 +55,6 @@ def model_shape(cfg: TrainConfig) -> ModelConfig:
         raise ConfigError(f"not with --init-from a model with learned positions: its position table has "
                           f"{base.max_seq_len} rows", "max_seq_len", cfg.max_seq_len)
     return base.with_overrides(n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len)
-
-
-def checked_model(cfg: TrainConfig, world_size: int) -> ModelConfig:
-    """Every setting checked (alone, together, against the world size and the model); the model."""
-    check_run_settings(cfg)
-    model = model_shape(cfg)
-    validate(cfg, world_size, model, settings_checked=True)
-    return model
 
 
 def check_model_flag(cfg: TrainConfig) -> None:
