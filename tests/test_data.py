@@ -80,6 +80,33 @@ def test_windows_are_a_pure_function_of_seed_and_step():
     assert len(micro) == 2 and torch.equal(torch.cat([x for x, _ in micro]), a.batch(5)[0])
 
 
+def test_an_accelerator_s_batch_is_copied_a_step_ahead_from_pinned_memory(monkeypatch):
+    """The loader's bookkeeping, with the meta device standing in for an accelerator (this machine
+    has none: bench/gpu_check.py counts the step's syncs on one): each step's tokens are pinned
+    and copied once, non-blocking, queued while the step before takes its batch."""
+    copies = []
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        copies.append((kwargs.get("non_blocking"), getattr(self, "pinned", False)))
+        return original_to(self, *args, **kwargs)
+
+    def pin(self):
+        pinned = self.clone()
+        pinned.pinned = True
+        return pinned
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    source = synthetic_split(64, seed=1, split="train", tokens=5000)
+    host, device = BatchLoader(source, 8, 4, seed=1), BatchLoader(source, 8, 4, seed=1, device=torch.device("meta"))
+    for step in range(3):
+        micro = device.micro_batches(step, 2)
+        assert len(micro) == 2 and all(x.device.type == "meta" and x.shape == (2, 8) for pair in micro for x in pair)
+        assert list(device.ahead) == [step + 1]  # the next step's copy is queued
+    assert copies == [(True, True)] * 4  # steps 0 and 1 at the first take, then one a step, all pinned
+    assert torch.equal(device.tokens(2), torch.cat([host.batch(2)[0], host.batch(2)[1][:, -1:]], dim=1))
+
+
 def test_windows_never_cross_shards():
     from strata.data.loader import TokenSource
     source = TokenSource([np.arange(10), np.arange(100, 110)], vocab_size=200)

@@ -7,8 +7,9 @@ from architectures import ARCHITECTURES
 from strata.infer.generate import Sampling, generate
 from strata.infer.kv_cache import KVCache
 from strata.model.config import ModelConfig
+from strata.model.initial_values import initial_value
 from strata.model.presets import PRESETS, get_preset
-from strata.model.transformer import build_model, initial_value
+from strata.model.transformer import build_model
 
 # Published sizes: GPT-2 small with tied embeddings, LLaMA-7B (Touvron et al. 2023), and the rest
 # as their model cards count them.

@@ -70,6 +70,38 @@ def test_cpu_offload_copies_to_host_masters_and_back_exactly():
     assert offloaded.host_bytes() == 2 * 4 * 22 + 4 * 22  # masters + two moments, fp32
 
 
+@pytest.mark.parametrize("local_ranks", [1, 2])
+def test_the_host_step_runs_on_the_cores_the_node_s_ranks_leave_free(monkeypatch, local_ranks):
+    """The ranks compute on one thread each; the host optimizer step takes the process's cores
+    divided by the node's ranks, and the update is the same bit for bit (it is elementwise)."""
+    import os
+
+    from strata.memory.offload import HostOffloadAdamW, host_threads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    expected = max(1, len(os.sched_getaffinity(0)) // local_ranks)
+    assert host_threads() == expected
+    seen, fused = [], torch._fused_adamw_
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return fused(*args, **kwargs)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1 << 20, dtype=torch.float64))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reference = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    offloaded = HostOffloadAdamW([{"params": twins, "weight_decay": 0.01}], 1e-2, (0.9, 0.999), copy_on_cpu=True)
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    for _ in range(2):
+        params[0].grad = torch.randn_like(params[0])
+        twins[0].grad = params[0].grad.clone()
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            reference.step()
+        offloaded.step()
+    assert seen[1::2] == [expected, expected] and torch.get_num_threads() == 1  # set back after the step
+    assert torch.equal(params[0], twins[0])
+
+
 def test_cpu_offload_in_training_gives_the_same_losses():
     a = train(train_config(**BASE))
     b = train(train_config(**BASE, offload="cpu"))

@@ -223,7 +223,15 @@ def test_trace_holds_every_action_and_plots(tmp_path):
     trace = str(tmp_path / "trace.json")
     records = run_on_ranks(_traced, 2, trace, timeout=300)
     with open(trace) as f:
-        assert "traceEvents" in json.load(f)
+        events = json.load(f)["traceEvents"]
+    waits = [e for e in events if e.get("cat") == "exposed communication"]
+    # each rank's blocked waits of the last step, on a row of its own under its actions' row
+    assert {e["tid"] for e in waits} == {1000, 1001} and all(e["dur"] >= 0 for e in waits)
+    for rank, record in enumerate(records):  # the step log sums them (with the waits before the schedule)
+        exposed = record["comm_exposed_seconds_by_op"]
+        assert any(name.endswith("/pp") for name in exposed), exposed  # the stages' transfers
+        in_trace = sum(e["dur"] for e in waits if e["tid"] == 1000 + rank) / 1e6
+        assert 0 < in_trace <= sum(exposed.values()) + 1e-6
     ranks = read_trace(trace)
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:

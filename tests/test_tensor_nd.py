@@ -18,7 +18,7 @@ from strata.rules.tensor_modes import grid_of
 from strata.rules.tensor_traffic import ElementBytes, step_traffic
 from strata.train.trainer import train
 
-from distributed import SharedLaunches, run_on_ranks
+from distributed import SharedLaunches, assert_states_close, run_on_ranks
 from memory_probe import saved_bytes_of_first_block
 
 # vocabulary 251 and sequences of 31 tokens: neither a multiple of q nor of any group's size.
@@ -70,9 +70,7 @@ def test_grid_tensor_parallel_reproduces_the_single_process_run(world, layout, d
     ranks = parallel_run(world, _key(dtype=dtype, **layout))
     for rank in ranks:
         torch.testing.assert_close(rank["losses"], reference["losses"], rtol=rtol, atol=0)
-    atol = 1e-10 if dtype == "fp64" else 1e-4  # Adam's update of near-zero gradients (see test_tensor_parallel)
-    for name, value in reference["state"].items():
-        torch.testing.assert_close(ranks[0]["state"][name], value, rtol=rtol * 100, atol=atol)
+    assert_states_close(ranks[0]["state"], reference["state"], dtype, BASE["lr"])  # the logical parameters
 
 
 def _sub_groups(traffic) -> dict[str, float]:

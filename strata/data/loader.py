@@ -133,14 +133,21 @@ def synthetic_split(vocab_size: int, seed: int, split: str, tokens: int = 1 << 1
 
 
 class BatchLoader:
+    """This rank's rows of each step. device: where micro_batches() hands them out; on an
+    accelerator each step's tokens are copied from pinned host memory without the host waiting (a
+    copy from pageable memory is a host sync), one step ahead: the next step's copy is queued as a
+    step's batch is taken."""
+
     def __init__(self, source: TokenSource, seq_len: int, global_batch: int, seed: int,
-                 split: str = "train", dp_rank: int = 0, dp_size: int = 1):
+                 split: str = "train", dp_rank: int = 0, dp_size: int = 1, device: torch.device | None = None):
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by dp size {dp_size}")
         self.source, self.seq_len, self.global_batch = source, seq_len, global_batch
         self.seed, self.split_id = seed, _SPLIT_ID[split]
         self.dp_rank, self.rows_per_rank = dp_rank, global_batch // dp_size
         self.cumulative = source.window_starts(seq_len)
+        self.device = device if device is not None and torch.device(device).type != "cpu" else None
+        self.ahead: dict[int, torch.Tensor] = {}  # step -> its tokens on the device, copy queued
         if len(self.cumulative) == 0 or self.cumulative[-1] == 0:
             raise _no_window(split, seq_len)
 
@@ -148,15 +155,33 @@ class BatchLoader:
         rng = np.random.default_rng([self.seed, self.split_id, step])
         return rng.integers(0, int(self.cumulative[-1]), size=self.global_batch)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of step `step`: (inputs, targets), each (rows, seq_len) int64."""
+    def tokens(self, step: int) -> torch.Tensor:
+        """This rank's windows of step `step`, (rows, seq_len + 1) int64 in host memory."""
         indices = self.global_window_indices(step)
         mine = indices[self.dp_rank * self.rows_per_rank:(self.dp_rank + 1) * self.rows_per_rank]
-        windows = np.stack([self.source.window(int(i), self.seq_len, self.cumulative) for i in mine])
-        tokens = torch.from_numpy(windows)
+        return torch.from_numpy(np.stack([self.source.window(int(i), self.seq_len, self.cumulative) for i in mine]))
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of step `step`: (inputs, targets), each (rows, seq_len) int64, on the host."""
+        tokens = self.tokens(step)
         return tokens[:, :-1], tokens[:, 1:]
 
+    def _on_device(self, step: int) -> torch.Tensor:
+        """Step `step`'s tokens on the device (queued a step ahead), and the next step's copy queued.
+        The pinned source may be dropped at once: torch's pinned-memory allocator records the copy
+        on its block and reuses the block only once the copy is done."""
+        tokens = self.ahead.pop(step, None)
+        if tokens is None:
+            tokens = self.tokens(step).pin_memory().to(self.device, non_blocking=True)
+        self.ahead = {step + 1: self.tokens(step + 1).pin_memory().to(self.device, non_blocking=True)}
+        return tokens
+
     def micro_batches(self, step: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        inputs, targets = self.batch(step)
+        """This rank's micro-batches of step `step`, (inputs, targets) each, on the loader's device."""
+        if self.device is None:
+            inputs, targets = self.batch(step)
+        else:
+            tokens = self._on_device(step)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
         return [(inputs[i:i + micro_batch], targets[i:i + micro_batch])
                 for i in range(0, len(inputs), micro_batch)]

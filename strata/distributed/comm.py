@@ -159,6 +159,7 @@ class _Pending:
         self.timed = timed  # counted in flight until the first wait() returns
 
     def wait(self) -> None:
+        started = time.perf_counter()
         if self.operation is not None:
             self.operation.done.wait()  # never times out itself: the watchdog ends a hung operation
             if self.operation.error is not None:
@@ -166,6 +167,7 @@ class _Pending:
         else:
             for work in self.works:
                 _run(self.op, self.group_name, work.wait, self.group, self.seq, self.peers)
+        counter.waited(self.op, self.group_name, started, time.perf_counter())
         if self.timed:
             counter.finished(self.op, self.group_name)
             self.timed = False
@@ -229,6 +231,7 @@ def _issue(op: str, group_name: str, nbytes: float, launch, async_op: bool, grou
         handle.wait()
         return None
     counter.started(op, group_name)
+    started = time.perf_counter()
     try:
         work = _run(op, group_name, lambda: launch(async_op), group, seq)
     except BaseException:
@@ -236,6 +239,7 @@ def _issue(op: str, group_name: str, nbytes: float, launch, async_op: bool, grou
         raise
     if async_op:
         return _Pending(op, group_name, group, seq, works=[work], timed=True)
+    counter.waited(op, group_name, started, time.perf_counter())
     counter.finished(op, group_name)
     return None
 

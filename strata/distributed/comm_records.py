@@ -28,6 +28,12 @@ class CommCounter:
     def __init__(self):
         self.clock = DeviceClock(torch.device("cpu"))
         self.bytes_sent: dict[tuple[str, str], float] = defaultdict(float)
+        # The host's blocked time (perf_counter start, end) in each wait for an operation, a
+        # synchronous one's whole run included: the communication the step did not overlap. On
+        # gloo that is the exposed time itself; on NCCL a wait only orders the streams (the
+        # profiler's trace shows the device's side: bench/gpu_check.py).
+        self.waits: list[tuple[str, str, float, float]] = []  # the step's first MAX_WAITS (the trace's)
+        self._exposed: dict[tuple[str, str], float] = defaultdict(float)
         self._spans: dict[tuple[str, str], list] = defaultdict(list)  # (start mark, end mark) of busy spans
         self._in_flight: dict[tuple[str, str], int] = defaultdict(int)
         self._busy_since: dict[tuple[str, str], object] = {}
@@ -47,6 +53,17 @@ class CommCounter:
         if self._in_flight[key] == 0:
             self._spans[key].append((self._busy_since.pop(key), self.clock.mark()))
 
+    MAX_WAITS = 1 << 14  # a tool that never resets (generation, the benchmark) keeps a bounded list
+
+    def waited(self, op: str, group_name: str, start: float, end: float) -> None:
+        self._exposed[(op, group_name)] += end - start
+        if len(self.waits) < self.MAX_WAITS:
+            self.waits.append((op, group_name, start, end))
+
+    def exposed_seconds_by_op(self) -> dict[str, float]:
+        """Seconds the host was blocked waiting for each kind of operation this step."""
+        return {f"{op}/{group}": seconds for (op, group), seconds in self._exposed.items()}
+
     def seconds_by_op(self) -> dict[str, float]:
         """On CUDA, once the compute stream has passed the step's last wait (timing.synchronize_stream)."""
         return {f"{op}/{group}": sum(self.clock.seconds(start, end) for start, end in spans)
@@ -62,6 +79,8 @@ class CommCounter:
         """A new step: counts start from zero (collectives still in flight keep their start)."""
         self.bytes_sent.clear()
         self._spans.clear()
+        self.waits.clear()
+        self._exposed.clear()
         for key in self._busy_since:
             self._busy_since[key] = self.clock.mark()
 

@@ -2,8 +2,8 @@
 `--offload disk` (ZeRO-Infinity's NVMe tier, Rajbhandari et al. 2021).
 
 `cpu`: fp32 master weights and Adam's moments in host memory, the optimizer step on the host: each
-step copies the gradients this rank holds to the host, runs fused AdamW there, and copies the
-updated weights back. On a CPU device host and device memory are the same, so the master weights
+step copies the gradients this rank holds to the host, runs fused AdamW there (on the node's cores
+divided among its ranks: `host_threads`), and copies the updated weights back. On a CPU device host and device memory are the same, so the master weights
 are the parameters themselves and nothing moves (this machine measures nothing for it).
 
 `disk`:
@@ -27,11 +27,33 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
 from strata.distributed.timing import synchronize_stream
 from strata.memory import tiers
+
+
+def host_threads() -> int:
+    """The cores a rank's host optimizer step may use: the process's cores, shared by the node's
+    ranks (LOCAL_WORLD_SIZE), at least one. The ranks compute with one thread each
+    (OMP_NUM_THREADS=1, as torchrun and `strata launch` set it): on a GPU node that leaves most
+    cores idle, and ZeRO-Offload's host Adam is what they can run."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
+@contextmanager
+def host_step_threads():
+    """torch's CPU kernels (the fused AdamW among them) run on host_threads() inside the block. The
+    update is elementwise, so its result does not depend on the thread count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(host_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def state_dtype(param: torch.Tensor) -> torch.dtype:
@@ -62,7 +84,8 @@ class HostOffloadAdamW:
                 master.grad = p.grad.to("cpu", master.dtype, non_blocking=True) if p.grad is not None else None
         if any(master is not p for p, master in zip(self.device_params, self.masters)):
             synchronize_stream(self.device_params[0].device)  # the copies above have landed in host memory
-        self.inner.step()
+        with host_step_threads():
+            self.inner.step()
         for p, master in zip(self.device_params, self.masters):
             if master is not p:
                 p.copy_(master, non_blocking=True)
@@ -107,8 +130,9 @@ class StreamingAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        for tensors in (self.stream() if self.stream is not None else [self.params]):
-            self._step([self.index[id(t)] for t in tensors])
+        with host_step_threads():
+            for tensors in (self.stream() if self.stream is not None else [self.params]):
+                self._step([self.index[id(t)] for t in tensors])
 
     def _step(self, indices: list[int]) -> None:
         work = []  # (tensor index, start, length) in the moments' order

@@ -197,10 +197,22 @@ class GeluMLP(nn.Module):
 
 
 class CrossEntropy(nn.Module):
-    """The loss, as a layer so that a parallel version (vocabulary-split logits) can replace it."""
+    """The loss, as a layer so that a parallel version (vocabulary-split logits) can replace it.
+    forward: the mean over tokens of whole logits; token_losses and mean: the same loss from the
+    chunks of the sequence strata/model/loss.py computes one at a time."""
 
     def forward(self, logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def token_losses(self, logits, targets):
+        """Each token's loss, in fp32 at least (the softmax's sums want it)."""
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+
+    def mean(self, total, targets):
+        """The mean loss from the sum of every token's."""
+        return total / targets.numel()
 
 
 class Block(nn.Module):

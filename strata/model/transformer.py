@@ -1,9 +1,10 @@
 """The decoder-only transformer: embeddings, a stack of blocks, a final norm and the vocabulary head.
 
 Written once, for one device. Build it on the meta device (no memory), move it with `to_empty`,
-then `init_weights(seed)`: every parameter is drawn from a generator seeded by the run seed and the
-parameter's own name, so any later slicing of the model (tensor or pipeline parallel) starts from
-exactly the weights a single process would have.
+then `init_weights(seed)`: every element of every parameter is a function of the run seed, the
+parameter's own name and the element's index (strata/model/initial_values.py), so any slicing of
+the model (tensor, pipeline or ZeRO-3 parallel) starts from exactly the weights a single process
+would have, and makes only its own piece.
 
 A pipeline stage is this same model with layers removed (torchtitan's way): the blocks live in a
 ModuleDict keyed by their global index, so a stage's parameters keep their full names; the forward
@@ -13,20 +14,16 @@ states when the final norm is gone."""
 from __future__ import annotations
 
 import copy
-import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from strata.model.config import ModelConfig
+from strata.model.initial_values import initial_value
 from strata.model.layers import Block, CrossEntropy, alibi_slopes, attention_bias, make_norm, rope_tables
+from strata.model.loss import chunk_bounds, chunked_loss
 from strata.model.moe import RouterLosses
-
-INIT_STD = 0.02  # GPT-2's initialisation; residual output projections are scaled by 1/sqrt(2L)
-_RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.w_out.weight", "mlp.experts.w_down",
-                     "mlp.shared.w_down.weight")
 
 
 class Transformer(nn.Module):
@@ -172,10 +169,9 @@ class Transformer(nn.Module):
             cache.advance(seq)
         if self.final_norm is None:
             return h
-        logits = self.output(h[:, -1:] if last_only else h)
         if targets is None:
-            return self.gather_logits(logits)
-        return self.criterion(logits, targets)
+            return self.gather_logits(self.output(h[:, -1:] if last_only else h))
+        return self.loss(h, targets)
 
     def embed_tokens(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(tokens)
@@ -192,25 +188,32 @@ class Transformer(nn.Module):
         return h
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.final_norm(h)
+        return self.project(self.final_norm(h))
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits of normed hidden states: the head, or a tied model's embedding matrix."""
         if self.head is None:
             return F.linear(h, self.embed.weight)
         return self.head(h)
 
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the last block's output. When the whole fp32 logits would pass
+        loss.LOGITS_CHUNK_BYTES, in chunks of the sequence (strata/model/loss.py): only one
+        chunk's logits ever exist."""
+        h = self.final_norm(h)
+        weights = self.head_weights()
+        bounds = chunk_bounds(h.shape[0], h.shape[1], weights[0].shape[0])
+        if bounds is None:  # one chunk: the logits kept for backward
+            return self.criterion(self.project(h), targets)
+        # the chunks run the head without its hooks: chunked_loss fires them once, around them all
+        project = self.head.forward if self.head is not None else self.project
+        return chunked_loss(h, targets, self.head, project, self.criterion, weights, bounds)
 
-def initial_value(name: str, shape: tuple[int, ...], seed: int, n_layers: int,
-                  norm: str = "rmsnorm") -> torch.Tensor:
-    """The initial value of the logical (unsharded) parameter `name`, in fp32 on the CPU. Every
-    norm (attn_norm, mlp_norm, final_norm, embed_norm, attn.q_norm, attn.k_norm) starts as the
-    identity: weight 1, or 0 for the norm that scales by (1 + weight) (cfg.norm)."""
-    leaf = name.rsplit(".", 1)[-1]
-    if "norm" in name and leaf == "weight":
-        return torch.zeros(shape) if norm == "gemma_rmsnorm" else torch.ones(shape)
-    if leaf == "bias":
-        return torch.zeros(shape)
-    std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(_RESIDUAL_OUTPUTS) else INIT_STD
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=generator) * std
+    def head_weights(self) -> list[nn.Parameter]:
+        """What `project` reads: the head's parameters, and a tied model's embedding matrix (the
+        first: its rows are this rank's logits' columns)."""
+        tied = self.tied_weight()
+        return ([tied] if tied is not None else []) + (list(self.head.parameters()) if self.head is not None else [])
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype=torch.float32,

@@ -21,7 +21,8 @@ from strata.memory.checkpointing import apply_checkpointing
 from strata.memory.offloaded_shards import OffloadedShards
 from strata.memory.tiers import OffloadedActivations, Tier
 from strata.model.config import ModelConfig
-from strata.model.transformer import Transformer, build_model, initial_value
+from strata.model.initial_values import initial_value
+from strata.model.transformer import Transformer, build_model
 from strata.parallel.context import apply_context_parallel
 from strata.parallel.data import DataParallel, DataParallelSettings
 from strata.parallel.expert import ExpertAxes, ExpertSplit, apply_expert_parallel, set_capacity
@@ -69,7 +70,7 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     apply_checkpointing(model, lay.checkpointing,
                         [stage[0].blocks_of(c) for c in stage[0].chunks_of(stage[1])] if stage is not None else None,
                         activations)
-    init = local_initial_values(model, cfg.seed, tp_group)
+    init = local_initial_values(model, cfg.seed, tp_group, device)
     on_wire = {name: torch_dtype(value) if value != "fp32" else None
                for name, value in (("reduce_dtype", lay.reduce_dtype), ("gather_dtype", lay.gather_dtype))}
     settings = DataParallelSettings(dp_group, tp_group, stage[2] if stage is not None else None, cfg.bucket_mb,
@@ -78,8 +79,7 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
         offload = OffloadedShards(Tier(lay.offload_params, "params", offload_dir, rank)) \
             if lay.offload_params != "none" else None
-        sharding: ShardingStrategy = ShardParameters(model, settings, lambda name: init(name).to(device, dtype),
-                                                     device, dtype, offload)
+        sharding: ShardingStrategy = ShardParameters(model, settings, init, device, dtype, offload)
     else:
         model = model.to_empty(device=device).to(dtype)
         with torch.no_grad():
@@ -122,12 +122,15 @@ def compile_seconds() -> float | None:
     return sum(parts) if any(parts) else None
 
 
-def local_initial_values(model: Transformer, seed: int, tp_group):
-    """name -> this rank's slice of the logical parameter's initial value (layout-independent)."""
+def local_initial_values(model: Transformer, seed: int, tp_group, device):
+    """init(name, flat=None) -> this rank's slice of the logical parameter's initial value
+    (layout-independent), or the elements [flat[0], flat[1]) of it flattened (a ZeRO-3 shard's
+    piece), made on `device` and nothing more."""
     specs = shard_specs(model)
     rank, world = (dist.get_rank(tp_group), dist.get_world_size(tp_group)) if tp_group is not None else (0, 1)
 
-    def init(name: str) -> torch.Tensor:
+    def init(name: str, flat: tuple[int, int] | None = None) -> torch.Tensor:
         spec = specs[name]
-        return spec.local(initial_value(name, spec.full_shape, seed, model.cfg.n_layers, model.cfg.norm), rank, world)
+        return initial_value(name, spec.full_shape, seed, model.cfg.n_layers, model.cfg.norm,
+                             spec.local_box(rank, world), flat, device)
     return init

@@ -58,6 +58,7 @@ class DataParallel:
         activations: the tier checkpointed activations are offloaded to (closed with the rest)."""
         self.model, self.sharding, self.settings, self.activations = model, sharding, settings, activations
         self.params = sharding.params
+        sharding.overlap_gathers(gather_points(model))  # ZeRO-1/2's gathers waited for unit by unit
         specs = shard_specs(model)
         self._spec_of = {id(p): specs[name] for name, p in model.named_parameters()}
         self._norm_indices: dict[tuple, tuple[torch.Tensor, ...]] = {}  # see _norm_parts
@@ -231,6 +232,19 @@ class DataParallel:
         replica = self.settings.edp_rank if id(param) in self.settings.expert_ids else self.settings.dp_rank
         return ((self.stage > 0 or replica == 0) and written
                 and id(param) not in self.settings.counted_elsewhere)
+
+
+def gather_points(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Per unit of the model (the inputs, each block, the outputs: ZeRO-3's), the module its
+    forward enters first and the parameters it reads: a tied head reads the embedding's matrix."""
+    points, units = [], model.units()
+    for i, modules in enumerate(units):
+        params = [p for m in modules for p in m.parameters()]
+        if i == len(units) - 1 and model.tied_weight() is not None:
+            params.append(model.tied_weight())
+        if modules:
+            points.append((modules[0], params))
+    return points
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -191,6 +191,10 @@ class ExpertSplit:
         for part in self.parts:
             part.after_step()
 
+    def overlap_gathers(self, units) -> None:
+        for part in self.parts:
+            part.overlap_gathers(units)
+
     def zero_grad(self) -> None:
         for part in self.parts:
             part.zero_grad()

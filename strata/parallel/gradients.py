@@ -35,8 +35,8 @@ from torch import nn
 from strata.distributed import comm
 from strata.parallel.bucket_reductions import BucketReductions
 from strata.parallel.buckets import Bucket, Piece, bucket_elements, plan_buckets, shard_pieces
+from strata.parallel.parameter_gathers import ParameterGathers
 from strata.parallel.sharding import gather_shards, pair_norms, sharded_optimizer_pieces, tensor_bytes
-from strata.rules.constants import MAX_IN_FLIGHT
 
 
 class _Buckets:
@@ -91,6 +91,9 @@ class _Buckets:
     def stream_units(self):
         """Everything is in memory: one group, every tensor the optimizer updates."""
         yield [tensor for tensor, _, _, _ in self.optimizer_pieces()]
+
+    def overlap_gathers(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        """Nothing: only ZeRO-1/2 gather parameters after the step."""
 
     def separate_optimizer_targets(self) -> None:
         """Nothing: the optimizer updates views of the flat buffer (or the masters), never the
@@ -212,6 +215,7 @@ class _ShardedBuckets(_Buckets):
                 self._shard_of(self.masters, pc).copy_(pc.param.detach().reshape(-1)[pc.start - pc.offset:
                                                                                      pc.end - pc.offset])
         self.param_buffer = flat_parameters(self.buckets, self.total, params[0], compute_dtype)
+        self.gathers = ParameterGathers(self.buckets)  # the updated shards', in flight into the next forward
         self._offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
         self.shard_params = [self._shard_of(self.masters, pc) if self.masters is not None
                              else self.param_buffer[pc.start:pc.end] for pc in self.pieces]
@@ -233,22 +237,35 @@ class _ShardedBuckets(_Buckets):
         return sharded_optimizer_pieces(self.pieces, self.shard_params)
 
     def after_step(self) -> None:
-        """All-gather every bucket's updated shards into the parameters."""
-        pending = []
-        for bucket in self.buckets:
+        """Start the all-gather of every bucket's updated shards into the parameters, in place,
+        each waited for by the next forward's unit that reads it (parameter_gathers.py)."""
+        self.gathers.wait()
+        for bucket in reversed(self.buckets):  # the first layers' first
             lo, hi = bucket.shard(self.dp_rank, self.dp_size)
             if self.masters is not None:
                 self.param_buffer[lo:hi].copy_(self._bucket_shard(self.masters, bucket))
-            pending.append(comm.all_gather(self.param_buffer[bucket.start:bucket.start + bucket.size],
-                                           self.param_buffer[lo:hi], self.group, self.group_name, async_op=True))
-            if len(pending) > MAX_IN_FLIGHT:
-                pending.pop(0).wait()
-        for work in pending:
-            work.wait()
+            self.gathers.started(bucket, comm.all_gather(self.param_buffer[bucket.start:bucket.start + bucket.size],
+                                                         self.param_buffer[lo:hi], self.group, self.group_name,
+                                                         async_op=True))
+
+    def overlap_gathers(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        self.gathers.watch(units)
+
+    def prepare_step(self) -> None:
+        self.gathers.wait()  # a bucket no forward read (a stage's unused parameters) is done by now
+
+    def in_memory(self):
+        self.gathers.wait()  # a checkpoint reads whole parameters
+        return super().in_memory()
+
+    def close(self) -> None:
+        self.gathers.close()
+        super().close()
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's state, with the parameters as the fp32 masters when the weights are bf16
         copies (gathered a bucket at a time)."""
+        self.gathers.wait()
         state = super().full_state_dict(model)
         if self.masters is not None:
             names = {id(p): n for n, p in model.named_parameters()}

@@ -87,7 +87,12 @@ class ShardingStrategy(Protocol):
         ...
 
     def after_step(self) -> None:
-        """After the optimizer step and after loading a checkpoint (ZeRO-1/2 all-gather)."""
+        """After the optimizer step and after loading a checkpoint (ZeRO-1/2 start their all-gathers)."""
+        ...
+
+    def overlap_gathers(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        """units: (the module each unit's forward enters first, the parameters it reads); ZeRO-1/2
+        make that forward wait for those parameters' gathers (the rest stay in flight)."""
         ...
 
     def zero_grad(self) -> None:

@@ -69,6 +69,20 @@ class ShardSpec:
             return full
         return self._padded(full, self.dim).chunk(world, dim=self.dim)[rank].clone()
 
+    def local_box(self, rank: int, world: int) -> list[tuple[int, int]]:
+        """This rank's block of the (padded) logical tensor, as `local` cuts it: (start, end) per
+        dimension, an end past the logical shape in a padded vocabulary's rows."""
+        if self.cuts:
+            return self.box_bounds()
+        bounds = [(0, n) for n in self.full_shape]
+        if self.dim is not None:
+            length = self.padded if self.padded and self.padded > self.full_shape[self.dim] else \
+                self.full_shape[self.dim]
+            size = -(-length // world)  # torch.chunk's
+            start = min(rank * size, length)
+            bounds[self.dim] = (start, min(start + size, length))
+        return bounds
+
     def box_slices(self) -> tuple[slice, ...]:
         """The block `cuts` keeps, as slices of the padded logical tensor."""
         return tuple(slice(start, end) for start, end in self.box_bounds())
@@ -214,7 +228,14 @@ class VocabParallelCrossEntropy(nn.Module):
         self.vocab, self.start, self.group = vocab, rank * padded_vocab // world, group
 
     def forward(self, logits, targets):
-        return vocab_parallel_losses(logits, targets, self.start, self.vocab, self.group).mean()
+        return self.token_losses(logits, targets).mean()
+
+    def token_losses(self, logits, targets):
+        """Each token's loss (a chunk of the sequence at a time: strata/model/loss.py)."""
+        return vocab_parallel_losses(logits, targets, self.start, self.vocab, self.group)
+
+    def mean(self, total, targets):
+        return total / targets.numel()
 
 
 class SplitSequence(nn.Module):

@@ -289,10 +289,17 @@ class GridCrossEntropy(nn.Module):
         self.start = vocab_axis.rank * padded // vocab_axis.size
 
     def forward(self, logits, targets):
+        return _mean_over(self.token_losses(logits, targets).mean(), self.batch)
+
+    def token_losses(self, logits, targets):
+        """Each of this rank's tokens' loss (a chunk of the sequence at a time: strata/model/loss.py)."""
         targets = targets.chunk(self.batch.size, dim=0)[self.batch.rank]
-        losses = vocab_parallel_losses(logits, targets, self.start, self.vocab, self.vocab_axis.group,
-                                       self.vocab_axis.name)
-        return _mean_over(losses.mean(), self.batch)
+        return vocab_parallel_losses(logits, targets, self.start, self.vocab, self.vocab_axis.group,
+                                     self.vocab_axis.name)
+
+    def mean(self, total, targets):
+        """The mean over this rank's sequences' tokens, then over the sequence groups."""
+        return _mean_over(total / targets.chunk(self.batch.size, dim=0)[self.batch.rank].numel(), self.batch)
 
 
 class RefuseLogits(nn.Module):

@@ -61,12 +61,13 @@ class ShardParameters:
     reduce_every_micro_batch = True
     expert_names: frozenset[str] = frozenset()  # parallelize() keeps mixtures off ZeRO-3's path
 
-    def __init__(self, model: nn.Module, settings, init_fn: Callable[[str], torch.Tensor] | None = None,
+    def __init__(self, model: nn.Module, settings, init_fn: Callable[..., torch.Tensor] | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  offload: OffloadedShards | None = None):
-        """model may be on the meta device: then init_fn(name) gives each parameter's initial
-        value (this rank's tensor-parallel slice), and only one unit is ever materialised in full
-        at a time. offload: the tier the shards and their gradients live in (None: in memory)."""
+        """model may be on the meta device: then init_fn(name, (start, end)) gives the elements
+        [start, end) of each parameter's initial value (of this rank's tensor-parallel slice,
+        flattened): a rank makes only its shard. offload: the tier the shards and their gradients
+        live in (None: in memory)."""
         self.model, self.settings, self.group, self.offload = model, settings, settings.dp_group, offload
         self.offloaded = offload is not None
         self.dp_size, self.dp_rank = settings.dp_size, settings.dp_rank
@@ -210,6 +211,9 @@ class ShardParameters:
 
     def after_step(self) -> None:
         """Nothing: the updated shards are what the next forward gathers."""
+
+    def overlap_gathers(self, units) -> None:
+        """Nothing: the units' hooks gather (zero3_hooks.py)."""
 
     def prepare_step(self) -> None:
         """Nothing: the optimizer updates this rank's shards, which carry their gradients."""

@@ -53,10 +53,11 @@ class UnitGathers:
         self.peak_buffer_bytes = 0  # gathered units and staged gradients alive at once, at most
 
     # --- layout and initialisation ------------------------------------------------------------
-    def materialise(self, unit: Unit, names: dict[int, str], init_fn: Callable[[str], torch.Tensor] | None,
+    def materialise(self, unit: Unit, names: dict[int, str], init_fn: Callable[..., torch.Tensor] | None,
                     device, dtype: torch.dtype) -> None:
         """Give the unit its flat storage and this rank's shard of the initial values (a meta
-        parameter's from init_fn(name)); dtype: the masters'. names: id(parameter) -> its name."""
+        parameter's from init_fn(name, (start, end)), the elements of the rank's slice of it
+        flattened, made alone); dtype: the masters'. names: id(parameter) -> its name."""
         for module in unit.modules:
             for attr, p in module.named_parameters(recurse=True):
                 owner_name, _, leaf = attr.rpartition(".")
@@ -65,14 +66,18 @@ class UnitGathers:
         originals = [getattr(owner, attr) for owner, attr, _ in unit.slots]
         (bucket,), size = plan_buckets(originals, bucket_elems=2**62, dp_size=self.dp_size)
         unit.bucket = bucket
-        masters = torch.zeros(size, dtype=dtype, device=device)
         compute_dtype = self.settings.gather_dtype or dtype
-        unit.full = masters if compute_dtype == dtype else torch.zeros(size, dtype=compute_dtype, device=device)
+        unit.full = torch.empty(size, dtype=compute_dtype, device=device)  # its storage is freed below
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        unit.shard = torch.zeros(hi - lo, dtype=dtype, device=device)  # the alignment's padding stays 0
+        names_of = {id(p): name for (_, _, name), p in zip(unit.slots, originals)}
+        with torch.no_grad():  # only this rank's shard of each parameter is made (issue 53, item 7)
+            for piece in shard_pieces([bucket], self.dp_rank, self.dp_size):
+                p, elements = piece.param, (piece.start - piece.offset, piece.end - piece.offset)
+                unit.shard[piece.start - lo:piece.end - lo].copy_(
+                    init_fn(names_of[id(p)], elements) if p.is_meta else p.detach().reshape(-1)[slice(*elements)])
         new_params = []
         for (owner, attr, name), p, offset in zip(unit.slots, originals, bucket.offsets):
-            with torch.no_grad():
-                masters[offset:offset + p.numel()].copy_(
-                    init_fn(name).reshape(-1) if p.is_meta else p.detach().reshape(-1))
             # A tensor on the unit's storage with a version counter of its own (not a view of
             # `full`): the all-gathers that refill the storage must not look to autograd like
             # in-place changes of the weights it saved for backward.
@@ -83,8 +88,6 @@ class UnitGathers:
             new_params.append(param)
         bucket.params = new_params
         unit.offset_of = {id(p): offset for p, offset in zip(new_params, bucket.offsets)}
-        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
-        unit.shard = masters[lo:hi].clone()
         unit.shard_grad = torch.zeros_like(unit.shard)
         for piece in shard_pieces([bucket], self.dp_rank, self.dp_size):
             n = piece.end - piece.start

@@ -57,11 +57,13 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t
         return total, exposed, 2 * ring * grad_bytes
     # ZeRO-1: one reduce-scatter per bucket a step (overlapping the last backward unless a pipeline
     # schedule ran), ZeRO-2: every micro-batch, the last bucket of each exposed; then an all-gather
-    # of each bucket's updated shards
+    # of each bucket's updated shards, the buffer's last bucket (the first layers') first, each
+    # waited for by the next forward as it reaches the bucket: all but the first hide behind the
+    # first micro-batch's forward (parallel/gradients.py `after_step`)
     reductions = m if lay.zero == 2 else 1
-    (rs, last), (ag, _) = one_by_one("reduce_scatter", lay.reduce_dtype), one_by_one("all_gather", lay.gather_dtype)
+    (rs, last), (ag, first) = one_by_one("reduce_scatter", lay.reduce_dtype), one_by_one("all_gather", lay.gather_dtype)
     hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
-    exposed = max(last if hidden else rs, rs - hidden) * reductions + ag
+    exposed = max(last if hidden else rs, rs - hidden) * reductions + first + max(0.0, ag - first - t_fwd)
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
 
 

@@ -72,7 +72,8 @@ class RunLog:
                   "model_state_bytes": sum(states.values()),
                   "model_state_breakdown": _by_location(run, states, sharding_stats),
                   "comm_bytes": comm.counter.total(), "comm_bytes_by_op": comm.counter.by_op(),
-                  "comm_seconds_by_op": comm.counter.seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device),
+                  "comm_seconds_by_op": comm.counter.seconds_by_op(),
+                  "comm_exposed_seconds_by_op": comm.counter.exposed_seconds_by_op(), "peak_mem_bytes": m.peak_memory_bytes(run.device),
                   **self.allocator.read(), "optimizer_step_s": run.state.update_s}
         if any(setting != "none" for setting in (run.cfg.layout.offload, run.cfg.layout.offload_params,
                                                  run.cfg.layout.offload_activations)):

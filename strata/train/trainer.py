@@ -81,8 +81,8 @@ def setup(run_input: TrainConfig | RunSpec, checked: bool = False) -> Run:
     versions = _weight_versions(cfg, model, model_cfg, stage_layout, pp_rank, seq_len) \
         if SCHEDULES[lay.schedule].asynchronous else None
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
-              optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp),
-              BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp),
+              optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp, device),
+              BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp, device),
               shards.local_pieces(model, parallel, tp_rank, dims.tp), owns_process_group, groups_before,
               scaler=LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
               if cfg.dtype == "fp16" else None,

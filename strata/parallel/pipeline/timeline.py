@@ -19,11 +19,20 @@ COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
 
 
+WAITS_TID = 1000  # the trace's row of rank r's communication waits: WAITS_TID + r
+
+
 def gather_timeline(executor) -> list[dict] | None:
     """Every rank's timeline of the last step, on global rank 0 (None elsewhere); all ranks call it."""
     mine = [{"kind": t.action.kind, "microbatch": t.action.microbatch, "chunk": t.action.chunk,
              "start": t.start, "end": t.end} for t in executor.timeline]
-    everyone = comm.gather_objects({"rank": dist.get_rank(), "stage": executor.rank, "actions": mine}, None, "world")
+    # the host's blocked waits for communication that began within the schedule's span (what it
+    # did not overlap; on the CPU the actions' clock is the host's too)
+    span = executor.timeline[-1].end if executor.timeline else 0.0
+    waits = [{"name": f"{op}/{group}", "start": start - executor.t0_host, "end": end - executor.t0_host}
+             for op, group, start, end in comm.counter.waits if 0 <= start - executor.t0_host <= span]
+    everyone = comm.gather_objects({"rank": dist.get_rank(), "stage": executor.rank, "actions": mine,
+                                    "waits": waits}, None, "world")
     return everyone if dist.get_rank() == 0 else None
 
 
@@ -37,6 +46,12 @@ def write_trace(path: str, ranks: list[dict], meta: dict | None = None) -> None:
             events.append({"name": f"{a['kind']}{a['microbatch']}", "cat": NAMES[a["kind"]], "ph": "X",
                            "pid": 0, "tid": r["rank"], "ts": a["start"] * 1e6, "dur": (a["end"] - a["start"]) * 1e6,
                            "args": {"microbatch": a["microbatch"], "chunk": a["chunk"]}})
+        if r.get("waits"):  # a row of its own under the rank's: waits fall inside and between actions
+            tid = WAITS_TID + r["rank"]
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                           "args": {"name": f"rank {r['rank']} waiting for communication"}})
+            events += [{"name": w["name"], "cat": "exposed communication", "ph": "X", "pid": 0, "tid": tid,
+                        "ts": w["start"] * 1e6, "dur": (w["end"] - w["start"]) * 1e6} for w in r["waits"]]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta or {}}, f)
 
@@ -66,6 +81,7 @@ def _read_trace(path: str) -> list[dict]:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     ranks: dict[int, dict] = {}
+    events = [e for e in events if e.get("tid", 0) < WAITS_TID]  # the actions' rows
     for e in events:
         if e.get("ph") == "M" and e["name"] == "thread_name":
             stage = int(e["args"]["name"].split("stage ")[1].rstrip(")"))
