@@ -219,8 +219,15 @@ def _report_correctness(p: dict) -> list[str]:
     ring = ", ".join(f"{name} {max(r['relative_errors'].values()):.1e} (tol {r['tolerance']:g})"
                      for name, r in p.get("ring attention", {}).items())
     verdict = "PASS" if p["passed"] else "FAIL"
-    return [f"correctness: {verdict}: {p['device']} vs cpu, tiny {p['steps']} steps: {train}; greedy tokens {greedy}; "
-            f"ring attention's blocks vs one attention {ring}"]
+    lines = [f"correctness: {verdict}: {p['device']} vs cpu, tiny {p['steps']} steps: {train}; greedy tokens {greedy}; "
+             f"ring attention's blocks vs one attention {ring}"]
+    grouped = p.get("grouped experts", {}).get("bf16")
+    if grouped:
+        lines.append(f"  grouped experts bf16: {grouped['path']}, max rel err "
+                     f"{max(grouped['relative_errors'].values()):.1e} (tol {grouped['tolerance']:g}), host syncs "
+                     f"{sum(grouped['host_syncs'].values())} + CUDA {grouped['cuda_sync_warnings']}, loop / taken "
+                     f"{grouped['timing']['loop_over_taken']:.1f}x")
+    return lines
 
 
 def _mfu_line(run: dict) -> str:

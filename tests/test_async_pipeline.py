@@ -88,7 +88,8 @@ def test_p_stages_equal_the_single_process_run_of_their_rule_in_fp64(p):
             torch.testing.assert_close(rank[schedule]["losses"], expected["losses"], rtol=1e-10, atol=0)
             torch.testing.assert_close(rank[schedule]["val"], expected["val"], rtol=1e-10, atol=0)
         synchronous = _run({**_settings(schedule, p), "dtype": "fp64", "schedule": "1f1b"})
-        assert abs(synchronous["losses"][-1] - expected["losses"][-1]) > 1e-4  # stale weights change the run
+        # stale weights change the run, far past the 1e-10 the runs are compared at
+        assert abs(synchronous["losses"][-1] - expected["losses"][-1]) > 1e-6
         # weight versions stashed, counted after each update: 2 on every stage for 2BW, p - i on stage i
         for stage, rank in enumerate(ranks):
             counts = [r["weight_versions"][0] for r in rank[schedule]["records"]]

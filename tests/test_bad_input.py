@@ -95,8 +95,6 @@ CASES = [
     (["train", "--gather-dtype", "bf16"], "--gather-dtype bf16: only with dtype bf16"),
     (["train", "--dtype", "bf16", "--nproc", "2", "--gather-dtype", "bf16"],
      "--gather-dtype bf16: sets the dtype ZeRO-1/2/3 gather parameters in"),
-    (["train", "--dtype", "bf16", "--nproc", "4", "--pp", "2", "--zero", "1", "--gather-dtype", "bf16"],
-     "--gather-dtype bf16: not with pp 2"),
     (["train", "--dtype", "fp64", "--nproc", "2", "--reduce-dtype", "bf16"], "--reduce-dtype bf16: not with dtype fp64"),
     (["train", "--nproc", "2", "--pp", "2", "--schedule", "zb", "--compile"], "--schedule zb: not with --compile"),
     (["train", "--schedule", "2bw"], "--grad-clip 1.0: not with --schedule 2bw: clipping by the global norm"),

@@ -66,3 +66,11 @@ def test_a_mixture_of_experts_reads_the_rows_per_expert_once_per_layer(name):
     for fewer, more in run_on_ranks(_both, world, settings):
         assert sum(more.values()) - sum(fewer.values()) == 2 * layers, (fewer, more)  # 2 more micro-batches
         assert sum(fewer.values()) == 2 + 2 * layers, fewer
+
+
+def test_experts_on_torch_s_grouped_product_read_nothing_per_layer():
+    """fp32 on a CPU, where torch's grouped product has a kernel (strata/model/grouped_experts.py):
+    the offsets stay on the device, so a dropless mixture reads the loss and norm and its routing
+    statistics, and nothing per layer or micro-batch."""
+    for fewer, more in run_on_ranks(_both, 1, {"model": "tiny-moe", "dtype": "fp32"}):
+        assert fewer == more and sum(fewer.values()) == 2, (fewer, more)

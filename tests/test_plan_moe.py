@@ -58,7 +58,11 @@ def test_predicted_model_states_match_a_real_run(world, settings, text):
     mem = e.memory_breakdown
     assert mem["weights"] + mem["gradients"] + mem["optimizer_states"] == \
         pytest.approx(counted["model_state_bytes"], rel=0.05)
-    assert mem["activations"] == pytest.approx(counted["peak_activation_bytes"], rel=0.05)
+    # The planner routes evenly. Under ep a rank saves the rows its experts received, and a tiny
+    # micro-batch's 128 assignments split over two ranks by a random router vary by about 9% (one
+    # binomial standard deviation of 64 rows); the routed rows are about half the activations.
+    spread = 0.05 if dict(settings).get("ep", 1) == 1 else 0.10
+    assert mem["activations"] == pytest.approx(counted["peak_activation_bytes"], rel=spread)
     by_group = {}
     for key, nbytes in counted["comm_bytes_by_op"].items():
         by_group[key.split("/")[1]] = by_group.get(key.split("/")[1], 0) + nbytes

@@ -42,7 +42,7 @@ def _strategies(tmp_path):
 
 def test_the_protocol_names_what_the_callers_use():
     assert {"backward", "reduce_all", "grad_pairs", "grad_norm_pairs", "clip_", "optimizer_pieces", "stream_units",
-            "separate_optimizer_targets", "prepare_step", "after_step", "overlap_gathers", "zero_grad", "in_memory",
+            "separate_optimizer_targets", "prepare_step", "after_step", "overlap_gathers", "wait_parameters", "zero_grad", "in_memory",
             "full_state_dict", "stats", "close", "stage", "reduce_every_micro_batch", "offloaded", "params",
             "expert_names"} == MEMBERS
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.model.config import ModelConfig
+from strata.model.grouped_experts import grouped_applies, grouped_experts, loop_experts, padded_applies, padded_experts
 
 
 @dataclass
@@ -88,23 +89,29 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n, d_ff, d_model))
         self.w_down = nn.Parameter(torch.empty(n, d_model, d_ff))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows sorted by expert, counts[i] of them for local expert i. An expert without rows
-        computes on none: the output stays in the graph of x and of the weights even when every
-        expert here is idle, so that backward still runs the exchange that brought x (expert
-        parallelism: the other ranks wait for it) and the weights get their zero gradient."""
-        outs = []
-        for i, rows in enumerate(x.split(counts)):
-            h = F.silu(F.linear(rows, self.w_gate[i])) * F.linear(rows, self.w_up[i])
-            outs.append(F.linear(h, self.w_down[i]))
-        return torch.cat(outs)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """x: rows sorted by expert, counts[i] (on the device) of them for local expert i; sizes: the
+        same as read by the caller already, or None. The form (strata/model/grouped_experts.py):
+        torch's grouped product where it has a kernel (bf16 on an H100, fp32 on a CPU), which reads
+        nothing; else the counts are read here unless the caller has (the layer's one read), for
+        batched products over padded rows on a GPU, for the per-expert loop on a CPU (faster there).
+        An expert without rows computes on none: the output stays in the graph of x and of the weights
+        even when every expert here is idle, so that backward still runs the exchange that brought x
+        (expert parallelism: the other ranks wait for it) and the weights get their zero gradient."""
+        weights = (self.w_gate, self.w_up, self.w_down)
+        if grouped_applies(x, *weights):
+            return grouped_experts(x, counts, *weights)
+        sizes = sizes if sizes is not None else counts.tolist()
+        if padded_applies(x, sizes):
+            return padded_experts(x, counts, max(sizes, default=0), *weights)
+        return loop_experts(x, sizes, *weights)
 
 
 def local_dispatch(experts: Experts, x: torch.Tensor, counts: torch.Tensor,
                    sizes: list[int] | None = None) -> torch.Tensor:
     """Every expert on this device: compute the sorted rows in place (sizes: counts as read by the
-    caller already; else read here, the layer's one read of the device)."""
-    return experts(x, sizes if sizes is not None else counts.tolist())
+    caller already, if it has)."""
+    return experts(x, counts, sizes)
 
 
 def _per_expert(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -163,7 +170,8 @@ class MoE(nn.Module):
         keep = self._within_capacity(chosen, tokens)
         # Assignments (token, slot) sorted by expert, stable so that each expert sees its tokens in
         # order; dropped ones (key n_experts) sort last and are cut off once the kept count is read.
-        # No boolean mask and no bincount: the layer reads the device once, for the rows per expert.
+        # No boolean mask and no bincount: the layer reads the device at most once, for the rows per
+        # expert (dropless, where the experts run torch's grouped product, not at all).
         keys = flat_expert if keep is None else torch.where(keep, flat_expert, self.n_experts)
         slots = torch.argsort(keys, stable=True)
         counts, sizes = assigned, None

@@ -94,10 +94,12 @@ def expert_dispatch(axes: ExpertAxes, experts: nn.Module, x: torch.Tensor, count
     if torch._C._current_graph_task_id() == -1:  # a forward, not its recomputation in backward
         routed_rows.add(sent, received)
     rows = _AllToAll.apply(x, received, sent, axes.ep.group)  # by source rank, then by expert
-    # by expert, then by source rank, for the experts' loop; and back
+    # by expert, then by source rank, for the experts (their rows per expert on the device for the
+    # grouped product, on the host for the others); and back
     by_source = rows.split([sizes[j][e] for j in range(ep) for e in range(local)])
     by_expert = [by_source[j * local + e] for e in range(local) for j in range(ep)]
-    outputs = experts(torch.cat(by_expert), [sum(sizes[j][e] for j in range(ep)) for e in range(local)])
+    rows_per_expert = [sum(sizes[j][e] for j in range(ep)) for e in range(local)]
+    outputs = experts(torch.cat(by_expert), from_rank.sum(0), rows_per_expert)
     out_by_expert = outputs.split([sizes[j][e] for e in range(local) for j in range(ep)])
     back = torch.cat([out_by_expert[e * ep + j] for j in range(ep) for e in range(local)])
     return _AllToAll.apply(back, sent, received, axes.ep.group)
@@ -194,6 +196,10 @@ class ExpertSplit:
     def overlap_gathers(self, units) -> None:
         for part in self.parts:
             part.overlap_gathers(units)
+
+    def wait_parameters(self) -> None:
+        for part in self.parts:
+            part.wait_parameters()
 
     def zero_grad(self) -> None:
         for part in self.parts:

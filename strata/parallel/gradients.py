@@ -95,6 +95,9 @@ class _Buckets:
     def overlap_gathers(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
         """Nothing: only ZeRO-1/2 gather parameters after the step."""
 
+    def wait_parameters(self) -> None:
+        """Nothing in flight: only ZeRO-1/2 gather parameters after the step."""
+
     def separate_optimizer_targets(self) -> None:
         """Nothing: the optimizer updates views of the flat buffer (or the masters), never the
         parameter objects (ZeRO-0 overrides this)."""
@@ -250,6 +253,9 @@ class _ShardedBuckets(_Buckets):
 
     def overlap_gathers(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
         self.gathers.watch(units)
+
+    def wait_parameters(self) -> None:
+        self.gathers.wait()
 
     def prepare_step(self) -> None:
         self.gathers.wait()  # a bucket no forward read (a stage's unused parameters) is done by now

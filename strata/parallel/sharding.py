@@ -90,6 +90,11 @@ class ShardingStrategy(Protocol):
         """After the optimizer step and after loading a checkpoint (ZeRO-1/2 start their all-gathers)."""
         ...
 
+    def wait_parameters(self) -> None:
+        """Every parameter readable whole now, outside a forward (ZeRO-1/2 wait for their gathers in
+        flight; asynchronous schedules stash the updated weights)."""
+        ...
+
     def overlap_gathers(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
         """units: (the module each unit's forward enters first, the parameters it reads); ZeRO-1/2
         make that forward wait for those parameters' gathers (the rest stay in flight)."""

@@ -215,6 +215,9 @@ class ShardParameters:
     def overlap_gathers(self, units) -> None:
         """Nothing: the units' hooks gather (zero3_hooks.py)."""
 
+    def wait_parameters(self) -> None:
+        """Nothing: a unit's parameters are whole only while gathered, for its forward or backward."""
+
     def prepare_step(self) -> None:
         """Nothing: the optimizer updates this rank's shards, which carry their gradients."""
 

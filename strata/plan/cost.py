@@ -39,6 +39,7 @@ from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost,
 from strata.rules.constants import BUCKET_MB
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import unit_costs
+from strata.rules.pipeline_wire import activation_wire_bytes
 from strata.rules.schedules import SCHEDULES
 
 
@@ -155,7 +156,7 @@ class _Terms:
     kernel_ceiling: float
     activation_per_layer: float  # bytes one block keeps for backward, per micro-batch
     tp_message: float  # bytes of one tensor-parallel collective
-    pp_message: float  # bytes sent between stages per micro-batch
+    pp_message: float  # bytes sent between stages per micro-batch (rules/pipeline_wire.py's dtype)
     pp_send_s: float
     tp_collective_s: float  # 1-D: one collective of tp_message
     grid: GridCost | None  # 2-D, 2.5-D, 3-D: bytes and seconds by part (plan/tensor.py)
@@ -175,7 +176,8 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
     # context parallelism attends block by block (ring) or in one kernel per head group (Ulysses): fused
     fused = work.fused_attention or lay.cp > 1
     tp_message = tokens * cfg.d_model * act_bytes
-    pp_message = tokens * cfg.d_model * act_bytes / (t if split else 1)
+    # the hidden states (and their gradients) in the dtype the runtime sends them in: one rule
+    pp_message = tokens * cfg.d_model * activation_wire_bytes(work.precision) / (t if split else 1)
     step_work = StepWork(cfg, tokens, b, s, t, split, fused, act_bytes, grid, lay.ep)
     units, ceiling = _unit_seconds(step_work, cluster, peak)
     # processes sharing cores (cpu-local): every kernel runs at the share of the cores it gets

@@ -229,9 +229,6 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     if layout.gather_dtype != "fp32" and layout.zero == 0:
         raise ConfigError("sets the dtype ZeRO-1/2/3 gather parameters in (the weights the layers compute with), "
                           "and zero is 0", "gather_dtype", layout.gather_dtype)
-    if layout.gather_dtype != "fp32" and layout.pp > 1:
-        raise ConfigError(f"not with pp {layout.pp}: the stages exchange fp32 activations, which bf16 weights "
-                          f"would turn bf16", "gather_dtype", layout.gather_dtype)
     if global_batch % (layout.micro_batch * layout.dp):
         raise ConfigError(f"must be a multiple of micro_batch {layout.micro_batch} x dp {layout.dp} = "
                           f"{layout.micro_batch * layout.dp}", "global_batch", global_batch)

@@ -202,4 +202,6 @@ def _relative_least_squares(rows: list[tuple[float, float, tuple[float, ...]]]) 
     n = len(a[0])
     gram = torch.tensor([[sum(row[i] * row[j] for row in a) for j in range(n)] for i in range(n)], dtype=torch.float64)
     rhs = torch.tensor([sum(row[i] * y for row, y in zip(a, r)) for i in range(n)], dtype=torch.float64)
-    return torch.linalg.solve(gram, rhs).tolist()
+    # least squares, not solve: on a loaded machine a term can measure as nothing in every row (a
+    # singular Gram matrix, which crashed a calibration); its coefficient then comes out 0
+    return torch.linalg.lstsq(gram, rhs[:, None], driver="gelsd").solution[:, 0].tolist()

@@ -29,6 +29,7 @@ from strata.parallel.pipeline.versions import WeightVersions
 from strata.parallel.tensor_nd import GridGroups
 from strata.rules.dtypes import DTYPES, parameter_dtype, torch_dtype
 from strata.rules.pipeline_cut import make_layout
+from strata.rules.pipeline_wire import activation_wire
 from strata.rules.schedules import SCHEDULES
 from strata.rules.tensor_modes import grid_of
 from strata.train import metrics as m
@@ -111,14 +112,16 @@ def _pipeline(cfg: TrainConfig, model, model_cfg, stage_layout, pp_rank: int, me
     lay = cfg.layout
     # what passes between stages: the hidden states of this rank's chunks of the sequence (1/cp),
     # 1/tp of them under sequence parallelism,
-    # this rank's sequences and features under multi-dimensional tensor parallelism
+    # this rank's sequences and features under multi-dimensional tensor parallelism; in the dtype of
+    # the wire (16 bits under mixed precision), whatever dtype the stages compute in
     grid = grid_of(lay.tp_mode, lay.tp, lay.tp_depth)
     shape = (lay.micro_batch // grid.batch_parts, seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1),
              model_cfg.d_model // grid.hidden_parts)
     links = mesh.pipeline_links(wraps=stage_layout.virtual_stages > 1)
     pp_group = mesh.groups["pp"]
     executor = PipelineExecutor(chunk_views(model, stage_layout, pp_rank), stage_layout, lay.schedule, pp_group,
-                                links, shape, parameter_dtype(cfg.dtype), device, lambda: autocast_for(cfg, device),
+                                links, shape, torch_dtype(activation_wire(cfg.dtype)), device,
+                                lambda: autocast_for(cfg, device),
                                 model, versions[0] if versions else None)
     return {"pp_group": pp_group, "stage_layout": stage_layout, "pipeline": executor,
             "embedding_group": mesh.embedding_group() if model_cfg.tie_embeddings else None}
@@ -235,6 +238,8 @@ def update(run: Run) -> dict[str, int]:
     run.parallel.after_step()
     synchronize_stream(run.device)  # its kernels, not the next step's, own the time
     run.state.update_s = time.perf_counter() - started
+    if run.versions:  # the stash copies the updated weights: ZeRO-1's gathers of them must be done
+        run.parallel.sharding.wait_parameters()
     for versions in run.versions or ():
         versions.updated()
     states = run.parallel.state_bytes(run.optimizer)

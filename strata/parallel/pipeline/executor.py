@@ -14,8 +14,15 @@ same order, as NCCL needs (it runs a group's operations one at a time, matches t
 and a send waits for its receive). A send is posted without waiting, right after the action that
 made it, and waited for only when the pipeline drains; a receive is posted and waited for when
 its action needs it, and nothing else is waited for. Shapes are known ahead (micro-batch,
-sequence or its 1/tp slice, d_model), so no shapes are exchanged. An output whose send has
-completed keeps no storage (Megatron's trick: backward needs only its autograd node, not its
+sequence or its 1/tp slice, d_model), so no shapes are exchanged, and so is the dtype messages
+travel in (the wire: strata/rules/pipeline_wire.py, 16 bits under mixed precision). A stage
+computes in its own dtype, its weights' (the fp32 masters under autocast, whose residual stream is
+fp32; bf16 weights gathered by ZeRO, whose stream is bf16); the hidden states are rounded to the
+wire when sent and widened to the receiving stage's dtype, and their gradients likewise on the way
+back: the single-process run with that rounding at each cut (tests/test_pipeline_bf16.py). (Where
+autocast makes a stage's output wider than its weights, as CUDA's fp32 LayerNorm on the embedding
+does to bf16 weights, the next stage still goes on in its weights' dtype.) An output whose send
+has completed keeps no storage (Megatron's trick: backward needs only its autograd node, not its
 values); its node and saved activations go once its backward has run.
 
 The asynchronous schedules run through `segment` instead of `step`: one step's part of a pipeline
@@ -65,14 +72,21 @@ def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
         (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs, unreachable, accumulate
 
 
+def stage_dtype(chunks: dict[int, nn.Module], default: torch.dtype) -> torch.dtype:
+    """The dtype a stage computes its hidden states in: its weights' (fp32 masters under autocast,
+    bf16 when ZeRO gathers bf16 weights, fp64); `default` for a stage without weights."""
+    return next((p.dtype for chunk in chunks.values() for p in chunk.parameters() if p.is_floating_point()), default)
+
+
 class PipelineExecutor:
     def __init__(self, chunks: dict[int, nn.Module], layout: PipelineLayout, schedule: str, group,
-                 links: PipelineLinks, activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
+                 links: PipelineLinks, activation_shape: tuple[int, ...], wire_dtype: torch.dtype,
                  device: torch.device, autocast=contextlib.nullcontext, model_states: nn.Module | None = None,
                  versions: WeightVersions | None = None):
         self.chunks, self.layout, self.schedule, self.group = chunks, layout, schedule, group
         self.links = links
-        self.shape, self.dtype, self.device, self.autocast = activation_shape, activation_dtype, device, autocast
+        self.shape, self.wire_dtype, self.device, self.autocast = activation_shape, wire_dtype, device, autocast
+        self.stage_dtype = stage_dtype(chunks, wire_dtype)  # what received hidden states are widened to
         self.model_states = model_states  # its parameters are not activations
         self.versions = versions  # asynchronous schedules: this stage's weight versions
         self.rank = dist.get_rank(group)
@@ -172,7 +186,9 @@ class PipelineExecutor:
         incoming, _ = self._messages(action)
         if incoming is None:  # chunk 0, its own copy: a view would keep (and count) the whole batch
             return micro_batch(action.microbatch)[0].to(self.device, copy=True)
-        return self._receive(incoming).requires_grad_(torch.is_grad_enabled())
+        # widened to the stage's dtype (no copy when the wire is that dtype): the leaf whose
+        # gradient goes back, in the stage's dtype as on one process
+        return self._receive(incoming).to(self.stage_dtype).requires_grad_(torch.is_grad_enabled())
 
     def _forward(self, action: Action, x, micro_batch, m: int):
         """Run chunk c on micro-batch i; returns (its unscaled loss or None, bytes saved for backward)."""
@@ -195,10 +211,11 @@ class PipelineExecutor:
             out = out * (self.loss_scale / m)
         else:
             loss = None
-            if out.dtype != self.dtype or tuple(out.shape) != self.shape:
+            if not out.is_floating_point() or tuple(out.shape) != self.shape:
                 raise RuntimeError(f"pipeline chunk {c} produced {tuple(out.shape)} {out.dtype}; the receiving "
-                                   f"stage expects {self.shape} {self.dtype}")
-            self._send(self._messages(action)[1], out.detach(), out if torch.is_grad_enabled() else None)
+                                   f"stage expects {self.shape} hidden states (sent in {self.wire_dtype})")
+            self._send(self._messages(action)[1], out.detach().to(self.wire_dtype),
+                       out if torch.is_grad_enabled() else None)
         if torch.is_grad_enabled():
             self.inputs[(i, c)], self.outputs[(i, c)] = x, out
         return loss, self.saved_bytes.get(c, 0)
@@ -214,10 +231,10 @@ class PipelineExecutor:
         x, out = self.inputs.pop(key), self.outputs.pop(key)
         if self.store is not None:
             self.store.current = key
-        _backward(out, grad)
+        _backward(out, grad.to(out.dtype))  # it came in the wire's dtype: widened to the output's
         _, outgoing = self._messages(action)
         if outgoing is not None:
-            self._send(outgoing, x.grad, None)
+            self._send(outgoing, x.grad.to(self.wire_dtype), None)
 
     # --- communication --------------------------------------------------------------------------
     def _send(self, message: Message, tensor: torch.Tensor, output: torch.Tensor | None) -> None:
@@ -228,7 +245,7 @@ class PipelineExecutor:
 
     def _receive(self, message: Message) -> torch.Tensor:
         """Post the receive of a message on its link, and wait for it (only it)."""
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        buffer = torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
         link = self.links.group(message.kind, message.sender, message.receiver)
         comm.send_recv([], [(buffer, self.links.peers[message.sender])], link, GROUP).wait()
         self._free_sent()
