@@ -11,6 +11,9 @@ Parts, in order (each timed; when the --budget-s budget is spent the rest are sk
                 equals the run kept on the device bit for bit; greedy generation gives the CPU's tokens;
                 context parallelism's ring attention, its blocks computed by the device's kernel and
                 merged, equals one attention over the whole sequence (fp32, bf16; causal, a window)
+  step          issue 53's step on the device (bench/gpu_check_step.py): host syncs a step by strata's
+                counter and CUDA's sync debug mode; initial values made on the device equal the CPU's;
+                an 8B-shaped model's weights made on the device; the loss's peak at a 128K vocabulary
   mfu           the trainer's MFU denominator on this device without --peak-flops (bf16, fp32: its
                 number and source, the table's number, a measured matmul beside it) and the record
                 a 2-step run writes (its peak and source, the allocator's reserved bytes, retries
@@ -49,7 +52,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_check_parts, however this is started
 STARTED = time.perf_counter()  # the budget counts from here: importing torch takes time too
 BUDGET_S = 480.0
-PART_NAMES = ("environment", "correctness", "mfu", "event_timing", "collectives", "generation", "memory",
+PART_NAMES = ("environment", "correctness", "step", "mfu", "event_timing", "collectives", "generation", "memory",
               "step_time")
 
 
@@ -138,7 +141,9 @@ def run_parts(check, names: list[str], results: dict, write) -> None:
     import gpu_check_correctness as correctness
     import gpu_check_device as device_parts
     import gpu_check_parts as parts
-    functions = {"environment": parts.environment, "correctness": correctness.correctness, "mfu": parts.mfu,
+    import gpu_check_step as step_parts
+    functions = {"environment": parts.environment, "correctness": correctness.correctness,
+                 "step": step_parts.step, "mfu": parts.mfu,
                  "event_timing": device_parts.event_timing, "collectives": device_parts.collectives,
                  "generation": parts.generation, "memory": parts.memory,
                  "step_time": parts.step_time}
@@ -228,6 +233,19 @@ def _report_correctness(p: dict) -> list[str]:
                      f"{sum(grouped['host_syncs'].values())} + CUDA {grouped['cuda_sync_warnings']}, loop / taken "
                      f"{grouped['timing']['loop_over_taken']:.1f}x")
     return lines
+
+
+def _report_step(p: dict) -> list[str]:
+    syncs = ", ".join(f"{model} {s['dtype']} {s['strata_total']} (CUDA's warnings {s['cuda_warnings']}; budget "
+                      f"{s['budget']})" for model, s in p["syncs"].items())
+    values, start, loss = p["initial_values"], p["startup"], p["chunked_loss"]
+    same = "equal" if values["passed"] else f"DIFFER: {', '.join(values['differing'])}"
+    return [f"step: host syncs a step: {syncs}",
+            f"  initial values on the device vs the CPU, {values['model']}'s embedding and block 0: {same}",
+            f"  start-up: {start['model']}'s {start['elements'] / 1e9:.2f} G weights made on the device in "
+            f"{start['made_on_device_s']:.1f} s (drawn whole on the CPU as before: ~{start['cpu_randn_estimate_s']:.0f} s)",
+            f"  the loss at a 131,072 vocabulary, {loss['tokens']} tokens: peak {_bytes(loss['unchunked'])} unchunked, "
+            f"{_bytes(loss['chunked'])} in chunks of {_bytes(loss['chunk_bytes'])} of fp32 logits"]
 
 
 def _mfu_line(run: dict) -> str:

@@ -13,7 +13,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-PARTS = ("environment", "correctness", "mfu", "event_timing", "collectives", "generation", "memory", "step_time")
+PARTS = ("environment", "correctness", "step", "mfu", "event_timing", "collectives", "generation", "memory",
+         "step_time")
 
 
 def gpu_check(*args, timeout=600, cache=None):
@@ -101,6 +102,20 @@ def test_quick_mode_times_the_workloads_by_the_clock_and_the_wall(quick):
         assert set(w) >= {"events_s", "launch_s", "stream_s", "wall_s", "events_over_wall", "launch_over_wall"}
         assert all(isinstance(w[key], float) for key in ("events_s", "wall_s", "events_over_wall"))
     assert "event timing (the host clock)" in report
+
+
+def test_quick_mode_measures_issue_53_s_step(quick):
+    """Host syncs within their budget, initial values equal on the device and the CPU, the
+    weights made, the chunked loss's peak under half the unchunked one."""
+    results, report = quick
+    part = results["step"]
+    assert part["syncs"]["tiny"]["strata_total"] <= 1 and part["syncs"]["tiny"]["passed"]
+    assert part["syncs"]["tiny-moe"]["strata_total"] == 2  # fp32 on a CPU: torch's grouped product
+    assert part["initial_values"]["passed"] and part["initial_values"]["tensors"] >= 10
+    assert part["startup"]["elements"] == 106816  # tiny's parameters
+    loss = part["chunked_loss"]
+    assert loss["passed"] and loss["chunked"] < loss["unchunked"] / 2
+    assert "step: host syncs a step: tiny fp32 1" in report and "initial values on the device vs the CPU" in report
 
 
 def test_quick_mode_starts_a_world_1_group_with_the_flight_recorders_variables(quick):

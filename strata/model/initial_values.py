@@ -32,7 +32,8 @@ RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.w_out.weight", "
                     "mlp.shared.w_down.weight")
 QUANTILE_BITS = 16  # of the hash's 32: the quantile cell; the other 16 place x inside it
 _MASK32 = 0xFFFFFFFF
-CHUNK = 2 ** 16  # elements hashed at a time: the dozen passes over them stay in the cache
+CHUNK = 2 ** 16  # elements hashed at a time on a CPU: the dozen passes over them stay in the cache
+DEVICE_CHUNK = 2 ** 24  # on an accelerator: few launches (each chunk reads its top index once)
 
 
 class GeneratedElements:
@@ -84,7 +85,8 @@ def standard_normal(index: torch.Tensor, seed: int, name: str) -> torch.Tensor:
     key = _hash32(zlib.crc32(name.encode()) ^ _hash32((seed & _MASK32) ^ _hash32((seed >> 32) & _MASK32)))
     out = torch.empty(index.shape, device=index.device)
     start, width = _quantiles(index.device)
-    for part, values in zip(index.view(-1).split(CHUNK), out.view(-1).split(CHUNK)):
+    chunk = CHUNK if index.device.type == "cpu" else DEVICE_CHUNK
+    for part, values in zip(index.view(-1).split(chunk), out.view(-1).split(chunk)):
         high = part >> 32
         # per element only past 2**32 elements (a tensor of 4G elements); the same value as the scalar
         part_key = _hash32(key) if int(high[-1]) == 0 else _hash32(high.bitwise_xor_(key))
