@@ -89,7 +89,7 @@ def standard_normal(index: torch.Tensor, seed: int, name: str) -> torch.Tensor:
     for part, values in zip(index.view(-1).split(chunk), out.view(-1).split(chunk)):
         high = part >> 32
         # per element only past 2**32 elements (a tensor of 4G elements); the same value as the scalar
-        part_key = _hash32(key) if int(high[-1]) == 0 else _hash32(high.bitwise_xor_(key))
+        part_key = _hash32(key) if int(high.max()) == 0 else _hash32(high.bitwise_xor_(key))
         u = _hash32(part.bitwise_and_(_MASK32).bitwise_xor_(part_key))
         within = (u & (2 ** (32 - QUANTILE_BITS) - 1)).to(torch.float64).div_(2 ** (32 - QUANTILE_BITS))
         cell = u.bitwise_right_shift_(32 - QUANTILE_BITS)
