@@ -240,7 +240,15 @@ def _report_step(p: dict) -> list[str]:
                       f"{s['budget']})" for model, s in p["syncs"].items())
     values, start, loss = p["initial_values"], p["startup"], p["chunked_loss"]
     same = "equal" if values["passed"] else f"DIFFER: {', '.join(values['differing'])}"
+    ring, window, shape = p["attention"]["ring"], p["attention"]["window"], p["attention"]["shape"]
     return [f"step: host syncs a step: {syncs}",
+            f"  attention, {shape['dtype']} {shape['heads']}/{shape['kv_heads']} heads of {shape['d']}, "
+            f"{shape['seq']} tokens, forward + backward: ring blocks (cp 4, {ring['kernel']}) "
+            f"{_ms(ring['blocks_ms'] / 1e3)} vs one SDPA {_ms(ring['sdpa_ms'] / 1e3)} ({ring['blocks_over_sdpa']:.2f}x; "
+            f"tiles as before {ring['tiles_over_blocks']:.1f}x slower); window {window['window']} by blocks "
+            f"{_ms(window['blocks_ms'] / 1e3)}, {_bytes(window['blocks_peak_bytes'])} vs SDPA's mask "
+            f"{_ms(window['sdpa_mask_ms'] / 1e3)}, {_bytes(window['sdpa_mask_peak_bytes'])} (differ "
+            f"{window['relative_difference']:.1e})",
             f"  initial values on the device vs the CPU, {values['model']}'s embedding and block 0: {same}",
             f"  start-up: {start['model']}'s {start['elements'] / 1e9:.2f} G weights made on the device in "
             f"{start['made_on_device_s']:.1f} s (drawn whole on the CPU as before: ~{start['cpu_randn_estimate_s']:.0f} s)",

@@ -126,7 +126,7 @@ def _experts_step(experts: Experts, x: torch.Tensor, grad: torch.Tensor, run) ->
     return [y.detach(), x.grad, *(p.grad for p in experts.parameters())]
 
 
-def _median_ms(device: torch.device, step, repeats: int = 5) -> float:
+def median_ms(device: torch.device, step, repeats: int = 5) -> float:
     step()  # warm-up
     times = []
     for _ in range(repeats):
@@ -174,9 +174,9 @@ def grouped_experts_match_loop(check: Check) -> dict:
     big_x = torch.randn(rows, d_model, device=device, dtype=torch.bfloat16)
     big_grad = torch.randn_like(big_x)
     listed = sizes.tolist()
-    loop_ms = _median_ms(device, lambda: _experts_step(
+    loop_ms = median_ms(device, lambda: _experts_step(
         big, big_x, big_grad, lambda x: loop_experts(x, listed, *(getattr(big, w) for w in weights))))
-    taken_ms = _median_ms(device, lambda: _experts_step(big, big_x, big_grad, lambda x: big(x, sizes)))
+    taken_ms = median_ms(device, lambda: _experts_step(big, big_x, big_grad, lambda x: big(x, sizes)))
     tolerance = 3e-2  # bf16: a few of its 2^-7 steps, the products' sums taken in other orders
     return {"rows_per_expert": EXPERT_ROWS, "path": path, "relative_errors": errors, "tolerance": tolerance,
             "host_syncs": dict(syncs.by_kind), "cuda_sync_warnings": cuda_syncs,

@@ -9,6 +9,8 @@
   startup         seconds to make an 8B-shaped model's weights on the device from (seed, name, index),
                   against drawing one layer's tensors with torch.randn on the CPU as before (scaled to
                   the layers)
+  attention       fused attention's blocks against one SDPA call: the ring's (cp 4) and a sliding
+                  window's in one process (bench/gpu_check_attention.py)
   chunked_loss    the loss's peak memory at a 131,072-token vocabulary, chunked and not: CUDA's
                   max_memory_allocated over the loss's forward and backward (the CPU: LiveBytes)
 
@@ -21,6 +23,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
+import gpu_check_attention
 import torch
 
 from strata.config import train_config
@@ -43,7 +46,8 @@ VOCAB = 131072
 
 def step(check: Check) -> dict:
     quick = check.shapes.llm == "tiny"
-    return {"syncs": {model: step_syncs(check, model) for model in ("tiny", "tiny-moe")},
+    return {"attention": gpu_check_attention.attention(check, quick),
+            "syncs": {model: step_syncs(check, model) for model in ("tiny", "tiny-moe")},
             "initial_values": initial_values_match(check, "tiny" if quick else BIG),
             "startup": startup_seconds(check, "tiny" if quick else BIG),
             "chunked_loss": chunked_loss_memory(check, 256 if quick else 8192, 16 if quick else 4096,
@@ -105,12 +109,12 @@ def startup_seconds(check: Check, model: str) -> dict:
     cfg = get_preset(model)
     meta = build_model(cfg, seed=None)
     shapes = [(n, tuple(p.shape)) for n, p in meta.named_parameters()]
-    _synchronize(check.device)
+    synchronize(check.device)
     started = time.perf_counter()
     made = 0
     for name, shape in shapes:
         made += initial_value(name, shape, 0, cfg.n_layers, cfg.norm, device=check.device).numel()
-    _synchronize(check.device)
+    synchronize(check.device)
     on_device = time.perf_counter() - started
     one_layer = [shape for name, shape in shapes if name.startswith("blocks.0.")]
     started = time.perf_counter()
@@ -121,7 +125,7 @@ def startup_seconds(check: Check, model: str) -> dict:
             "cpu_randn_estimate_s": randn_per_layer * cfg.n_layers}
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

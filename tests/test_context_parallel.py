@@ -267,6 +267,7 @@ def test_the_rings_blocks_merge_to_attention_over_the_whole_sequence(kernel, win
     and v equal one attention over the whole sequence (fp64); with a window some blocks are wholly
     outside it and some rows of a block see none of its keys (window 11: positions 24-27 against
     12-15); grouped-query attention's K/V gradients summed over the query heads reading them."""
+    from strata.model import attention_blocks
     from strata.model.layers import alibi_slopes, attention_bias
     from strata.parallel import ring_attention as ring
     torch.manual_seed(0)
@@ -279,7 +280,7 @@ def test_the_rings_blocks_merge_to_attention_over_the_whole_sequence(kernel, win
                                                                  enable_gqa=kv_heads != heads)
     grad = torch.randn_like(reference)
     reference.backward(grad)
-    kind = {"fused": ring._Fused, "blockwise": ring._Blockwise}[kernel]
+    kind = {"fused": attention_blocks.CpuFlash, "blockwise": attention_blocks.Blockwise}[kernel]
     got = ring.blocks_in_one_process(q.detach(), k.detach(), v.detach(), grad, 4, window, slopes, kind)
     for name, ours, theirs in zip(("out", "dq", "dk", "dv"), got, (reference, q.grad, k.grad, v.grad)):
         torch.testing.assert_close(ours, theirs.detach(), rtol=1e-10, atol=1e-12, msg=name)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.model.attention_blocks import CausalMask, causal_attention
 from strata.model.config import ModelConfig
 from strata.model.moe import MoE, RouterLosses
 
@@ -109,8 +110,8 @@ class Attention(nn.Module):
 
     def forward(self, x, rope=None, bias=None, cache=None):
         """x: (batch, seq, d_model). rope: (cos, sin) from this position on, (positions, head_dim),
-        or per row (batch, 1, seq, head_dim). bias: the additive mask from `attention_bias`, or
-        None for plain causal attention. cache: a per-layer KV cache with
+        or per row (batch, 1, seq, head_dim). bias: the additive mask from `attention_bias`
+        (generation), a CausalMask (a window or ALiBi in training), or None for plain causal attention. cache: a per-layer KV cache with
         `.update(k, v) -> (keys, values)`."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -124,14 +125,16 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = self.core(q, k, v, bias if bias is None else bias.to(q.dtype))
+        out = self.core(q, k, v, bias.to(q.dtype) if isinstance(bias, torch.Tensor) else bias)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def core(self, q, k, v, bias):
         """softmax(q kᵀ/√d + bias) v: the "core attention" that selective checkpointing recomputes.
-        Without a bias, causal (a single query sees every key)."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None and q.shape[2] > 1,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        Without a bias, causal (a single query sees every key); a CausalMask: by blocks, without an
+        S x S mask (strata/model/attention_blocks.py)."""
+        if bias is None or isinstance(bias, CausalMask):
+            return causal_attention(q, k, v, bias)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def attention_bias(q_len: int, start: int, pad: torch.Tensor | None, alibi: torch.Tensor | None,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.model.attention_blocks import CausalMask
 from strata.model.config import ModelConfig
 from strata.model.initial_values import initial_value
 from strata.model.layers import Block, CrossEntropy, alibi_slopes, attention_bias, make_norm, rope_tables
@@ -160,9 +161,13 @@ class Transformer(nn.Module):
                 (self.rope_cos[positions], self.rope_sin[positions]) if positions.dim() == 1 else \
                 (self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         alibi = self.alibi if self.cfg.position == "alibi" else None
-        bias = None if self.context is not None else \
-            attention_bias(seq, start, cache.pad if cache is not None else None, alibi, h.dtype, h.device,
-                           self.cfg.sliding_window)
+        window = self.cfg.sliding_window
+        if self.context is not None:  # context parallelism's attention makes its own masks
+            bias = None
+        elif cache is not None:  # generation: padding slots and a cache's offset, as an additive mask
+            bias = attention_bias(seq, start, cache.pad, alibi, h.dtype, h.device, window)
+        else:  # training: by blocks, no S x S mask
+            bias = CausalMask(window, alibi) if alibi is not None or window else None
         for i, block in enumerate(self.blocks.values()):
             h = block(h, rope, bias, cache[i] if cache is not None else None)
         if cache is not None:

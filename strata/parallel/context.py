@@ -17,12 +17,11 @@ from functools import cached_property
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from strata.distributed import comm
 from strata.distributed.mesh import Axis
-from strata.model.layers import attention_bias
-from strata.parallel.ring_attention import GROUP, RingAttention, as_attention_computes
+from strata.model.attention_blocks import CausalMask, as_attention_computes, causal_attention
+from strata.parallel.ring_attention import GROUP, RingAttention
 from strata.parallel.tensor_comm import conjugate
 from strata.rules.context import chunk_bounds
 
@@ -138,7 +137,5 @@ class UlyssesAttention:
         if slopes is not None:  # this rank's heads of the tensor-parallel rank's
             part = heads // axis.size
             slopes = slopes[axis.rank * part:(axis.rank + 1) * part]
-        mask = attention_bias(len(order), 0, None, slopes, q.dtype, q.device, s.window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = causal_attention(q, k, v, CausalMask(s.window, slopes))
         return heads_to_seq(out[:, :, order], axis)
