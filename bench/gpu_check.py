@@ -249,11 +249,23 @@ def _report_step(p: dict) -> list[str]:
             f"{_ms(window['blocks_ms'] / 1e3)}, {_bytes(window['blocks_peak_bytes'])} vs SDPA's mask "
             f"{_ms(window['sdpa_mask_ms'] / 1e3)}, {_bytes(window['sdpa_mask_peak_bytes'])} (differ "
             f"{window['relative_difference']:.1e})",
+            f"  offload copies beside compute: {_overlap(p['offload_overlap'])}",
             f"  initial values on the device vs the CPU, {values['model']}'s embedding and block 0: {same}",
             f"  start-up: {start['model']}'s {start['elements'] / 1e9:.2f} G weights made on the device in "
             f"{start['made_on_device_s']:.1f} s (drawn whole on the CPU as before: ~{start['cpu_randn_estimate_s']:.0f} s)",
             f"  the loss at a 131,072 vocabulary, {loss['tokens']} tokens: peak {_bytes(loss['unchunked'])} unchunked, "
             f"{_bytes(loss['chunked'])} in chunks of {_bytes(loss['chunk_bytes'])} of fp32 logits"]
+
+
+def _overlap(o: dict) -> str:
+    if "copy_stream" not in o:
+        return f"not measured ({o['reason']})"
+    new, old = o["copy_stream"], o["inline"]
+
+    def _pct(x):
+        return "-" if x is None else f"{x:.0%}"
+    return (f"reads {_pct(new['read_overlap'])}, writes {_pct(new['write_overlap'])} of the copy time under kernels "
+            f"(as before: {_pct(old['read_overlap'])}, {_pct(old['write_overlap'])})")
 
 
 def _mfu_line(run: dict) -> str:

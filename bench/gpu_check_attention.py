@@ -74,7 +74,7 @@ def _window(device, q, k, v, grad, window: int) -> dict:
     result = {"window": window, "relative_difference": difference}
     for name, run in runs.items():
         result[f"{name}_ms"] = median_ms(device, lambda run=run: run().backward(grad))
-        result[f"{name}peak_bytes"] = peak_bytes(device, lambda run=run: run().backward(grad))
+        result[f"{name}_peak_bytes"] = peak_bytes(device, lambda run=run: run().backward(grad))
     result["passed"] = difference <= (3e-2 if q.dtype == torch.bfloat16 else 1e-5)
     return result
 

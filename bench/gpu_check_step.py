@@ -11,6 +11,8 @@
                   the layers)
   attention       fused attention's blocks against one SDPA call: the ring's (cp 4) and a sliding
                   window's in one process (bench/gpu_check_attention.py)
+  offload_overlap the share of an offload tier's copies that runs beside compute kernels, from a
+                  profiler trace, on the copy stream and as before (bench/offload_overlap.py)
   chunked_loss    the loss's peak memory at a 131,072-token vocabulary, chunked and not: CUDA's
                   max_memory_allocated over the loss's forward and backward (the CPU: LiveBytes)
 
@@ -24,6 +26,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import gpu_check_attention
+import offload_overlap
 import torch
 
 from strata.config import train_config
@@ -47,6 +50,7 @@ VOCAB = 131072
 def step(check: Check) -> dict:
     quick = check.shapes.llm == "tiny"
     return {"attention": gpu_check_attention.attention(check, quick),
+            "offload_overlap": offload_overlap.measure(check.device, quick),
             "syncs": {model: step_syncs(check, model) for model in ("tiny", "tiny-moe")},
             "initial_values": initial_values_match(check, "tiny" if quick else BIG),
             "startup": startup_seconds(check, "tiny" if quick else BIG),

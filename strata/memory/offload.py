@@ -31,8 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from strata.distributed.timing import synchronize_stream
-from strata.memory import tiers
+from strata.memory import copy_stream, tiers
 
 
 def host_threads() -> int:
@@ -63,12 +62,17 @@ def state_dtype(param: torch.Tensor) -> torch.dtype:
 
 class HostOffloadAdamW:
     """AdamW whose masters and moments are in host memory. copy_on_cpu forces separate host masters
-    on a CPU device too (tests exercise the copies that an accelerator needs)."""
+    on a CPU device too (tests exercise the copies that an accelerator needs). On an accelerator the
+    copies run on a copy stream (copy_stream.py; `copies` replaces it): the gradients go down after
+    the compute that made them and the host waits for that copy's event (the host step reads
+    them: the one wait it needs); the updated weights go up after the compute queued before, and
+    the compute stream, not the host, waits for them."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], copy_on_cpu: bool = False):
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], copy_on_cpu: bool = False,
+                 copies=None):
         self.device_params = [p for g in groups for p in g["params"]]
         on_host = lambda p: p.device.type == "cpu" and not copy_on_cpu  # noqa: E731
-        pin = torch.cuda.is_available()
+        pin = torch.accelerator.is_available()
         self.masters = [p if on_host(p) else
                         p.detach().to("cpu", state_dtype(p), copy=True).pin_memory() if pin else
                         p.detach().to("cpu", state_dtype(p), copy=True) for p in self.device_params]
@@ -76,19 +80,27 @@ class HostOffloadAdamW:
         host_groups = [{**g, "params": [next(masters) for _ in g["params"]]} for g in groups]
         self.inner = torch.optim.AdamW(host_groups, lr=lr, betas=betas, fused=True)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self.apart = [(p, m) for p, m in zip(self.device_params, self.masters) if m is not p]  # copied
+        self.copies = copies if copies is not None or not self.apart else \
+            copy_stream.for_device(self.device_params[0].device)
 
     @torch.no_grad()
     def step(self) -> None:
-        for p, master in zip(self.device_params, self.masters):
-            if master is not p:
-                master.grad = p.grad.to("cpu", master.dtype, non_blocking=True) if p.grad is not None else None
-        if any(master is not p for p, master in zip(self.device_params, self.masters)):
-            synchronize_stream(self.device_params[0].device)  # the copies above have landed in host memory
+        if self.apart:
+            with self.copies.issue(self.copies.after_compute()):
+                for p, master in self.apart:
+                    master.grad = p.grad.to("cpu", master.dtype, non_blocking=True) if p.grad is not None else None
+                grads_down = self.copies.landed()
+            if grads_down is not None:
+                grads_down.host_wait()  # the host step reads them
         with host_step_threads():
             self.inner.step()
-        for p, master in zip(self.device_params, self.masters):
-            if master is not p:
-                p.copy_(master, non_blocking=True)
+        if self.apart:
+            with self.copies.issue(self.copies.after_compute()):  # after the compute reading the weights
+                for p, master in self.apart:
+                    self.copies.copy(p, master)
+                weights_up = self.copies.landed()
+            copy_stream.wait_for(weights_up)  # the compute stream waits, not the host
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

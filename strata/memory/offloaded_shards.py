@@ -59,7 +59,8 @@ class OffloadedShards:
             unit.shard_here = True
 
     def shard_landed(self, index: int) -> bool:
-        """Whether the shard's read (if one was started) is done: using it would not wait."""
+        """Whether the shard's read (if one was started) is done: using it would not block the host
+        (on an accelerator: its copy is queued on the tier's copy stream, which compute then waits for)."""
         read = self.units[index].shard_read
         return read is None or read.done()
 

@@ -11,6 +11,13 @@ into it. Reads and writes run on the tier's one worker thread, in order, and ret
 blocks on a read and counts the time as I/O wait, the part of the transfers not hidden behind
 compute.
 
+On an accelerator the worker issues the copies on the tier's copy stream (copy_stream.py), not the
+compute stream, so they run beside compute: each transfer starts after the compute queued when it
+was asked for (an event); a write's worker waits for its copy's event before the write counts as
+done or the tensor's memory is freed (the write's Future is what bounds the writes in flight, and
+the disk tier writes the host bytes); a read's `wait` has the compute stream wait for the copy's
+event, with no host synchronize. On a CPU the copies are plain copies, as they always were.
+
 Every byte moved is counted per tier (`io`, reset per step by the trainer), as communication is
 counted in strata/distributed/comm.py, when it is asked for (so in the step that needs it)."""
 
@@ -24,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+from strata.memory import copy_stream
 
 TIERS = ("cpu", "disk")
 
@@ -62,9 +71,10 @@ def _raw(tensor: torch.Tensor):
 class Tier:
     """Space for named tensors in one tier, with one worker thread. A fetched tensor is read back
     into its own storage, on its own device (with the cpu tier on a CPU machine the copies are
-    real, so the path a GPU takes runs here too)."""
+    real, so the path a GPU takes runs here too). copies: where the copies run (copy_stream.py;
+    by default chosen for the first tensor's device)."""
 
-    def __init__(self, kind: str, purpose: str, directory: str | None, rank: int):
+    def __init__(self, kind: str, purpose: str, directory: str | None, rank: int, copies=None):
         if kind not in TIERS:
             raise ValueError(f"tier {kind!r}: valid {', '.join(TIERS)}")
         self.kind = kind
@@ -80,6 +90,13 @@ class Tier:
             os.unlink(self.path)  # the open file lives on; its space returns however the process ends
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"strata-{purpose}")
         self.writes: list[Future] = []  # writes not known to be done
+        self.copies = copies
+
+    def _copies(self, tensor: torch.Tensor):
+        """The copy stream of the tensors' device (a tier holds one device's tensors)."""
+        if self.copies is None:
+            self.copies = copy_stream.for_device(tensor.device)
+        return self.copies
 
     # --- space ----------------------------------------------------------------------------------
     def reserve(self, key: str, tensor: torch.Tensor) -> None:
@@ -91,7 +108,8 @@ class Tier:
             os.ftruncate(self.fd, self.end)
         else:
             host = torch.empty(tensor.numel(), dtype=tensor.dtype)
-            self.host[key] = host.pin_memory() if torch.cuda.is_available() else host
+            # pinned for an accelerator's tensors: the copies run beside compute only from pinned memory
+            self.host[key] = host.pin_memory() if tensor.device.type != "cpu" else host
 
     def bytes_held(self) -> int:
         return self.end if self.kind == "disk" else sum(t.numel() * t.element_size() for t in self.host.values())
@@ -104,39 +122,54 @@ class Tier:
     # caller waits (counted as I/O wait) so a slow disk cannot pile up memory.
     MAX_WRITES = 2
 
-    def _write(self, key: str, flat: torch.Tensor) -> None:
+    # On the worker thread; `after`: the compute stream's mark when the transfer was asked for.
+    def _write(self, key: str, flat: torch.Tensor, after) -> None:
+        copies = self._copies(flat)
+        with copies.issue(after):
+            if self.kind == "disk":
+                staged = flat.cpu()  # on an accelerator: the copy stream, and this thread, wait
+            else:
+                copies.copy(self.host[key], flat)
+            written = copies.landed(flat)
+        if written is not None:
+            # this thread, not the caller's: the bytes are in host memory before the write counts
+            # as done (the writes in flight are bounded by that) and before the memory is freed
+            written.host_wait()
         if self.kind == "disk":
-            os.pwritev(self.fd, [_raw(flat.cpu())], self.offsets[key])
-        else:
-            self.host[key].copy_(flat)
+            os.pwritev(self.fd, [_raw(staged)], self.offsets[key])
 
-    def _read(self, key: str, tensor: torch.Tensor) -> None:
-        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-        flat = tensor.view(-1)
-        if self.kind == "disk":
-            if flat.device.type == "cpu":
-                os.preadv(self.fd, [_raw(flat)], self.offsets[key])
-            else:  # through host memory
-                staged = torch.empty_like(flat, device="cpu")
-                os.preadv(self.fd, [_raw(staged)], self.offsets[key])
-                flat.copy_(staged)
-        else:
-            flat.copy_(self.host[key], non_blocking=True)
-            if flat.device.type == "cuda":
-                torch.cuda.current_stream(flat.device).synchronize()
+    def _read(self, key: str, tensor: torch.Tensor, after):
+        copies = self._copies(tensor)
+        with copies.issue(after):  # the memory is allocated on the copy stream
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            flat = tensor.view(-1)
+            if self.kind == "disk":
+                if flat.device.type == "cpu":
+                    os.preadv(self.fd, [_raw(flat)], self.offsets[key])
+                else:  # through host memory
+                    staged = torch.empty_like(flat, device="cpu")
+                    os.preadv(self.fd, [_raw(staged)], self.offsets[key])
+                    flat.copy_(staged)  # pageable: the copy stream (and this thread) wait
+            else:
+                copies.copy(flat, self.host[key])
+            return copies.landed(tensor)  # `wait` has the compute stream wait for it
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Store the tensor's contents under `key` (in the background; the tensor must not change)."""
         io.record("written", self.kind, tensor.numel() * tensor.element_size())
-        self._queue_write(self.worker.submit(self._write, key, tensor.detach().reshape(-1)))
+        after = self._copies(tensor).after_compute()
+        self._queue_write(self.worker.submit(self._write, key, tensor.detach().reshape(-1), after))
 
     def evict(self, key: str, tensor: torch.Tensor, dirty: bool) -> None:
         """Free the tensor's memory; with `dirty` its contents are written first (else the tier's
-        copy is current and they are dropped). The caller does not touch it again before a fetch."""
+        copy is current and they are dropped). The caller does not touch it again before a fetch.
+        Freed without waiting for the compute stream: memory read in by the tier was recorded on
+        it when the compute stream waited for the read (copy_stream.Ready.wait_on)."""
+        after = self._copies(tensor).after_compute() if dirty else None
         def run():
             if dirty:
-                self._write(key, tensor.detach().reshape(-1))
-            tensor.untyped_storage().resize_(0)
+                self._write(key, tensor.detach().reshape(-1), after)  # waits for the write's copy
+            release(tensor)
         done = self.worker.submit(run)
         if dirty:
             io.record("written", self.kind, tensor.numel() * tensor.element_size())
@@ -151,13 +184,17 @@ class Tier:
         """Give the tensor its memory back and read its contents into it (background); wait() on
         the result before using it."""
         io.record("read", self.kind, tensor.numel() * tensor.element_size())
-        return self.worker.submit(self._read, key, tensor)
+        return self.worker.submit(self._read, key, tensor, self._copies(tensor).after_compute())
 
     def zeros(self, tensor: torch.Tensor) -> Future:
         """Give the tensor its memory back, zeroed (in queue order, like a fetch)."""
+        copies = self._copies(tensor)
+        after = copies.after_compute()
         def run():
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-            tensor.zero_()
+            with copies.issue(after):
+                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+                tensor.zero_()
+                return copies.landed(tensor)
         return self.worker.submit(run)
 
     def close(self) -> None:
@@ -167,16 +204,23 @@ class Tier:
             self.fd = None
 
 
+def release(tensor: torch.Tensor) -> None:
+    """Free an offloaded tensor's memory: its storage resized to zero bytes, the tensor kept."""
+    tensor.untyped_storage().resize_(0)
+
+
 def wait(future: Future | None) -> None:
-    """Block until a fetch has landed, counting the time as I/O wait."""
+    """Block until a fetch has landed, counting the time as I/O wait. On an accelerator the host
+    waits only for the worker to have queued the copy; the compute stream waits for the copy."""
     if future is None:
         return
     if not future.done():
         started = time.perf_counter()
-        future.result()
+        result = future.result()
         io.wait_s += time.perf_counter() - started
     else:
-        future.result()  # raise what the reader raised
+        result = future.result()  # raise what the reader raised
+    copy_stream.wait_for(result)
 
 
 class _Saved:
