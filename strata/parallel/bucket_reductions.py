@@ -1,7 +1,16 @@
 """Bucket reductions: what ZeRO-0/1/2 (strata/parallel/gradients.py) share to overlap gradient
 communication with backward (Li et al., "PyTorch Distributed", VLDB 2020). Each bucket's arriving
 gradients are counted by post-accumulate-grad hooks and its collective starts when the last one is
-in, with at most MAX_IN_FLIGHT collectives outstanding; the stage says what a reduction does."""
+in; the stage says what a reduction does and how many may be outstanding (its `limit`:
+rules/buckets.in_flight_limit).
+
+The throttle never waits for what is done: on NCCL, `wait()` makes the current stream, backward's,
+wait for the collective, so a wait inside a gradient hook stalls backward whenever communication
+is behind. Each launch first retires every reduction that has completed (`is_completed()`, a
+query that never blocks, on gloo's works, NCCL's and the emulation's handles alike), and waits
+for the oldest only while more than `limit` are still outstanding. A retired reduction is
+finished out of launch order when an older one is still running: a stage's `finish` touches its
+own bucket's ranges only (strata/parallel/gradients.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +20,19 @@ from functools import partial
 from torch import nn
 
 from strata.parallel.buckets import Bucket
-from strata.rules.constants import MAX_IN_FLIGHT
 
 
 class BucketReductions:
     """Starts each bucket's reduction when its last gradient arrives; `sync` off (an accumulation
     micro-step) lets gradients just add up. What a reduction does is the stage's: `collect` puts a
-    parameter's gradient where the bucket is reduced from, `start` launches the collective,
-    `finish` uses its result."""
+    parameter's gradient where the bucket is reduced from, `start` launches the collective (its
+    handle has wait() and is_completed()), `finish` uses its result; `limit`: how many may be in
+    flight (None: any number)."""
 
     def __init__(self, buckets: list[Bucket], collect: Callable[[Bucket, nn.Parameter], None],
-                 start: Callable[[Bucket], object], finish: Callable[[Bucket], None], hooked: bool):
-        self.buckets, self.collect, self.start, self.finish = buckets, collect, start, finish
+                 start: Callable[[Bucket], object], finish: Callable[[Bucket], None], hooked: bool,
+                 limit: int | None):
+        self.buckets, self.collect, self.start, self.finish, self.limit = buckets, collect, start, finish, limit
         self.sync = True
         self._ready = [0] * len(buckets)
         self._launched = [False] * len(buckets)
@@ -51,8 +61,21 @@ class BucketReductions:
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.index] = True
         self._pending.append((bucket, self.start(bucket)))
-        while len(self._pending) > MAX_IN_FLIGHT:
+        self._retire_completed()
+        while self.limit is not None and len(self._pending) > self.limit:
             self._complete_oldest()
+
+    def _retire_completed(self) -> None:
+        """Finish every reduction that is done, in launch order, without waiting for the others
+        (its wait() returns at once: it settles the handle's accounting and, on NCCL, orders the
+        current stream after work that has already ended)."""
+        running, done = [], []
+        for entry in self._pending:
+            (done if entry[1].is_completed() else running).append(entry)
+        self._pending = running
+        for bucket, work in done:
+            work.wait()
+            self.finish(bucket)
 
     def _complete_oldest(self) -> None:
         bucket, work = self._pending.pop(0)

@@ -3,7 +3,9 @@
 Parameters are laid out back to front (the order backward produces their gradients), so the first
 bucket fills first and its reduction can start while backward computes the rest. A parameter never
 straddles two buckets; each bucket is padded to a multiple of the data-parallel size so that it
-splits into equal shards, rank r owning shard r of every bucket."""
+splits into equal shards, rank r owning shard r of every bucket. ZeRO-0/1/2's buffers are aligned
+(each parameter, bucket and shard starts on a boundary NCCL and the fused optimizer prefer:
+strata/rules/buckets.py); the gaps are padding, zero in every buffer."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from strata.rules import buckets as buckets_rule
 class Bucket:
     index: int
     start: int  # first element in the flat buffer
-    size: int  # elements, padded to a multiple of the dp size
+    size: int  # elements, padded to a multiple of the dp size (aligned: rules/buckets.bucket_multiple)
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # of each parameter in the flat buffer
 
@@ -44,10 +46,12 @@ class Piece:
         return self.param.dim() >= 2  # weight decay on matrices and embeddings only
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_elems: int, dp_size: int) -> tuple[list[Bucket], int]:
+def plan_buckets(params: list[nn.Parameter], bucket_elems: int, dp_size: int,
+                 aligned: bool = False) -> tuple[list[Bucket], int]:
     """Group `params` (in the order given) into buckets of about bucket_elems elements (the cut:
-    strata/rules/buckets.py, which the planner counts collectives with)."""
-    plans = buckets_rule.plan_buckets([p.numel() for p in params], bucket_elems, dp_size)
+    strata/rules/buckets.py, which the planner counts collectives with); aligned for ZeRO-0/1/2's
+    buffers, packed (the default) for ZeRO-3's units."""
+    plans = buckets_rule.plan_buckets([p.numel() for p in params], bucket_elems, dp_size, aligned)
     buckets = [Bucket(index, plan.start, plan.size, [params[i] for i in plan.members], list(plan.offsets))
                for index, plan in enumerate(plans)]
     return buckets, buckets[-1].start + buckets[-1].size
@@ -67,3 +71,20 @@ def shard_pieces(buckets: list[Bucket], dp_rank: int, dp_size: int) -> list[Piec
 
 def bucket_elements(bucket_mb: float, dtype: torch.dtype) -> int:
     return buckets_rule.bucket_elements(bucket_mb, torch.tensor([], dtype=dtype).element_size())
+
+
+def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Move the parameters into one flat buffer of `dtype`, one at a time (each original is freed
+    as its .data is replaced, so the model is never held twice); padding (the alignment's gaps
+    before parameters, each bucket's tail) zeroed."""
+    buffer = torch.empty(total, dtype=dtype, device=sample.device)
+    for bucket in buckets:
+        end = bucket.start
+        for p, offset in zip(bucket.params, bucket.offsets):
+            buffer[end:offset].zero_()
+            view = buffer[offset:offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            end = offset + p.numel()
+        buffer[end:bucket.start + bucket.size].zero_()
+    return buffer

@@ -5,8 +5,10 @@ As the field does it (Li et al., "PyTorch Distributed", VLDB 2020; megatron-core
 param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
 - `BucketReductions` (strata/parallel/bucket_reductions.py) counts each bucket's arriving gradients
   (post-accumulate-grad hooks) and starts the bucket's collective when the last one is in,
-  overlapping the rest of backward, with at most two collectives in flight. Micro-batches before
-  the last of an accumulation communicate nothing.
+  overlapping the rest of backward. Those whose reduction holds memory of its own (ZeRO-2's staging
+  buffer, a bucket cast to the reduce dtype) are limited to two in flight; a reduction in place
+  in ZeRO-0/1's permanent gradient buffer is not limited (rules/buckets.in_flight_limit).
+  Micro-batches before the last of an accumulation communicate nothing.
 - The reductions sum: the average over the data-parallel ranks is in each rank's loss already
   (`DataParallel.loss_factor`, 1/dp), as DDP divides while copying into its buckets, so no stage
   makes a pass over the gradients to divide them.
@@ -34,14 +36,15 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.parallel.bucket_reductions import BucketReductions
-from strata.parallel.buckets import Bucket, Piece, bucket_elements, plan_buckets, shard_pieces
+from strata.parallel.buckets import Bucket, Piece, bucket_elements, flat_parameters, plan_buckets, shard_pieces
 from strata.parallel.parameter_gathers import ParameterGathers
 from strata.parallel.sharding import gather_shards, pair_norms, sharded_optimizer_pieces, tensor_bytes
+from strata.rules.buckets import in_flight_limit
 
 
 class _Buckets:
-    """What the three stages share: the parameters laid out back to front in buckets padded to a
-    multiple of dp (so each splits into equal shards), and the reductions over them."""
+    """What the three stages share: the parameters laid out back to front in aligned buckets padded
+    to a multiple of dp (so each splits into equal shards), and the reductions over them."""
 
     reduce_every_micro_batch = False
     offloaded = False  # everything is in memory (ZeRO-Infinity is ZeRO-3's: zero3.py)
@@ -54,13 +57,19 @@ class _Buckets:
         sample = params[0]
         self.master_dtype = sample.dtype  # the parameters as given: what the optimizer updates
         self.buckets, self.total = plan_buckets(list(reversed(params)), bucket_elements(settings.bucket_mb, sample.dtype),
-                                                self.dp_size)
+                                                self.dp_size, aligned=True)
         if self.group is not None:
             broadcast_parameters(self.buckets, self.group, self.group_name)
+        reduces_in_place = (settings.reduce_dtype or self.master_dtype) == self._gradient_dtype()
         # the stage's steps, looked up when they run (a stage sets some of them after this)
         self.reductions = BucketReductions(self.buckets, lambda b, p: self._collect(b, p), lambda b: self._start(b),
-                                           lambda b: self._finish(b), hooked=self.group is not None)
+                                           lambda b: self._finish(b), hooked=self.group is not None,
+                                           limit=in_flight_limit(self.stage, reduces_in_place))
         self._wires: dict[int, torch.Tensor] = {}  # bucket index -> what is being reduced
+
+    def _gradient_dtype(self) -> torch.dtype:
+        """What the stage collects gradients in: the weights' dtype (ZeRO-1/2 override it)."""
+        return self.master_dtype
 
     def _on_wire(self, flat: torch.Tensor) -> torch.Tensor:
         """What a reduction sends: the gradient itself, or a copy in the reduce dtype (without one,
@@ -222,6 +231,9 @@ class _ShardedBuckets(_Buckets):
         self._offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
         self.shard_params = [self._shard_of(self.masters, pc) if self.masters is not None
                              else self.param_buffer[pc.start:pc.end] for pc in self.pieces]
+
+    def _gradient_dtype(self) -> torch.dtype:
+        return self.settings.gather_dtype or self.master_dtype  # the flat buffer's: the weights'
 
     @staticmethod
     def _shard_of(shards: torch.Tensor, pc: Piece) -> torch.Tensor:
@@ -434,17 +446,3 @@ class GradientBuffer:
     def release(self) -> None:
         for param in self.views:
             param.grad = None
-
-
-def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Move the parameters into one flat buffer of `dtype`, one at a time (each original is freed
-    as its .data is replaced, so the model is never held twice); padding zeroed."""
-    buffer = torch.empty(total, dtype=dtype, device=sample.device)
-    for bucket in buckets:
-        end = bucket.offsets[-1] + bucket.params[-1].numel()
-        buffer[end:bucket.start + bucket.size].zero_()
-        for p, offset in zip(bucket.params, bucket.offsets):
-            view = buffer[offset:offset + p.numel()]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
-    return buffer

@@ -1,6 +1,7 @@
 """What a rank's data-parallel collectives carry, as the runtime cuts them: ZeRO-0/1/2 one per
 gradient bucket (the cut: strata/rules/buckets.py, over the rank's parameters back to front, in
---bucket-mb of the fp32 masters), ZeRO-3 one per unit (strata/rules/units.py).
+--bucket-mb of the fp32 masters; each bucket as the runtime pads it, aligned on its dp ranks), ZeRO-3
+one per unit (strata/rules/units.py).
 
 The bucket cut depends on the parameters' sizes and order: a parameter larger than a bucket gets
 one of its own, and so does a norm between two such. So the planner lists a model's parameters in
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
-from strata.rules.buckets import bucket_elements, bucket_fills
-from strata.rules.constants import MAX_IN_FLIGHT
+from strata.plan.experts import expert_group
+from strata.rules.buckets import bucket_elements, bucket_fills, in_flight_limit
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 from strata.rules.units import unit_count
@@ -68,7 +69,7 @@ def output_parameters(cfg: ModelConfig) -> list[int]:
 @dataclass(frozen=True)
 class Parts:
     """The parameters each collective of one kind carries, in the order the runtime issues them."""
-    sizes: tuple[tuple[float, int], ...]  # (parameters, how many collectives carry that many)
+    sizes: tuple[tuple[float, int], ...]  # (elements, padded, how many collectives carry that many)
     last: float  # the last one's: ZeRO-0/1/2's bucket that backward completes last
 
     @property
@@ -78,12 +79,13 @@ class Parts:
 
 @lru_cache(maxsize=1024)
 def bucket_parts(cfg: ModelConfig, layers: int, first: bool, last: bool, experts: bool | None,
-                 params: float, bucket_mb: float) -> Parts:
+                 params: float, bucket_mb: float, dp_size: int = 1) -> Parts:
     """A pipeline rank's gradient buckets: its `layers` blocks, the inputs when `first`, the
     outputs when `last` (and a tied embedding's copy), back to front, cut in --bucket-mb buckets.
     experts: only the routed experts (True), all but them (False), or every parameter (None).
     `params`: what the rank holds of them (its shares under tensor and expert parallelism), which
-    the buckets' parameters add up to."""
+    the buckets' parameters add up to; each bucket padded as the runtime aligns it on `dp_size`
+    ranks (what its collectives move)."""
     held = [(size, False) for size in (input_parameters(cfg) if first else []) +
             ([cfg.vocab_size * cfg.d_model] if last and not first and cfg.tie_embeddings else [])] + \
         block_parameters(cfg) * layers + [(size, False) for size in (output_parameters(cfg) if last else [])]
@@ -91,7 +93,8 @@ def bucket_parts(cfg: ModelConfig, layers: int, first: bool, last: bool, experts
     if not sizes or params <= 0:
         return Parts(((0.0, 1),), 0.0)
     share = params / sum(sizes)
-    fills = bucket_fills([size * share for size in reversed(sizes)], bucket_elements(bucket_mb, MASTER_BYTES))
+    fills = bucket_fills([size * share for size in reversed(sizes)], bucket_elements(bucket_mb, MASTER_BYTES),
+                         dp_size, aligned=True)
     return Parts(tuple(Counter(fills).items()), fills[-1])
 
 
@@ -107,11 +110,12 @@ def collective_parts(cfg: ModelConfig, lay: Layout, layers: int, first: bool, la
     """What each of a rank's data-parallel collectives carries under its ZeRO stage."""
     if lay.zero == 3:
         return unit_parts(layers, params)
-    return bucket_parts(cfg, layers, first, last, experts, params, bucket_mb)
+    group = expert_group(lay)[0] if experts else lay.replicas  # the ranks a bucket is sharded over
+    return bucket_parts(cfg, layers, first, last, experts, params, bucket_mb, group)
 
 
 def staged(parts: Parts) -> float:
     """The parameters ZeRO-2's staging buffers hold: as many buffers as are staged at once (one
-    filling while MAX_IN_FLIGHT reduce, or every bucket when there are fewer), each the size of the
-    largest bucket, as parallel/gradients.py's ShardGradients allocates them."""
-    return min(parts.count, MAX_IN_FLIGHT + 1) * max(size for size, _ in parts.sizes)
+    filling while ZeRO-2's in-flight limit reduce, or every bucket when there are fewer), each the
+    size of the largest bucket, as parallel/gradients.py's ShardGradients allocates them."""
+    return min(parts.count, in_flight_limit(2, reduces_in_place=False) + 1) * max(size for size, _ in parts.sizes)

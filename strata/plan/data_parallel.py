@@ -21,8 +21,9 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t
     issues them (plan/buckets.py): ZeRO-0/1/2 one per gradient bucket, ZeRO-3 one per unit, each
     paying its latency. Each collective is priced in the dtype the runtime moves: gradients in the
     reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's of the updated shards) in the gather
-    dtype. Every rank runs these at the same point of its step, so they are priced `together`: no
-    process computes through another's wait."""
+    dtype, each bucket at its padded size (what the runtime moves). Every rank runs these at the
+    same point of its step, so they are priced `together`: no process computes through another's
+    wait."""
     d, stride = group or (lay.replicas, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
