@@ -3,6 +3,7 @@ docs/cost-model.md, and the fit of the defaults set from published runs, on the 
 
     python bench/validation.py            # the table, with each half's worst error
     python bench/validation.py --fit      # the first half's best defaults, searched on a grid
+    python bench/validation.py --unseen   # the runs the defaults were never fitted to, with their errors
 """
 
 from __future__ import annotations
@@ -13,18 +14,26 @@ import itertools
 
 from strata.plan import hardware
 from strata.plan.published import RUNS, halves
+from strata.plan.published_unseen import UNSEEN_RUNS
 
 
-def table() -> str:
+def table(runs=RUNS) -> str:
     first, _ = halves()
     lines = ["| run | source | layout | published | tokens/s per GPU: published | predicted | error | half |",
              "|---|---|---|---|---|---|---|---|"]
-    for run in RUNS:
+    for run in runs:
         e = run.predict()
+        half = 1 if run in first else 2 if run in RUNS else "unseen"
         lines.append(f"| {run.name} | {run.source} ({run.framework}) | {run.layout.describe()} | {run.published} | "
-                     f"{run.tokens_per_s:,.1f} | {e.tokens_per_s / run.gpus:,.1f} | {run.error():+.0%} | "
-                     f"{1 if run in first else 2} |")
+                     f"{run.tokens_per_s:,.1f} | {e.tokens_per_s / run.gpus:,.1f} | {run.error():+.0%} | {half} |")
     return "\n".join(lines)
+
+
+def unseen_summary() -> str:
+    errors = sorted(abs(r.error()) for r in UNSEEN_RUNS)
+    middle = len(errors) // 2
+    median = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
+    return f"unseen runs: {len(errors)}, median error {median:.1%}, worst {errors[-1]:.1%}"
 
 
 def worst(runs) -> float:
@@ -57,7 +66,12 @@ def fit() -> tuple[float, float, float]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", action="store_true")
+    parser.add_argument("--unseen", action="store_true")
     args = parser.parse_args()
+    if args.unseen:
+        print(table(UNSEEN_RUNS))
+        print(f"\n{unseen_summary()}")
+        raise SystemExit(0)
     if args.fit:
         share, bandwidth, overhead = fit()
         print(f"first half's best: TRAINING_GEMM_SHARE = {share:.3f}, BANDWIDTH_FRACTION = {bandwidth}, "

@@ -32,10 +32,11 @@ CPU = torch.device("cpu")
     ("NVIDIA GeForce RTX 4090", "RTX-4090"),
     # other parts, with other peaks or memory: no entry, so no datasheet rate is borrowed
     ("NVIDIA H100 PCIe", None),
-    ("NVIDIA H100 NVL", None),
+    ("NVIDIA H100 NVL", "H100-NVL"),  # in the table since issue 54 (its own datasheet column)
     ("NVIDIA H200 NVL", None),
     ("NVIDIA GH200 480GB", None),
-    ("NVIDIA H800", None),
+    ("NVIDIA H800", "H800"),
+    ("NVIDIA H800 PCIe", None),
     ("Tesla V100-PCIE-32GB", None),
     ("Tesla V100-SXM2-16GB", None),
     ("NVIDIA L4", None),
@@ -50,7 +51,8 @@ def test_cuda_device_names_match_the_table(name, entry):
 
 def test_every_table_device_has_a_name_that_matches_it():
     names = ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB",
-             "NVIDIA A800-SXM4-80GB", "Tesla V100-SXM2-32GB", "NVIDIA GeForce RTX 4090"]
+             "NVIDIA A800-SXM4-80GB", "Tesla V100-SXM2-32GB", "NVIDIA GeForce RTX 4090", "NVIDIA H100 NVL",
+             "NVIDIA H800", "NVIDIA H20", "NVIDIA B200", "AMD Instinct MI300X"]
     assert sorted(device_for_cuda_name(n) for n in names) == sorted(DEVICES)
 
 

@@ -131,7 +131,9 @@ def _best(network: str, nics: int = 1):
 def test_over_100gbe_the_experts_stay_inside_a_node_over_infiniband_they_may_cross():
     """Mixtral 8x7B on 2 nodes of 8 A100-80G: over 100 GbE the best layout keeps its expert-parallel
     group inside a node and a group across nodes costs more than twice the step; over InfiniBand
-    (a DGX's 8 x 200 Gb/s per node) a group across nodes is within 15% of the best."""
+    (a DGX's 8 x 200 Gb/s per node) a group across nodes is within 15% of the best. That one's
+    tensors fit (79.7 GB of 80) but not the device's own use beside them (the CUDA context, NCCL's
+    buffers, the allocator's reserve: issue 54, item 4), so it is compared as tensors alone."""
     cluster, ranked, rejected = _best("100gbe")
     best = ranked[0]
     assert best.layout.ep > 1 and not best.ep_crosses_nodes
@@ -143,8 +145,9 @@ def test_over_100gbe_the_experts_stay_inside_a_node_over_infiniband_they_may_cro
     assert f"ep {best.layout.ep} inside a node" in line and "NVLink" in line and "across nodes" in line
     assert any(x.startswith("parameters: 46.70B in all, 12.88B active") for x in lines)
     assert any(x.startswith("with the expert-parallel group across nodes") for x in lines)
-    _, ib_ranked, _ = _best("ib-200", 8)
-    ib_crossing = next(e for e in ib_ranked if e.ep_crosses_nodes)
+    _, ib_ranked, ib_rejected = _best("ib-200", 8)
+    ib_crossing = min((e for e in ib_ranked + ib_rejected if e.ep_crosses_nodes
+                       and e.memory_bytes_per_device <= cluster.device.memory_bytes), key=lambda e: e.step_time_s)
     assert ib_crossing.step_time_s < 1.15 * ib_ranked[0].step_time_s
     assert ib_crossing.all_to_all_s < crossing.all_to_all_s / 5
 

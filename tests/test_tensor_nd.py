@@ -220,7 +220,12 @@ def test_the_planner_predicts_the_counted_memory_of_each_mode(world, layout):
     tp = layout["tp"]
     sent = sum(v for k, v in counted["comm_bytes_by_op"].items() if k.split("/")[1].startswith("tp"))
     grad_norm = 2 * (tp - 1) / tp * 8  # one fp64 sum of squares over the whole tp group
-    assert estimated.comm_bytes["tp"] == pytest.approx(sent - grad_norm, rel=1e-12)
+    # under ZeRO-1/2 a rank sums its shard's pieces of the partially seen parameters; the planner
+    # prices the average share, and the aligned buckets (rules/buckets.py) move a shard's edge by
+    # less than one parameter alignment: at most PARAM_ALIGN_ELEMENTS fp32 elements off a rank's share
+    from strata.rules.constants import PARAM_ALIGN_ELEMENTS
+    edge = 2 * (tp - 1) / tp * 4 * PARAM_ALIGN_ELEMENTS if layout.get("zero", 0) in (1, 2) else 0.0
+    assert estimated.comm_bytes["tp"] == pytest.approx(sent - grad_norm, rel=1e-12, abs=edge)
 
 
 def _skip_a_row_collective(timeout_s):

@@ -9,6 +9,7 @@ from dataclasses import MISSING
 
 from strata.config import LAYOUT_SECTION, default_of, is_layout_setting, setting_fields
 from strata.errors import ConfigError
+from strata.plan.goodput import FAILURE_RATE, RESTART_MINUTES, STORAGE_BANDWIDTH
 from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
 from strata.rules.dtypes import DTYPES
 from strata.rules.schedules import SCHEDULES
@@ -147,10 +148,20 @@ def _plan(sub) -> None:
                                                        f"{PLAN_DEFAULTS['global_batch']})")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     plan.add_argument("--precision", default="bf16", help="bf16 | fp16 (mixed precision, 16 bytes/parameter) | fp32")
-    plan.add_argument("--optimizer", help="adamw (two fp32 moments; the default) | sgd (with momentum: one)")
+    plan.add_argument("--optimizer", help="adamw (two fp32 moments; the default) | sgd (with momentum: one) | lion "
+                                           "(one momentum) | adafactor (factored second moment: rows + columns "
+                                           "per matrix) | adafactor-momentum (and a first moment)")
+    plan.add_argument("--fp8", action="store_true", help="price the blocks' matmuls at the device's FP8 peak "
+                      "(Transformer Engine's recipe: bf16 between layers, fp32 masters; planned only, "
+                      "`strata train` computes in 16 bits)")
+    plan.add_argument("--power-cap", type=float, help="watts per device (nvidia-smi -pl): its compute clock as "
+                      "the cube root of the cap over the highest limit; memory-bound work unchanged")
     plan.add_argument("--bucket-mb", type=float, help=f"gradient bucket size (MB) of data parallelism and ZeRO-1/2, as "
                                                       f"`strata train --bucket-mb`: one collective each (default: "
                                                       f"{BUCKET_MB:g})")
+    plan.add_argument("--framework", help="price the run as this code base runs it (fused attention, gradient-"
+                                          "accumulation fusion, TP overlap, its buckets): strata (default), "
+                                          "megatron-lm, megatron-core, megatron-deepspeed, deepspeed, torchtitan")
     plan.add_argument("--layout", help="evaluate one layout instead of searching, e.g. dp=8,tp=8,pp=16,zero=1,mb=1,ckpt=full")
     plan.add_argument("--top", type=int, default=10, help="layouts to show")
     plan.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
@@ -165,9 +176,12 @@ def _plan(sub) -> None:
     plan.add_argument("--batch", type=int, help="--inference: sequences decoded together (default: 1)")
     plan.add_argument("--context", type=int, help="--inference: tokens per sequence so far, prompt + answer "
                                                   "(default: the model's context)")
-    plan.add_argument("--per-layer-us", type=float, help="--inference: overhead per layer and token "
-                                                         "(default: calibrated, else 60)")
-    plan.add_argument("--per-token-us", type=float, help="--inference: overhead per token (default: calibrated, else 200)")
+    plan.add_argument("--serving-stack", help="--inference: whose decode loop sets the fixed cost per layer and step: "
+                                              "strata (default: calibrated, else its estimate) | hf-transformers | vllm")
+    plan.add_argument("--per-layer-us", type=float, help="--inference: fixed cost per layer and decode step "
+                                                         "(default: calibrated, else the stack's: strata 220)")
+    plan.add_argument("--per-token-us", type=float, help="--inference: fixed cost once per decode step "
+                                                         "(default: calibrated, else the stack's: strata 150)")
     plan.add_argument("--efficiency", type=float, help="every FLOP at this fraction of peak, instead of timing the "
                                                        "work's GEMMs, attention and elementwise kernels on the "
                                                        f"device's curves (--inference: default {DEFAULT_EFFICIENCY})")
@@ -175,6 +189,28 @@ def _plan(sub) -> None:
     plan.add_argument("--price-per-device-hour", type=float, help="with --tokens: the price of the run per layout")
     plan.add_argument("--days", type=float, help="with --tokens, without --nodes: the fewest nodes that train them "
                                                  "within this many days")
+    _plan_goodput(plan)
+
+
+def _plan_goodput(plan) -> None:
+    """With --tokens: what the expected run adds to the ideal one (strata/plan/goodput.py)."""
+    plan.add_argument("--save-every", help="with --tokens: steps between checkpoint saves, or a time of training "
+                                           "(30m, 2h) (default: Young's interval, sqrt(2 x save x time between "
+                                           "interruptions))")
+    plan.add_argument("--eval-every", type=int, help=f"with --tokens: evaluate every N steps, as `strata train "
+                                                     f"--eval-every` (default: {default_of('eval_every')}, at the start "
+                                                     f"and the end only)")
+    plan.add_argument("--eval-batches", type=int, help=f"with --tokens: global batches each evaluation, as `strata "
+                                                       f"train --eval-batches` (default: {default_of('eval_batches')})")
+    plan.add_argument("--storage-bandwidth", type=float, help=f"with --tokens: GB/s a node writes and reads "
+                                                              f"checkpoints at (default: {STORAGE_BANDWIDTH:g}, "
+                                                              f"Llama 3's 2 TB/s over 2,048 nodes)")
+    plan.add_argument("--failure-rate", type=float, help=f"with --tokens: interruptions per device-hour (default: "
+                                                         f"{FAILURE_RATE:.3g}, Llama 3's 466 in 54 days on 16,384 "
+                                                         f"H100s)")
+    plan.add_argument("--restart-minutes", type=float, help=f"with --tokens: minutes from an interruption to "
+                                                            f"training again, before reading the checkpoint "
+                                                            f"(default: {RESTART_MINUTES:g})")
 
 
 def _bench(sub) -> None:

@@ -5,6 +5,7 @@ Handlers import the engine only when they run: parsing flags and `--help` never 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -13,27 +14,33 @@ import os
 from strata.cli.parser import PLAN_DEFAULTS
 from strata.errors import ConfigError
 from strata.plan.cost import estimate
+from strata.plan.goodput import GoodputSettings
 from strata.plan.hardware import DEVICES, Device
-from strata.plan.inference import BYTES, Overheads, Serving, serving_layouts
+from strata.plan.inference import BYTES, Overheads, Serving, serving_layouts, stack_overheads
 from strata.plan.inputs import (
     CPU_LOCAL,
     bandwidth,
     build_cluster,
     check_efficiency,
+    check_fp8,
     default_profile_path,
     load_profile,
     workload,
 )
-from strata.plan.report import chart, parse_layout, serving_table, table
-from strata.plan.run_cost import fastest_days, parse_count, run_cost, smallest_cluster
+from strata.plan.report import chart, goodput_lines, parse_layout, serving_table, table
+from strata.plan.run_cost import expected_cost, fastest_days, parse_count, smallest_cluster
 from strata.plan.search import distinct, explain, refusal, search
+from strata.plan.workload import with_framework
 from strata.rules.constants import BUCKET_MB, DEFAULT_EFFICIENCY
 from strata.rules.limits import CEILINGS, check_ceiling
 
+# The expected run's settings (strata/plan/goodput.py), read with --tokens; None: GoodputSettings' default
+GOODPUT_FLAGS = ("save_every", "eval_every", "eval_batches", "storage_bandwidth", "failure_rate", "restart_minutes")
 # The flags only one of plan's modes reads (--nodes has its own line: --inference plans one node)
-TRAINING_ONLY = ("global_batch", "seq_len", "optimizer", "bucket_mb", "layout", "explain", "chart", "no_offload", "allow_async",
-                 "network", "nics_per_node", "tokens", "price_per_device_hour", "days")
-SERVING_ONLY = ("batch", "context", "per_layer_us", "per_token_us")
+TRAINING_ONLY = ("global_batch", "seq_len", "optimizer", "bucket_mb", "framework", "layout", "explain", "chart", "no_offload", "allow_async",
+                 "network", "nics_per_node", "tokens", "price_per_device_hour", "days", "fp8", "power_cap",
+                 *GOODPUT_FLAGS)
+SERVING_ONLY = ("batch", "context", "serving_stack", "per_layer_us", "per_token_us")
 
 
 def plan_command(args, argv: list[str]) -> int:
@@ -63,12 +70,19 @@ def run_plan(args) -> int:
     from strata.checkpoint.models import resolve_model  # torch comes with checkpoints: only when planning
     model = resolve_model(args.model)
     work = workload(model, args.global_batch, args.seq_len, args.precision, args.optimizer,
-                    BUCKET_MB if args.bucket_mb is None else args.bucket_mb)
+                    BUCKET_MB if args.bucket_mb is None else args.bucket_mb, args.fp8)
+    if args.framework is not None:  # its switches and its buckets, unless --bucket-mb says otherwise
+        work = with_framework(work, args.framework)
+        work = work if args.bucket_mb is None else dataclasses.replace(work, bucket_mb=args.bucket_mb)
     tokens, nodes = _check_cost_flags(args)
+    goodput = GoodputSettings(**{name: getattr(args, name) for name in GOODPUT_FLAGS
+                                 if getattr(args, name) is not None}).check()
 
     def cluster_of(nodes: int):
         return build_cluster(args.device, nodes, args.gpus_per_node, args.intra, args.network,
-                             args.nics_per_node, args.profile, args.efficiency)
+                             args.nics_per_node, args.profile, args.efficiency, args.power_cap)
+    if args.fp8:  # a device without FP8 is refused before any search
+        check_fp8(cluster_of(1).device, args.precision)
 
     @functools.lru_cache(maxsize=None)  # --days searches the node count it then shows once already
     def searched(nodes: int):
@@ -99,7 +113,8 @@ def run_plan(args) -> int:
                    f"({smallest.layout.describe()}){tiers}" if smallest else ""
             raise ConfigError(f"no layout of {cluster.world} x {cluster.device.name} runs {args.model}{need}")
         shown = distinct(ranked)[:args.top]
-    costs = [run_cost(e, tokens, args.price_per_device_hour) for e in shown] if tokens else None
+    costs = [expected_cost(work, e, tokens, args.gpus_per_node, goodput, args.price_per_device_hour)
+             for e in shown] if tokens else None
     if args.json:
         layouts = [{**e.to_json(), **(cost.to_json() if costs else {})} for e, cost in zip(shown, costs or shown)]
         print(json.dumps({"model": args.model, "parameters": model.num_params(), "world": cluster.world,
@@ -118,6 +133,8 @@ def run_plan(args) -> int:
     if args.explain and (ranked or rejected):
         best = ranked[0] if ranked else rejected[0]
         print("\n" + "\n".join(explain(best, ranked, rejected, cluster)))
+    if args.explain and costs:
+        print("\n" + "\n".join(goodput_lines(costs[0])))
     if args.chart:
         chart(shown, args.chart, f"{args.model} on {cluster.world} x {cluster.device.name}")
         if not args.json:
@@ -131,7 +148,8 @@ def _check_cost_flags(args) -> tuple[float | None, int]:
     if args.price_per_device_hour is not None and not (math.isfinite(args.price_per_device_hour)
                                                        and args.price_per_device_hour >= 0):
         raise ConfigError(f"--price-per-device-hour {args.price_per_device_hour}: must be a price >= 0")
-    for flag, value in (("--price-per-device-hour", args.price_per_device_hour), ("--days", args.days)):
+    given = [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in GOODPUT_FLAGS]
+    for flag, value in (("--price-per-device-hour", args.price_per_device_hour), ("--days", args.days), *given):
         if value is not None and tokens is None:
             raise ConfigError(f"{flag} {value}: needs --tokens (the tokens the run trains)")
     if args.days is not None:
@@ -145,10 +163,14 @@ def _check_cost_flags(args) -> tuple[float | None, int]:
 
 
 def _cost_line(e, cost, tokens: float, nodes: int, cluster, args) -> str:
-    price = f", {cost.price:,.0f} at {args.price_per_device_hour:g} per device-hour" if cost.price is not None else ""
+    ideal, expected = cost.ideal, cost.expected
+    price = f", {ideal.price:,.0f} at {args.price_per_device_hour:g} per device-hour" if ideal.price is not None else ""
     within = f" (the fewest nodes within {args.days:g} days)" if args.days is not None else ""
-    return (f"training {tokens:.3g} tokens with {e.layout.describe()}: {cost.train_days:,.1f} days on {nodes} x "
-            f"{args.gpus_per_node} {cluster.device.name}{within}, {cost.device_hours:,.0f} device-hours{price}")
+    expected_price = f", {expected.price:,.0f}" if expected.price is not None else ""
+    return (f"training {tokens:.3g} tokens with {e.layout.describe()}: {ideal.train_days:,.1f} days on {nodes} x "
+            f"{args.gpus_per_node} {cluster.device.name}{within}, {ideal.device_hours:,.0f} device-hours{price}; "
+            f"expected with checkpoints, evaluation and failures: {expected.train_days:,.1f} days, "
+            f"{expected.device_hours:,.0f} device-hours{expected_price} (goodput {cost.goodput:.1%}; --explain)")
 
 
 def run_serving_plan(args) -> int:
@@ -169,13 +191,13 @@ def run_serving_plan(args) -> int:
         shown += [(name, e) for e in ranked[:args.top]]
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch, "context": context, "precision": args.precision,
-                          "overheads": overheads.__dict__,
+                          "overheads": {**dataclasses.asdict(overheads), "per_token_s": overheads.per_step_s},
                           "layouts": [{"device": n, **e.to_json()} for n, e in shown]}, indent=1))
         return 0
     print(f"{args.model} ({model.num_params() / 1e9:.2f}B parameters) serving in {args.precision}, batch {args.batch}, "
-          f"{context} tokens of context, on up to {args.gpus_per_node} device(s) each; overheads "
-          f"{overheads.per_layer_s * 1e6:.0f} us per layer + {overheads.per_token_s * 1e6:.0f} us per token "
-          f"({overheads.source})\n")
+          f"{context} tokens of context, on up to {args.gpus_per_node} device(s) each; the stack's fixed cost "
+          f"{overheads.per_layer_s * 1e6:.0f} us per layer + {overheads.per_step_s * 1e6:.0f} us per step "
+          f"({overheads.source}; per layer {_hidden(overheads)})\n")
     print(serving_table(shown) + "\n")
     print("\n".join(_serving_summary(names, best, args.gpus_per_node)))
     return 0
@@ -215,13 +237,14 @@ def _inference_profile(args, names: list[str]) -> dict | None:
 
 
 def _overheads(args, profile: dict | None) -> Overheads:
-    """Per-layer and per-token overheads: the defaults, the calibrated ones, or the flags'."""
-    overheads = Overheads()
-    if profile is not None:
-        overheads = Overheads(profile["per_layer_s"], profile["per_token_s"], f"calibrated on {profile['device']}")
+    """The serving stack's fixed costs: its profile (strata's own calibrated where a profile has
+    them), or the flags'."""
+    overheads = stack_overheads(args.serving_stack or "strata", profile)
     if args.per_layer_us is not None or args.per_token_us is not None:
-        overheads = Overheads(overheads.per_layer_s if args.per_layer_us is None else args.per_layer_us * 1e-6,
-                              overheads.per_token_s if args.per_token_us is None else args.per_token_us * 1e-6, "given")
+        overheads = dataclasses.replace(
+            overheads, source="given",
+            per_layer_s=overheads.per_layer_s if args.per_layer_us is None else args.per_layer_us * 1e-6,
+            per_step_s=overheads.per_step_s if args.per_token_us is None else args.per_token_us * 1e-6)
     return overheads
 
 
@@ -243,6 +266,12 @@ def _serving_layouts_on(name: str, args, work, overheads: Overheads, profile: di
                            (DEFAULT_EFFICIENCY if name != CPU_LOCAL else 1.0), read_bandwidth)
 
 
+def _hidden(overheads: Overheads) -> str:
+    if overheads.per_layer_on_host:
+        return "on the host: hidden behind a GPU's time where shorter, added on cpu-local"
+    return "on the device's timeline: added"
+
+
 def _serving_summary(names: list[str], best: dict, devices: int) -> list[str]:
     lines = []
     for name in names:
@@ -251,7 +280,8 @@ def _serving_summary(names: list[str], best: dict, devices: int) -> list[str]:
             continue
         e = best[name]
         lines.append(f"{name}: {e.describe()} serves it fastest: {e.token_latency_s * 1e3:.2f} ms per output token "
-                     f"({e.memory_bytes / 1e9:.1f} GB per device)")
+                     f"({e.memory_bytes / 1e9:.1f} GB per device); the stack's fixed cost is {e.fixed_share:.0%} of "
+                     f"it ({e.overhead_s * 1e3:.2f} ms): bytes, FLOPs and links alone take {e.bound_s * 1e3:.2f} ms")
     first, *others = [n for n in names if n in best] or [None]
     for name in others:
         ratio = best[name].token_latency_s / best[first].token_latency_s

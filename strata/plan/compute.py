@@ -10,6 +10,11 @@ from one efficiency constant (docs/cost-model.md, "Compute"):
 - what is not a GEMM (norms, residual adds, the MLP's activation, rotary, the loss's fp32 logits)
   as bytes through memory at the device's elementwise rate, plus a cost per kernel launched.
 
+FP8 (`fp8_peak`): the blocks' linear layers' GEMMs, forward and both backward, at the device's FP8
+peak and FP8 curve, their operands one byte each, as Transformer Engine's recipe runs them; the
+head's GEMM, attention and everything else as in a 16-bit run. A power cap slows what the compute
+clock sets (the GEMMs' FLOPs, fused attention: Kernels.clock_factor), not the memory's rate.
+
 The device side is `Kernels`: from the device table (with sources) or measured here by
 `strata calibrate`."""
 
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
 from strata.plan.experts import moe_elementwise, moe_gemms
-from strata.plan.hardware import Kernels
+from strata.plan.hardware import Device, Kernels
 from strata.rules.tensor_modes import TensorGrid
 from strata.rules.tensor_traffic import block_linears
 
@@ -130,8 +135,28 @@ def block_elementwise(w: StepWork) -> tuple[float, int]:
     return (norms + adds + activation + rotary + transpose) * w.tokens, kernels
 
 
-def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tuple[UnitSeconds, UnitSeconds, UnitSeconds]:
-    """(the embedding, one block, the head with its loss) for one micro-batch on one rank."""
+FP8_BYTES = 1
+
+
+def fp8_flops(device: Device) -> float:
+    """The FP8 peak the blocks' GEMMs run at under --fp8 (plan/inputs.py refuses the flag where the
+    device has none: here that is a bug)."""
+    if device.fp8_flops is None or device.kernels.fp8_gemm_fraction is None:
+        raise ValueError(f"fp8 on {device.name}, which has no FP8 peak or FP8 GEMM curve")
+    return device.fp8_flops
+
+
+def block_gemm_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float, fp8_peak: float | None = None) -> float:
+    """A block's forward GEMMs (block_gemms) on one rank: in the run's 16-bit dtype at `peak`, or
+    in FP8 at `fp8_peak` on the FP8 curve."""
+    kernels, rate, eb = (k, peak, w.element_bytes) if fp8_peak is None else (k.fp8(), fp8_peak, FP8_BYTES)
+    return sum(kernels.gemm_seconds(m, n, kk, rate, bandwidth, eb) for m, n, kk in block_gemms(w))
+
+
+def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float,
+                 fp8_peak: float | None = None) -> tuple[UnitSeconds, UnitSeconds, UnitSeconds]:
+    """(the embedding, one block, the head with its loss) for one micro-batch on one rank; with
+    fp8_peak the blocks' linear layers in FP8 (the module's docstring)."""
     cfg, eb = w.model, w.element_bytes
     elementwise_rate = bandwidth * k.bandwidth_fraction
 
@@ -142,7 +167,7 @@ def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tupl
         return elements * eb / elementwise_rate + kernels * k.kernel_overhead_s
 
     if w.fused_attention:
-        attention_fwd = attention_flops(w) / (peak * k.attention_fraction)
+        attention_fwd = attention_flops(w) / (peak * k.attention_fraction * k.clock_factor)
         attention_bwd = ATTENTION_BACKWARD * attention_fwd
     else:  # scores and values as batched GEMMs (heads x micro-batch of them), softmax and dropout between
         s, heads = w.seq_len, w.micro_batch * cfg.n_heads / w.tp
@@ -154,7 +179,7 @@ def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tupl
         attention_fwd = bmm + (4 * eb + 1) * scores / elementwise_rate + 2 * k.kernel_overhead_s
         attention_bwd = ATTENTION_BACKWARD * attention_fwd
     elements, kernels = block_elementwise(w)
-    block_gemm = gemms(block_gemms(w))
+    block_gemm = block_gemm_seconds(w, k, peak, bandwidth, fp8_peak)
     block = UnitSeconds(block_gemm + attention_fwd + elementwise(elements, kernels),
                         2 * block_gemm + attention_bwd + 2 * elementwise(elements, kernels), attention_fwd)
     hidden = cfg.d_model / (w.tp if w.sequence_parallel else 1)
@@ -169,9 +194,16 @@ def unit_seconds(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> tupl
     return embedding, block, head
 
 
-def best_gemm_efficiency(w: StepWork, k: Kernels, peak: float, bandwidth: float) -> float:
-    """The highest fraction of the peak any of this work's kernels reaches: the GEMMs on the curve,
-    and fused attention. No step can show a higher MFU."""
-    shapes = block_gemms(w) + [head_gemm(w)]
-    best = max(k.gemm_efficiency(m, n, kk, peak, bandwidth, w.element_bytes) for m, n, kk in shapes)
-    return max(best, k.attention_fraction if w.fused_attention else 0.0)
+def best_gemm_efficiency(w: StepWork, k: Kernels, peak: float, bandwidth: float, fp8_peak: float | None = None) -> float:
+    """The highest fraction of the (16-bit) peak any of this work's kernels reaches: the GEMMs on
+    the curve (the blocks' in FP8 with fp8_peak, which can pass 1), and fused attention. No step
+    can show a higher MFU."""
+    blocks = block_gemms(w)
+    if fp8_peak is None:
+        best = max(k.gemm_efficiency(m, n, kk, peak, bandwidth, w.element_bytes) for m, n, kk in blocks)
+    else:
+        best = max(2 * m * n * kk / peak / k.fp8().gemm_seconds(m, n, kk, fp8_peak, bandwidth, FP8_BYTES)
+                   for m, n, kk in blocks)
+    m, n, kk = head_gemm(w)
+    best = max(best, k.gemm_efficiency(m, n, kk, peak, bandwidth, w.element_bytes))
+    return max(best, k.attention_fraction * k.clock_factor if w.fused_attention else 0.0)

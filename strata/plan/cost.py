@@ -10,12 +10,12 @@ stages are the farthest apart. Each group's collectives run on the slowest link 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.buckets import bucket_parts, collective_parts, staged
-from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, unit_seconds
+from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, fp8_flops, unit_seconds
 from strata.plan.context import NO_CONTEXT, ContextComm, context_comm, extra_activation_bytes
 from strata.plan.data_parallel import BYTES, data_parallel_seconds, gradient_pass_seconds, optimizer_seconds
 from strata.plan.experts import (
@@ -32,11 +32,26 @@ from strata.plan.experts import (
 )
 from strata.plan.hardware import Device
 from strata.plan.links import Cluster, collective_seconds, core_split
-from strata.plan.memory import ModelStates, activation_bytes_per_layer
+from strata.plan.memory import (
+    ModelStates,
+    activation_bytes_per_layer,
+    device_overhead,
+    head_bytes,
+    optimizer_rate,
+    overhead_note,
+)
 from strata.plan.offload import offload_cost, offloads
 from strata.plan.stages import StageLoad, bubble_seconds, micro_batches_in_flight, stage_loads
-from strata.plan.tensor import GridCost, buffer_bytes, element_bytes, grid_cost, params_held, stage_seconds
-from strata.rules.constants import BUCKET_MB
+from strata.plan.tensor import (
+    GridCost,
+    buffer_bytes,
+    element_bytes,
+    grid_cost,
+    overlapped_tp_seconds,
+    params_held,
+    stage_seconds,
+)
+from strata.plan.workload import Estimate, Workload, bucket_mb_for
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import unit_costs
 from strata.rules.pipeline_wire import activation_wire_bytes
@@ -52,79 +67,6 @@ def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
         if x <= x1:
             return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
     return curve[-1][1]
-
-
-@dataclass(frozen=True)
-class Workload:
-    model: ModelConfig
-    global_batch: int  # sequences per optimizer step
-    seq_len: int
-    precision: str = "bf16"  # bf16 | fp16: mixed precision (16 bytes/parameter); fp32
-    optimizer: str = "adamw"  # adamw | sgd (with momentum)
-    # attention in one kernel (SDPA, FlashAttention: strata's); False: scores materialised and
-    # softmaxed between two batched GEMMs (Megatron-LM's runs of 2021-2022)
-    fused_attention: bool = True
-    # weight gradients summed into the fp32 accumulator by the GEMM itself (Megatron-LM's
-    # gradient-accumulation fusion); False: each micro-batch's added in a pass of its own (PyTorch's
-    # autograd, strata)
-    fused_accumulation: bool = False
-    bucket_mb: float = BUCKET_MB  # --bucket-mb: ZeRO-0/1/2's gradient buckets, one collective each
-
-
-@dataclass
-class Estimate:
-    layout: Layout
-    fits: bool
-    memory_breakdown: dict[str, float]  # bytes per device: weights, gradients, optimizer states, activations, buffers
-    comm_seconds: dict[str, float]  # per step, by group: tp, dp, pp, cp (exposed and hidden together)
-    comm_bytes: dict[str, float]  # per device per step, by group
-    compute_s: float
-    bubble: float  # idle fraction of the step from the pipeline schedule
-    step_time_s: float
-    tokens_per_s: float
-    tflops_per_device: float  # hardware FLOPs (recomputation included), as Megatron-LM reports
-    mfu: float  # model FLOPs (6 per multiplied weight + attention) over peak
-    kernel_ceiling: float = 1.0  # the highest fraction of the peak any of its kernels reaches
-    exposed_comm_s: dict[str, float] = field(default_factory=dict)  # by group: what no compute hides
-    optimizer_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    tier_bytes: dict[str, float] = field(default_factory=dict)  # offloaded: what host memory and disk hold
-    io_s: float = 0.0  # offload transfers per step, hidden or not
-    exposed_io_s: float = 0.0  # of them, what neither compute nor the optimizer step hides
-    total_params: int = 0  # the model's parameters, every expert counted
-    active_params: int = 0  # those one token uses (a mixture: its k experts)
-    all_to_all_s: float = 0.0  # a mixture under expert parallelism: the step's all-to-alls (in comm_seconds["ep"])
-    all_to_all_bytes: float = 0.0  # what a rank sends in them per step
-    ep_crosses_nodes: bool = False  # the expert-parallel group spans nodes
-    all_to_all_across_s: float = 0.0  # a group inside a node: the all-to-alls split over two nodes (explain)
-    seq_len: int = 0  # tokens per sequence, which context parallelism splits (explain)
-    # seconds a rank keeps a core busy per step, averaged over the pipeline's ranks (computing,
-    # updating, communicating; not waiting): cpu-local's processes share cores by it
-    busy_s: float = 0.0
-
-    def shares(self) -> dict[str, float]:
-        """The step split into parts that add up to it: compute, each group's exposed
-        communication, the pipeline bubble, the optimizer step and offload transfers not hidden."""
-        parts = {"compute": self.compute_s, **{f"{g} communication": s for g, s in self.exposed_comm_s.items()},
-                 "pipeline bubble": self.bubble * self.step_time_s, "optimizer step": self.optimizer_s,
-                 "offload I/O": self.exposed_io_s}
-        return {name: seconds / self.step_time_s for name, seconds in parts.items()}
-
-    @property
-    def memory_bytes_per_device(self) -> float:
-        return sum(self.memory_breakdown.values())
-
-    def to_json(self) -> dict:
-        return {**asdict(self.layout), "fits": self.fits, "memory_bytes_per_device": self.memory_bytes_per_device,
-                "memory_breakdown": self.memory_breakdown, "comm_seconds": self.comm_seconds,
-                "comm_bytes": self.comm_bytes, "compute_s": self.compute_s, "bubble": self.bubble,
-                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "exposed_comm_seconds": self.exposed_comm_s, "optimizer_s": self.optimizer_s,
-                "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "notes": self.notes,
-                "tier_bytes": self.tier_bytes, "io_seconds": self.io_s, "exposed_io_seconds": self.exposed_io_s,
-                "total_params": self.total_params, "active_params": self.active_params,
-                "all_to_all_seconds": self.all_to_all_s, "all_to_all_bytes": self.all_to_all_bytes,
-                "ep_crosses_nodes": self.ep_crosses_nodes}
 
 
 # --- the estimate ------------------------------------------------------------------------------
@@ -164,12 +106,15 @@ class _Terms:
     moe_tp: tuple[float, float] = (0.0, 0.0)  # (seconds, bytes) an MoE layer adds to 1-D tp's collectives
     across: float = 0.0  # the all-to-all's time split over two nodes, over its time here (explain)
     context: ContextComm = NO_CONTEXT  # context parallelism's traffic per attention layer (plan/context.py)
+    optimizer: str | float = "adamw"  # its name, or its state bytes per parameter of this model (Adafactor)
+    tp_overlap: bool = False  # Workload.tp_overlap
 
 
 def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> _Terms:
     cfg, b, s, t = work.model, lay.micro_batch, work.seq_len, lay.tp
     act_bytes = BYTES["bf16" if work.precision in ("bf16", "fp16") else "fp32"]
     peak = cluster.device.peak_flops.get(work.precision, max(cluster.device.peak_flops.values()))
+    fp8_peak = fp8_flops(cluster.device) if work.fp8 else None
     grid = lay.grid if lay.tp_mode != "1d" else None
     split = lay.sequence_parallel or grid is not None  # every activation between layers split t ways
     tokens = b * s // lay.cp  # a rank's part of the micro-batch: its 2 of 2·cp chunks of every sequence
@@ -179,7 +124,7 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
     # the hidden states (and their gradients) in the dtype the runtime sends them in: one rule
     pp_message = tokens * cfg.d_model * activation_wire_bytes(work.precision) / (t if split else 1)
     step_work = StepWork(cfg, tokens, b, s, t, split, fused, act_bytes, grid, lay.ep)
-    units, ceiling = _unit_seconds(step_work, cluster, peak)
+    units, ceiling = _unit_seconds(step_work, cluster, peak, fp8_peak)
     # processes sharing cores (cpu-local): every kernel runs at the share of the cores it gets
     units = tuple(UnitSeconds(u.forward / rate_scale, u.backward / rate_scale, u.attention_forward / rate_scale)
                   for u in units)
@@ -191,7 +136,8 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
                  * act_bytes / 2
                  + activation_change(cfg, tokens, t, lay.checkpointing, act_bytes)
                  + extra_activation_bytes(cfg, lay, b * s, act_bytes),
-                 tp_message=tp_message, pp_message=pp_message,
+                 tp_message=tp_message, pp_message=pp_message, optimizer=optimizer_rate(work.optimizer, cfg),
+                 tp_overlap=work.tp_overlap and grid is None,
                  pp_send_s=collective_seconds(cluster, "send", pp_message, lay.pp, t * lay.replicas) / rate_scale
                  if lay.pp > 1 else 0.0)
     if grid is not None:
@@ -209,18 +155,23 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
                                        block.attention_backward))
 
 
-def _unit_seconds(w: StepWork, cluster: Cluster, peak: float) -> tuple[tuple[UnitSeconds, ...], float]:
+def _unit_seconds(w: StepWork, cluster: Cluster, peak: float,
+                  fp8_peak: float | None = None) -> tuple[tuple[UnitSeconds, ...], float]:
     """Each unit's seconds for one micro-batch and the kernels' best fraction of the peak: from
-    the work's shapes (compute.py), or, with --efficiency, every FLOP at that fraction."""
+    the work's shapes (compute.py), or, with --efficiency, every FLOP at that fraction (of the
+    clock a power cap leaves; the blocks' matmuls of the FP8 peak with fp8_peak)."""
     device = cluster.device
     if cluster.efficiency is None:
-        return unit_seconds(w, device.kernels, peak, device.memory_bandwidth), \
-            best_gemm_efficiency(w, device.kernels, peak, device.memory_bandwidth)
-    rate = peak * cluster.efficiency
+        return unit_seconds(w, device.kernels, peak, device.memory_bandwidth, fp8_peak), \
+            best_gemm_efficiency(w, device.kernels, peak, device.memory_bandwidth, fp8_peak)
+    rate = peak * cluster.efficiency * device.kernels.clock_factor
+    matmul_rate = rate if fp8_peak is None else fp8_peak * cluster.efficiency * device.kernels.clock_factor
     costs = unit_costs(w.model, w.seq_len)
-    embedding, block, head = (w.tokens * flops / w.tp / rate for flops in (costs[0], costs[1], costs[-1]))
-    return (UnitSeconds(embedding, 2 * embedding, 0.0), UnitSeconds(block, 2 * block, attention_flops(w) / rate),
-            UnitSeconds(head, 2 * head, 0.0)), cluster.efficiency
+    embedding, head = (w.tokens * flops / w.tp / rate for flops in (costs[0], costs[-1]))
+    attention = attention_flops(w) / rate
+    block = w.tokens * 2 * w.model.block_matmul_params() / w.tp / matmul_rate + attention
+    return (UnitSeconds(embedding, 2 * embedding, 0.0), UnitSeconds(block, 2 * block, attention),
+            UnitSeconds(head, 2 * head, 0.0)), cluster.efficiency * device.kernels.clock_factor
 
 
 def _ranks_memory(work: Workload, lay: Layout, terms: _Terms, loads: tuple[StageLoad, ...]) -> list[dict[str, float]]:
@@ -238,14 +189,14 @@ def _ranks_memory(work: Workload, lay: Layout, terms: _Terms, loads: tuple[Stage
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
     cfg, t = work.model, lay.tp
-    states = _held_states(cfg, lay, load, terms.precision, work.optimizer)
+    states = _held_states(cfg, lay, load, terms.precision, terms.optimizer)
     activations = terms.activation_per_layer * load.layers * micro_batches_in_flight(lay, terms.micro_batches, rank)
     split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
     activations += (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
-        (terms.tokens * cfg.vocab_size / t * (terms.act_bytes + 4) if load.last else 0)
+        (head_bytes(cfg, lay, work.seq_len, terms.act_bytes, work.logits_chunk_bytes) if load.last else 0)
     memory = {"weights": states.weights, "gradients": states.grads,
               "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
-              "activations": activations, "buffers": _buffers(cfg, lay, t, load, work.bucket_mb)}
+              "activations": activations, "buffers": _buffers(cfg, lay, t, load, bucket_mb_for(work, lay))}
     if lay.tp_mode != "1d":
         memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
@@ -264,7 +215,7 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
 
 
 @lru_cache(maxsize=4096)
-def _held_states(cfg: ModelConfig, lay: Layout, load: StageLoad, precision: str, optimizer: str) -> ModelStates:
+def _held_states(cfg: ModelConfig, lay: Layout, load: StageLoad, precision: str, optimizer: str | float) -> ModelStates:
     """The model states of a stage's rank (the same for every rank of equal stages)."""
     return held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.layers,
                        precision, optimizer)
@@ -287,6 +238,7 @@ class _RankTime:
     cp_seconds: float = 0.0  # context parallelism's traffic (plan/context.py), hidden or not
     cp_exposed: float = 0.0  # of it, what the attention does not hide (in forward and backward)
     cp_bytes: float = 0.0
+    tp_exposed: float | None = None  # of tp_seconds, what the GEMMs do not hide (None: all of it)
 
     @property
     def total(self) -> float:
@@ -306,18 +258,20 @@ def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) ->
                                                                    load.layers, load.first, load.last)
     tp_seconds += load.layers * terms.moe_tp[0]
     tp_bytes += load.layers * terms.moe_tp[1]
+    # on the critical path: all of it, or with overlap what the GEMMs do not hide
+    tp_path = overlapped_tp_seconds(tp_seconds, fwd + bwd + recompute, lay.tp) if terms.tp_overlap else tp_seconds
     pp_seconds = 2 * lay.virtual_stages * terms.pp_send_s * (p > 1)
     # the all-to-alls: half in the forward, half in the backward, the forward's again when recomputed
     a2a, full = terms.all_to_all, lay.checkpointing == "full"
     ep_fwd, ep_bwd = load.layers * a2a.forward_seconds, load.layers * (a2a.seconds - a2a.forward_seconds)
     ep_again = ep_fwd if full else 0.0
     cp = terms.context  # per attention layer, recomputation's included
-    return _RankTime(fwd + (tp_seconds + pp_seconds) / 2 + ep_fwd + load.layers * cp.forward_exposed,
-                     bwd + recompute + (tp_seconds + pp_seconds) / 2 + ep_bwd + ep_again
+    return _RankTime(fwd + (tp_path + pp_seconds) / 2 + ep_fwd + load.layers * cp.forward_exposed,
+                     bwd + recompute + (tp_path + pp_seconds) / 2 + ep_bwd + ep_again
                      + load.layers * cp.backward_exposed,
                      fwd + bwd + recompute, tp_seconds, tp_bytes, step_seconds, step_bytes, load,
                      ep_fwd + ep_bwd + ep_again, load.layers * a2a.bytes * (1.5 if full else 1.0),
-                     load.layers * cp.seconds, load.layers * cp.exposed, load.layers * cp.bytes)
+                     load.layers * cp.seconds, load.layers * cp.exposed, load.layers * cp.bytes, tp_path)
 
 
 def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: float) -> Estimate:
@@ -341,9 +295,10 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     dense, experts = expert_share(cfg, lay, held, slowest.load.layers)
     load, split = slowest.load, (False if experts else None)  # the experts' buckets apart from the others'
     comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = data_parallel_seconds(
-        cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, work.bucket_mb),
+        cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, bucket_mb_for(work, lay)),
         m, slowest.forward, slowest.backward)
-    exposed = {"tp": comm_seconds["tp"], "dp": dp_exposed, "pp": comm_seconds["pp"]}
+    tp_path = slowest.tp_seconds if slowest.tp_exposed is None else slowest.tp_exposed
+    exposed = {"tp": tp_path * m + sums_seconds, "dp": dp_exposed, "pp": comm_seconds["pp"]}
     if lay.cp > 1:  # the K/V ring or Ulysses' all-to-alls; what the attention hides counts in the total only
         comm_seconds["cp"], exposed["cp"] = slowest.cp_seconds * m, slowest.cp_exposed * m
         comm_bytes["cp"] = slowest.cp_bytes * m
@@ -351,7 +306,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         comm_seconds["ep"] = exposed["ep"] = slowest.ep_seconds * m
         comm_bytes["ep"] = slowest.ep_bytes * m
         comm_seconds["edp"], exposed["edp"], comm_bytes["edp"] = data_parallel_seconds(
-            cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, True, experts, work.bucket_mb),
+            cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, True, experts, bucket_mb_for(work, lay)),
             m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]), expert_group(lay))
     updated = updated_params(cfg, lay, held, slowest.load.layers)  # by this rank's optimizer step
     held = dense + experts  # what the rank holds, its experts included
@@ -387,7 +342,9 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     # the ranks' own compute, not the slowest's: a stage with less work leaves its core to the others
     mean_compute = sum(r.compute for r in ranks) / len(ranks)
     busy = m * mean_compute + gradient_passes + optimizer + sum(comm_seconds.values())
-    e = Estimate(lay, sum(memory.values()) <= cluster.device.memory_bytes and not overflow, memory, comm_seconds,
+    overhead = device_overhead(cluster.device, lay, sum(memory.values()))
+    e = Estimate(lay, sum(memory.values()) + sum(overhead.values()) <= cluster.device.memory_bytes and not overflow,
+                 memory, comm_seconds,
                  comm_bytes, compute_s=m * slowest.compute + gradient_passes, bubble=bubble_time / step,
                  step_time_s=step, tokens_per_s=tokens_per_step / step,
                  tflops_per_device=hardware_flops / step / world / 1e12,
@@ -397,9 +354,12 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                  total_params=cfg.num_params(), active_params=cfg.active_params(),
                  all_to_all_s=comm_seconds.get("ep", 0.0), all_to_all_bytes=comm_bytes.get("ep", 0.0),
                  ep_crosses_nodes=terms.all_to_all.crosses_nodes,
-                 all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across, seq_len=s, busy_s=busy)
-    e.notes += overflow
+                 all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across, seq_len=s, busy_s=busy,
+                 device_overhead=overhead)
+    e.notes += overflow + overhead_note(e.memory_bytes_per_device, overhead, cluster.device)
     return e
+
+
 
 
 def _tier_overflow(device: Device, tiers: dict[str, float]) -> list[str]:

@@ -14,11 +14,12 @@ from strata.errors import ConfigError
 from strata.files import cache_dir, read_json_object
 from strata.model.config import ModelConfig
 from strata.plan.cost import BYTES, Cluster, Workload
-from strata.plan.hardware import DEVICES, GB, LINKS, Device, Kernels
+from strata.plan.hardware import DEVICES, GB, LINKS, Device, Kernels, power_clock_factor
 from strata.plan.links import core_split
 from strata.rules.constants import BUCKET_MB
 from strata.rules.layout import check_workload
 from strata.rules.limits import check_ceiling
+from strata.rules.optimizers import check_optimizer
 
 CPU_LOCAL = "cpu-local"
 # What TCP/IP delivers of an Ethernet link's line rate with a 1500-byte MTU: 1448 payload bytes per
@@ -52,24 +53,55 @@ def check_efficiency(efficiency: float | None) -> None:
 
 
 def build_cluster(device: str, nodes: int, per_node: int, intra: str | None, network: str,
-                  nics_per_node: int = 1, profile: str | None = None, efficiency: float | None = None) -> Cluster:
+                  nics_per_node: int = 1, profile: str | None = None, efficiency: float | None = None,
+                  power_cap: float | None = None) -> Cluster:
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--nics-per-node", nics_per_node)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
         check_ceiling(flag[2:].replace("-", "_"), value)
     check_efficiency(efficiency)
     if device == CPU_LOCAL:
+        if power_cap is not None:
+            raise ConfigError(f"--power-cap {power_cap:g}: a GPU's; cpu-local is measured as it runs")
         return cpu_local_cluster(per_node, load_profile(profile), efficiency)
     if device not in DEVICES:
         raise ConfigError(f"--device {device}: valid: {', '.join([*DEVICES, CPU_LOCAL])}")
-    dev = DEVICES[device]
-    intra = intra or ("nvlink" if dev.nvlink_bandwidth else "pcie")
+    dev = capped(DEVICES[device], power_cap)
+    # NVLink inside a node where it joins the node's devices (H100 NVL's bridges join pairs only)
+    intra = intra or ("nvlink" if dev.nvlink_bandwidth and per_node <= dev.nvlink_domain else "pcie")
     goodput = 1.0 if network.startswith("ib-") else TCP_GOODPUT
     cluster = Cluster(dev, nodes, per_node, bandwidth(intra, "--intra", dev),
                       bandwidth(network, "--network") * nics_per_node * goodput)
     if efficiency is not None:
         cluster = Cluster(**{**cluster.__dict__, "efficiency": efficiency})
     return cluster
+
+
+def capped(device: Device, power_cap: float | None) -> Device:
+    """The device under a power limit of `power_cap` watts (None: its default, the highest): its
+    compute clock slowed by hardware.power_clock_factor. A cap outside the range the device's
+    driver accepts is refused, as is one on a device whose range the table does not know."""
+    if power_cap is None:
+        return device
+    if device.power_range_w is None:
+        known = ", ".join(name for name, d in DEVICES.items() if d.power_range_w)
+        raise ConfigError(f"--power-cap {power_cap:g}: the table has no power range for the {device.name}; "
+                          f"valid with: {known}")
+    low, high = device.power_range_w
+    if not low <= power_cap <= high:
+        raise ConfigError(f"--power-cap {power_cap:g}: the {device.name} takes {low:g} to {high:g} W")
+    kernels = replace(device.kernels, clock_factor=power_clock_factor(device, power_cap))
+    return replace(device, kernels=kernels)
+
+
+def check_fp8(device: Device, precision: str) -> None:
+    """--fp8 where it can be priced: a 16-bit run (Transformer Engine's recipe) on a device with FP8."""
+    if precision not in ("bf16", "fp16"):
+        raise ConfigError(f"--fp8: FP8 matmuls in a bf16 or fp16 run (Transformer Engine's recipe); "
+                          f"--precision is {precision}")
+    if device.fp8_flops is None or device.kernels.fp8_gemm_fraction is None:
+        with_fp8 = ", ".join(name for name, d in DEVICES.items() if d.fp8_flops)
+        raise ConfigError(f"--fp8: the {device.name} has no FP8 matrix units; valid devices: {with_fp8}")
 
 
 # --- cpu-local: the calibration profile --------------------------------------------------------
@@ -103,7 +135,9 @@ def cpu_local_cluster(processes: int, profile: dict, efficiency: float | None = 
                     host_bandwidth=profile["memory_bandwidth"] * share, disk_read=disk.get("read_bytes_per_s"),
                     disk_write=disk.get("write_bytes_per_s"), disk_cached_read=disk.get("cached_read_bytes_per_s"),
                     # the host is the device: host memory adds nothing; the disk's free space, shared
-                    host_memory_bytes=None, disk_bytes=_free_disk(disk) / processes)
+                    host_memory_bytes=None, disk_bytes=_free_disk(disk) / processes,
+                    # processes, not a GPU: no CUDA context, NCCL buffers or caching allocator
+                    context_bytes=0.0, group_bytes=0.0, allocator_reserve=0.0)
     # what a tensor-parallel collective costs inside a step beyond the loop's time (calibrate's
     # collective_in_step); not a pipeline's sends, whose waits the schedule's bubble prices
     in_step = in_step_seconds(profile)
@@ -182,11 +216,10 @@ def _free_disk(disk: dict) -> float:
 
 
 def workload(model: ModelConfig, global_batch: int, seq_len: int | None, precision: str,
-             optimizer: str = "adamw", bucket_mb: float = BUCKET_MB) -> Workload:
+             optimizer: str = "adamw", bucket_mb: float = BUCKET_MB, fp8: bool = False) -> Workload:
     if precision not in BYTES:
         raise ConfigError(f"--precision {precision}: valid: {', '.join(BYTES)}")
-    if optimizer not in ("adamw", "sgd"):
-        raise ConfigError(f"--optimizer {optimizer}: valid: adamw, sgd (with momentum)")
+    check_optimizer(optimizer)
     seq_len = model.max_seq_len if seq_len is None else seq_len
     check_workload(model, seq_len, global_batch)
-    return Workload(model, global_batch, seq_len, precision, optimizer, bucket_mb=bucket_mb)
+    return Workload(model, global_batch, seq_len, precision, optimizer, bucket_mb=bucket_mb, fp8=fp8)

@@ -1,9 +1,12 @@
 """The link model: a cluster's devices and links, and the time of one collective over a group of
-its devices (ring alpha-beta on the slowest link the group crosses, or the calibrated numbers
-of this machine). Every term and its source is in docs/cost-model.md."""
+its devices, as NCCL runs it: the fastest of its algorithms that the group and the fabric allow
+(ring; a tree across nodes; in-network reduction by NVLink SHARP inside an NVSwitch node or by
+SHARP switches across nodes), alpha-beta on the slowest link the group crosses; or the calibrated
+numbers of this machine. Every term and its source is in docs/cost-model.md."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from strata.plan.hardware import Device
@@ -30,6 +33,9 @@ class Cluster:
     overlap: bool = True
     # cpu-local: processes share this many cores; the device's peak is the rate with all busy
     shared_cores: int = 0
+    # in-network reduction the fabric offers NCCL: "nvls" (NVLink SHARP, an NVSwitch node's
+    # all-reduce), "sharp" (InfiniBand switches that reduce: NCCL's CollNet)
+    in_network: frozenset = frozenset()
 
     @property
     def world(self) -> int:
@@ -78,14 +84,39 @@ def collective_seconds(cluster: Cluster, op: str, nbytes: float, size: int, stri
     measured = by_size.get(f"{size}/{cluster.world}", by_size.get(str(size)))
     if measured is not None:
         return measured_seconds(measured, nbytes)
-    bandwidth, latency, _ = group_link(cluster, size, stride)
+    bandwidth, latency, crosses = group_link(cluster, size, stride)
     if op == "all_reduce":
-        return 2 * (size - 1) * latency + 2 * (size - 1) / size * nbytes / bandwidth
+        return min(seconds for _, seconds in all_reduce_algorithms(cluster, nbytes, size, stride))
     if op in ("all_gather", "reduce_scatter"):
         return (size - 1) * latency + (size - 1) / size * nbytes / bandwidth
     if op == "send":
         return latency + nbytes / bandwidth
     raise ValueError(f"unknown collective {op!r}")
+
+
+def all_reduce_algorithms(cluster: Cluster, nbytes: float, size: int, stride: int) -> list[tuple[str, float]]:
+    """(algorithm, seconds) of each way NCCL can all-reduce `nbytes` over the group (it picks the
+    fastest by size and scale, as its tuner does):
+      ring   2(N-1) alpha + 2(N-1)/N n/B: every step pays the slowest link's latency
+      tree   across nodes, NCCL's double binary tree: a chain through each node's members and a
+             tree over the nodes, 2 (ceil(log2 nodes) alpha_inter + (m-1) alpha_intra) + 2 n/B
+      nvls   an NVSwitch node's in-network reduction (NVLink SHARP): each member sends and
+             receives n once, 2 alpha + n/B
+      sharp  switches that reduce across nodes (CollNet): the node's share crosses once each
+             way, a reduction inside the node either side, 2 (alpha_inter + alpha_intra) + n/B"""
+    bandwidth, latency, crosses = group_link(cluster, size, stride)
+    found = [("ring", 2 * (size - 1) * latency + 2 * (size - 1) / size * nbytes / bandwidth)]
+    if not crosses:
+        if "nvls" in cluster.in_network:
+            found.append(("nvls", 2 * latency + nbytes / bandwidth))
+        return found
+    members = members_per_node(cluster, size, stride)
+    nodes = math.ceil(size / members)
+    chain = (members - 1) * cluster.intra_latency
+    found.append(("tree", 2 * (math.ceil(math.log2(nodes)) * cluster.inter_latency + chain) + 2 * nbytes / bandwidth))
+    if "sharp" in cluster.in_network:
+        found.append(("sharp", 2 * (cluster.inter_latency + cluster.intra_latency) + nbytes / bandwidth))
+    return found
 
 
 def measured_seconds(points: list[list[float]], nbytes: float) -> float:

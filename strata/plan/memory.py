@@ -3,7 +3,14 @@ et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, T
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from strata.model.config import ModelConfig
+from strata.plan.hardware import Device
+from strata.rules.layout import Layout
+from strata.rules.optimizers import OPTIMIZERS, bytes_per_parameter
+from strata.rules.optimizers import STATE_BYTES as MOMENT_ELEMENT_BYTES
 
 # Bytes per parameter of (weights, gradients, optimizer states) for Adam.
 # Mixed precision: 16-bit weights and gradients, fp32 master weights, momentum and variance.
@@ -21,23 +28,77 @@ class ModelStates:
         return self.weights + self.grads + self.optimizer
 
 
-# Optimizer states per parameter: Adam keeps two fp32 moments, SGD with momentum one.
-MOMENT_BYTES = {"adamw": 8, "sgd": 4}
+# Optimizer states per parameter, the shared table's (strata/rules/optimizers.py): Adam keeps two fp32
+# moments, SGD with momentum and Lion one; Adafactor's depend on the shapes (moment_bytes).
+MOMENT_BYTES = {name: MOMENT_ELEMENT_BYTES * o.whole_moments for name, o in OPTIMIZERS.items() if not o.factored}
+
+
+def moment_bytes(optimizer: str | float) -> float:
+    """Bytes of optimizer state per parameter: a name whose states do not depend on the shapes, or
+    a number already worked out for a model (`optimizer_bytes_per_param`)."""
+    if isinstance(optimizer, str):
+        if optimizer not in MOMENT_BYTES:
+            raise ValueError(f"optimizer {optimizer!r}: its states depend on the shapes; give "
+                             f"optimizer_bytes_per_param(name, model)")
+        return MOMENT_BYTES[optimizer]
+    return optimizer
+
+
+def optimizer_rate(optimizer: str, model: ModelConfig) -> str | float:
+    """What model_state_bytes takes for this optimizer and model: its name, or where its states
+    depend on the shapes (Adafactor) its bytes per parameter of this model."""
+    return optimizer if optimizer in MOMENT_BYTES else optimizer_bytes_per_param(optimizer, model)
+
+
+def optimizer_bytes_per_param(optimizer: str, model: ModelConfig) -> float:
+    """The optimizer's state bytes per parameter of this model (Adafactor's from its matrices'
+    shapes, the others' a constant)."""
+    return bytes_per_parameter(optimizer, parameter_shapes(model))
+
+
+def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """The shape of every parameter of strata's model of this config (strata/model/: the embedding,
+    learned positions, each block's norms, projections and MLP or experts, the final norm and the
+    head), from the config alone. Their sizes add up to cfg.num_params()."""
+    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+
+    def norm(width: int) -> list[tuple[int, ...]]:
+        return [(width,)] * (2 if cfg.norm == "layernorm" else 1)
+
+    def linear(k: int, n: int, bias: bool) -> list[tuple[int, ...]]:
+        return [(n, k)] + ([(n,)] if bias else [])
+
+    qkv_bias = cfg.bias or cfg.qkv_bias
+    block = norm(d) * 2 + linear(d, cfg.q_dim, qkv_bias) + linear(d, kv, qkv_bias) * 2 + \
+        linear(cfg.q_dim, d, cfg.bias) + (norm(cfg.head_dim) * 2 if cfg.qk_norm else [])
+    if cfg.moe:
+        e, n = cfg.expert_width, cfg.n_experts
+        block += [(n, d), (n, e, d), (n, e, d), (n, d, e)]
+        if cfg.shared_d_ff:
+            block += [(cfg.shared_d_ff, d)] * 2 + [(d, cfg.shared_d_ff)] + ([(1, d)] if cfg.gated_shared_expert else [])
+    else:
+        ins = linear(d, f, cfg.bias) * (2 if cfg.gated_mlp else 1)
+        block += ins + linear(f, d, cfg.bias)
+    inputs = [(cfg.vocab_size, d)] + ([(cfg.max_seq_len, d)] if cfg.position == "learned" else []) + \
+        (norm(d) if cfg.embedding_norm else [])
+    outputs = norm(d) + ([] if cfg.tie_embeddings else linear(d, cfg.vocab_size, cfg.bias))
+    return inputs + block * cfg.n_layers + outputs
 
 
 def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed",
-                      optimizer: str = "adamw") -> ModelStates:
+                      optimizer: str | float = "adamw") -> ModelStates:
     """Bytes per device of the model states under ZeRO stage `zero` over `dp` ranks:
-    ZeRO-1 shards the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too."""
+    ZeRO-1 shards the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too.
+    optimizer: a name, or its state bytes per parameter (moment_bytes)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero stage {zero}: valid 0, 1, 2, 3")
     w, g, o = (b * params for b in STATE_BYTES[precision])
-    o -= (MOMENT_BYTES["adamw"] - MOMENT_BYTES[optimizer]) * params
+    o -= (MOMENT_BYTES["adamw"] - moment_bytes(optimizer)) * params
     return ModelStates(w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, o / dp if zero >= 1 else o)
 
 
-def held_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed", optimizer: str = "adamw",
-                     gather_dtype: str = "fp32") -> ModelStates:
+def held_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed",
+                     optimizer: str | float = "adamw", gather_dtype: str = "fp32") -> ModelStates:
     """Bytes per device of the model states strata holds (what its metrics count). In fp32 the
     paper's split. In mixed precision strata keeps no 16-bit copy by default: the fp32 masters are
     the weights the layers read (autocast casts them), the gradients are fp32, so ZeRO-0/1/2 hold
@@ -47,7 +108,7 @@ def held_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str =
     weights: parameters and masters; grads: gradient buffers and shards; optimizer: the moments."""
     if precision == "fp32":
         return model_state_bytes(params, zero, dp, "fp32", optimizer)
-    moments = MOMENT_BYTES[optimizer] * params / (dp if zero >= 1 else 1)
+    moments = moment_bytes(optimizer) * params / (dp if zero >= 1 else 1)
     sharded = 4 * params / dp
     if gather_dtype == "bf16" and zero in (1, 2):
         return ModelStates(2 * params + sharded, (2 * params if zero == 1 else 0) + sharded, moments)
@@ -80,6 +141,66 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
     if tp == 1:
         return sbh * (34 + attention)
     return sbh * (10 + 24 / tp + attention)
+
+
+# The runtime's budget for one chunk of the loss's fp32 logits (strata/model/loss.py's
+# LOGITS_CHUNK_BYTES, which imports torch: tests/test_plan_memory_device.py checks they agree).
+LOGITS_CHUNK_BYTES = 256 * 2**20
+FP32 = 4
+
+
+def loss_logits_bytes(rows: int, positions: int, width: float, chunk_bytes: int | None = LOGITS_CHUNK_BYTES) -> float:
+    """The fp32 logits the loss holds at once on one rank, for `rows` sequences of `positions`
+    tokens and `width` logits each (this rank's columns of the vocabulary). Chunked (strata's
+    loss, strata/model/loss.chunk_bounds): one chunk of as many positions as fit in `chunk_bytes`
+    (at least one), or all of them when they fit in one chunk; None: the whole logits, as a loss
+    that keeps them for backward does (Megatron-LM's vocabulary-parallel cross-entropy keeps its
+    fp32 softmax: Korthikanti et al. 2022, §4.3, 4sbv/t)."""
+    if chunk_bytes is None:
+        return FP32 * rows * positions * width
+    per_chunk = max(1, chunk_bytes // int(FP32 * rows * width))
+    return FP32 * rows * min(per_chunk, positions) * width
+
+
+def head_activation_bytes(tokens: int, hidden: float, element_bytes: int) -> float:
+    """What the last stage keeps for backward between its last block and the loss, beside the
+    logits: the final norm's input and its output (the head's input), each tokens x hidden (hidden
+    cut t ways where the hidden states are: sequence parallelism, the grids). Korthikanti et al.
+    2022, §4.3: 2sbh/t + 2sbh/t in 16 bits."""
+    return 2 * tokens * hidden * element_bytes
+
+
+def head_bytes(cfg: ModelConfig, lay: Layout, seq_len: int, element_bytes: int, chunk_bytes: int | None) -> float:
+    """What the last stage keeps between its last block and the loss for one micro-batch on one
+    rank: the final norm's input and output (head_activation_bytes) and the fp32 logits the loss
+    holds at once (strata's one chunk, or all of them: loss_logits_bytes). The logits are not
+    counted in 16 bits as well: the head's 16-bit output is freed once the loss has its fp32 copy."""
+    split = lay.tp if (lay.sequence_parallel or lay.tp_mode != "1d") else 1
+    tokens = lay.micro_batch * seq_len // lay.cp
+    width = math.ceil(cfg.vocab_size / lay.tp)  # this rank's columns of the padded vocabulary
+    return head_activation_bytes(tokens, cfg.d_model / split, element_bytes) + \
+        loss_logits_bytes(lay.micro_batch, seq_len // lay.cp, width, chunk_bytes)
+
+
+def device_overhead(device: Device, lay: Layout, tensor_bytes: float) -> dict[str, float]:
+    """What a device's memory holds beside the layout's tensors (hardware.py's figures): the CUDA
+    context, NCCL's buffers for each process group of more than one rank this rank joins (tensor,
+    data (with context) parallel, pipeline, context, expert), and the caching allocator's reserve
+    as a fraction of the tensors. Nothing on cpu-local (its figures are 0)."""
+    groups = sum(size > 1 for size in (lay.tp, lay.replicas, lay.pp, lay.cp, lay.ep))
+    overhead = {"cuda_context": device.context_bytes, "nccl_buffers": groups * device.group_bytes,
+                "allocator_reserve": device.allocator_reserve * tensor_bytes}
+    return {kind: nbytes for kind, nbytes in overhead.items() if nbytes}
+
+
+def overhead_note(tensor_bytes: float, overhead: dict[str, float], device: Device) -> list[str]:
+    """Why a layout whose tensors fit does not, once the device's own use is counted."""
+    total = tensor_bytes + sum(overhead.values())
+    if not overhead or tensor_bytes > device.memory_bytes or total <= device.memory_bytes:
+        return []
+    parts = " + ".join(f"{nbytes / 1e9:.1f} GB {kind.replace('_', ' ')}" for kind, nbytes in overhead.items())
+    return [f"does not fit: {tensor_bytes / 1e9:.1f} GB of tensors + {parts} = {total / 1e9:.1f} GB, "
+            f"over the device's {device.memory_bytes / 1e9:.0f} GB"]
 
 
 def inference_weight_bytes(params: float, bytes_per_param: int = 2) -> float:

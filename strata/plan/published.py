@@ -22,8 +22,14 @@ from dataclasses import dataclass, replace
 
 from strata.model.config import ModelConfig
 from strata.plan.cost import Estimate, estimate
+from strata.plan.frameworks import Framework, framework
 from strata.plan.inputs import build_cluster, workload
+from strata.plan.workload import with_framework
 from strata.rules.layout import Layout
+
+# each source's code base -> its profile
+PROFILES = {"Megatron-LM": "megatron-lm", "Megatron-Core": "megatron-core", "Megatron-DeepSpeed": "megatron-deepspeed",
+            "llm-foundry (PyTorch FSDP)": "torchtitan", "torchtitan (FSDP2)": "torchtitan"}
 
 
 @dataclass(frozen=True)
@@ -43,12 +49,17 @@ class PublishedRun:
     published: str  # the figure as the source states it
     tokens_per_s: float  # per device, from that figure
 
+    @property
+    def profile(self) -> Framework:
+        """The framework profile the run is priced with (strata/plan/frameworks.py)."""
+        return framework(PROFILES[self.framework])
+
     def predict(self) -> Estimate:
         cluster = build_cluster(self.device, max(1, self.gpus // 8), min(8, self.gpus), None, self.network,
                                 self.nics_per_node)
-        work = replace(workload(self.model, self.global_batch, self.seq_len, "bf16"),
-                       fused_attention=self.fused_attention, fused_accumulation=self.framework.startswith("Megatron"))
-        return estimate(work, cluster, self.layout)
+        work = with_framework(workload(self.model, self.global_batch, self.seq_len, "bf16"), self.profile.name)
+        # an era's attention: the row's (Megatron-LM's and BLOOM's of 2021-2022 unfused)
+        return estimate(replace(work, fused_attention=self.fused_attention), cluster, self.layout)
 
     def error(self) -> float:
         """Predicted over published throughput, minus one."""

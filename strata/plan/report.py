@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from strata.errors import ConfigError, as_flag
-from strata.plan.cost import Estimate, Workload
+from strata.plan.workload import Estimate, Workload
 from strata.rules import layout_text
 from strata.rules.checkpointing import PLANNED_MODES
 from strata.rules.layout import Layout, check_layout, check_transfer_dtypes, data_parallel_degree
@@ -41,14 +41,16 @@ def parse_layout(text: str, work: Workload, world: int) -> Layout:
 
 
 def table(estimates: list[Estimate], costs: list | None = None) -> str:
-    """One row per layout; with costs (strata/plan/run_cost.RunCost, one per layout) the run's days,
-    device-hours and price too. A mixture of experts adds its all-to-all (ep) and its experts'
+    """One row per layout; with costs (strata/plan/run_cost.RunCosts, one per layout) the ideal run's
+    days, device-hours and price too, the expected run's days and the goodput (ideal over expected
+    time). A mixture of experts adds its all-to-all (ep) and its experts'
     gradient reduction (edp) to the communication, context parallelism its K/V ring or all-to-alls (cp)."""
     groups = ("tp", "dp", "pp") + (("ep", "edp") if any("ep" in e.comm_seconds for e in estimates) else ()) + \
         (("cp",) if any("cp" in e.comm_seconds for e in estimates) else ())
     head = (f"| layout | fits | GB/device: weights + grads + optimizer + activations + buffers | comm s/step: "
             f"{', '.join(groups)} | bubble | step s | tokens/s | TFLOP/s/device | MFU |")
-    extra = [] if not costs else ["days", "device-hours"] + (["price"] if costs[0].price is not None else [])
+    extra = [] if not costs else ["days", "device-hours"] + (["price"] if costs[0].ideal.price is not None else []) + \
+        ["expected days", "goodput"]
     rows = [head + "".join(f" {name} |" for name in extra), "|" + "---|" * (9 + len(extra))]
     for i, e in enumerate(estimates):
         mem = e.memory_breakdown
@@ -63,8 +65,35 @@ def table(estimates: list[Estimate], costs: list | None = None) -> str:
 
 
 def _cost_cells(cost) -> str:
-    cells = f" {cost.train_days:,.1f} | {cost.device_hours:,.0f} |"
-    return cells + (f" {cost.price:,.0f} |" if cost.price is not None else "")
+    ideal = cost.ideal
+    price = f" {ideal.price:,.0f} |" if ideal.price is not None else ""
+    return f" {ideal.train_days:,.1f} | {ideal.device_hours:,.0f} |{price} {cost.expected.train_days:,.1f} | {cost.goodput:.1%} |"
+
+
+def goodput_lines(cost) -> list[str]:
+    """--explain: where the expected run's time beyond the ideal goes, each term as a share of the
+    ideal time, so that the shares add up to expected / ideal - 1."""
+    lost, ideal_s = cost.losses, cost.ideal.train_days * 86400
+    interval = "--save-every" if not lost.young else "no interruptions, so at the end only" if not lost.failure_rate \
+        else "Young's interval for one interruption every " + _duration(1 / lost.failure_rate)
+    failures = lost.expected_failures(ideal_s)
+    why = {"checkpoints": f"{lost.saves:,} saves of {lost.checkpoint_bytes / 1e12:.3g} TB, {lost.save_s:.3g} s each, "
+                          f"training waiting (every {lost.save_every:,} steps, {_duration(lost.save_every * lost.step_s)}; "
+                          f"{interval})",
+           "evaluation": f"{lost.evaluations:,} evaluations, {lost.eval_s:.3g} s each, forward passes only",
+           "failures": f"{failures:,.1f} expected interruptions, each {_duration(lost.restart_s)} to restart, "
+                       f"{lost.save_s:.3g} s to read the checkpoint back and {_duration(lost.lost_s)} of lost steps "
+                       f"on average"}
+    lines = [f"the expected run: {cost.expected.train_days:,.1f} days where the ideal takes "
+             f"{cost.ideal.train_days:,.1f} (goodput {cost.goodput:.1%}):"]
+    return lines + [f"  {name} +{seconds / ideal_s:.1%}: {why[name]}" for name, seconds in lost.seconds().items()]
+
+
+def _duration(seconds: float) -> str:
+    for unit, scale in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s"
 
 
 def chart(estimates: list[Estimate], path: str, title: str) -> None:

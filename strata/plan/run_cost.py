@@ -6,7 +6,10 @@ layout's predicted throughput, and the smallest cluster that trains them in a gi
 
 (The field's rule of thumb, training FLOPs ≈ 6ΨT over peak x MFU, is the same arithmetic: the
 planner's tokens/s already is peak x efficiency over the FLOPs per token, with the communication,
-bubble and optimizer time of the layout added.)"""
+bubble and optimizer time of the layout added.)
+
+That is the ideal run, steady state only. The expected run adds checkpoint saves, evaluations and
+failures (strata/plan/goodput.py), each a named term: expected seconds = ideal seconds + their sum."""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from strata.errors import ConfigError
-from strata.plan.cost import Estimate, Workload
+from strata.plan.goodput import GoodputSettings, Losses, losses
 from strata.plan.hardware import Device
+from strata.plan.workload import Estimate, Workload
 from strata.rules.limits import CEILINGS
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -49,10 +53,41 @@ def parse_count(text: str, flag: str) -> float:
 
 
 def run_cost(e: Estimate, tokens: float, price_per_device_hour: float | None = None) -> RunCost:
-    seconds = tokens / e.tokens_per_s
-    device_hours = seconds / 3600 * e.layout.world_size
+    return _cost(tokens / e.tokens_per_s, e.layout.world_size, price_per_device_hour)
+
+
+def _cost(seconds: float, devices: int, price_per_device_hour: float | None) -> RunCost:
+    device_hours = seconds / 3600 * devices
     price = device_hours * price_per_device_hour if price_per_device_hour is not None else None
     return RunCost(seconds / 86400, device_hours, price)
+
+
+@dataclass(frozen=True)
+class RunCosts:
+    """A layout's run, ideal and expected, and the named overheads between them (seconds)."""
+    ideal: RunCost
+    expected: RunCost
+    losses: Losses
+
+    @property
+    def goodput(self) -> float:
+        """The share of the expected run's time that trains: ideal over expected."""
+        return self.ideal.train_days / self.expected.train_days
+
+    def to_json(self) -> dict:
+        """The ideal's keys at the top, as before there was an expected run, and both by name."""
+        return {**self.ideal.to_json(), "ideal": self.ideal.to_json(), "expected": self.expected.to_json(),
+                "overheads": self.losses.seconds(), "goodput": {"ratio": self.goodput, **self.losses.to_json()}}
+
+
+def expected_cost(work: Workload, e: Estimate, tokens: float, devices_per_node: int, settings: GoodputSettings,
+                  price_per_device_hour: float | None = None) -> RunCosts:
+    """The ideal run and the expected one: the ideal seconds plus each named overhead's."""
+    ideal_s = tokens / e.tokens_per_s
+    lost = losses(work, e, tokens, devices_per_node, settings)
+    expected_s = ideal_s + sum(lost.seconds().values())
+    world = e.layout.world_size
+    return RunCosts(_cost(ideal_s, world, price_per_device_hour), _cost(expected_s, world, price_per_device_hour), lost)
 
 
 def fastest_days(work: Workload, device: Device, devices: int, tokens: float) -> float:

@@ -143,3 +143,11 @@ def stage_seconds(cluster: Cluster, lay: Layout, grid: GridCost | None, collecti
     norms = (2 * layers + last) * d_model * 4
     step_seconds = collective_seconds(cluster, "all_reduce", norms, t, 1)
     return seconds, tp_bytes, step_seconds, 2 * (t - 1) / t * norms
+
+
+def overlapped_tp_seconds(tp_seconds: float, gemm_seconds: float, tp: int) -> float:
+    """What of 1-D tensor parallelism's collectives stays on the critical path when they overlap the
+    GEMMs they feed (Megatron-Core's --tp-comm-overlap, Transformer Engine's userbuffers: each
+    all-gather / reduce-scatter split into tp chunks pipelined with the GEMM's chunks): the first
+    chunk's transfer, which no GEMM covers (1/tp of it), and whatever exceeds the GEMMs' time."""
+    return max(tp_seconds / tp, tp_seconds - gemm_seconds)

@@ -23,12 +23,27 @@ from strata.tools.calibrate import matmul_rate, total_memory
 
 def decode_seconds(model, tokens: int = 32, repeats: int = 2, batch: int = 1) -> float:
     """Median seconds per decode step of strata's generation loop (after the first token)."""
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        stamps = [time.perf_counter() for _ in generate(model, [[1, 2, 3, 4]] * batch, tokens)]
-        synchronize_stream(next(model.parameters()).device)
-        times.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    times = [_one_decode(model, tokens, batch) for _ in range(repeats + 1)]  # the first run warms up
     return statistics.median(times[1:])
+
+
+def _one_decode(model, tokens: int, batch: int = 1) -> float:
+    stamps = [time.perf_counter() for _ in generate(model, [[1, 2, 3, 4]] * batch, tokens)]
+    synchronize_stream(next(model.parameters()).device)
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def interleaved_decode_seconds(models: list, rounds: int = 3, tokens: int = 32) -> list[float]:
+    """decode_seconds of each model, timed round by round (one run of each per round, after a
+    warm-up round), so that a burst of load on a shared machine falls on every model alike
+    rather than on one layer count, which would tilt the slope against layers."""
+    times = [[] for _ in models]
+    for round_ in range(rounds + 1):
+        for model, own in zip(models, times):
+            seconds = _one_decode(model, tokens)
+            if round_:
+                own.append(seconds)
+    return [statistics.median(own) for own in times]
 
 
 def decode_bandwidth(device: torch.device, dtype, batches=(1, 2, 4, 8, 16, 32), n: int = 4096) -> dict[str, float]:
@@ -68,14 +83,18 @@ def device_matmul_rate(device: torch.device, dtype, n: int = 1024, seconds: floa
 
 def inference_overheads(device: torch.device, dtype=torch.float32, widths: tuple[int, ...] | None = None) -> dict:
     """What a decode step costs on `device`, as the serving planner models it: per layer, an
-    overhead plus the layer's weight bytes over the bandwidth a decode reaches; per token, an
+    overhead plus the layer's weight bytes over the bandwidth a decode reaches; per step, an
     overhead. Models of 1, 2 and 4 layers at three widths are decoded by strata's own loop: the
-    slope of seconds per token against layers is the time of a layer at that width, and the line
-    of that time against the layer's bytes gives the bandwidth (1/slope) and the per-layer
-    overhead (intercept). How the bandwidth falls as the batch grows (the layer turning
-    compute-bound) is scaled from a linear layer timed at each batch size. widths: the three
-    model widths (default 128, 1024, 2048 on a GPU; 128, 512, 1024 on a CPU); the GPU check's quick
-    mode passes narrower ones to run the same measurement in seconds."""
+    slope of seconds per step against layers is the time of a layer at that width, and the line
+    of that time against the layer's bytes gives the bandwidth (1/slope). The per-layer overhead
+    is read at the narrowest width, whose weights are a few hundred kilobytes: its layer time less
+    those bytes over the bandwidth. (The line's intercept, used before, is tilted by caches: a
+    layer that fits in them streams faster than one that does not, and a line through both misses
+    the narrow end.) The per-step overhead is the narrowest width's time at no layers. How the
+    bandwidth falls as the batch grows (the layer turning compute-bound) is scaled from a linear
+    layer timed at each batch size. widths: the three model widths (default 128, 1024, 2048 on a
+    GPU; 128, 512, 1024 on a CPU); the GPU check's quick mode passes narrower ones to run the same
+    measurement in seconds."""
     import dataclasses
 
     size = torch.tensor([], dtype=dtype).element_size()
@@ -85,15 +104,16 @@ def inference_overheads(device: torch.device, dtype=torch.float32, widths: tuple
     for width in widths:
         cfg = dataclasses.replace(get_preset("tiny"), d_model=width, n_heads=width // 64, n_kv_heads=width // 64,
                                   d_ff=2 * width, vocab_size=512, max_seq_len=128)
-        seconds = [decode_seconds(build_model(dataclasses.replace(cfg, n_layers=n), device, dtype, seed=0))
-                   for n in layers]
+        seconds = interleaved_decode_seconds([build_model(dataclasses.replace(cfg, n_layers=n), device, dtype, seed=0)
+                                              for n in layers])
         slope, intercept, _ = least_squares(list(layers), seconds)
         block = dataclasses.replace(cfg, n_layers=2).num_params() - dataclasses.replace(cfg, n_layers=1).num_params()
         layer_bytes.append(block * size)
         layer_seconds.append(slope)
         fixed.append(intercept)
-    inverse_bandwidth, per_layer, r2 = least_squares(layer_bytes, layer_seconds)
+    inverse_bandwidth, _, r2 = least_squares(layer_bytes, layer_seconds)
     bandwidth = 1 / inverse_bandwidth if inverse_bandwidth > 0 else float("inf")
+    per_layer = layer_seconds[0] - layer_bytes[0] / bandwidth
     by_batch = decode_bandwidth(device, dtype)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "memory_bandwidth": bandwidth,
@@ -102,6 +122,8 @@ def inference_overheads(device: torch.device, dtype=torch.float32, widths: tuple
             "memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
             else total_memory(),
             "per_layer_s": max(per_layer, 0.0), "per_token_s": max(fixed[0], 0.0), "fit_r2": r2,
+            # an accelerator's host issues a layer's kernels ahead of the stream; a CPU does both
+            "per_layer_on_host": device.type != "cpu",
             "points": {str(w): {"layer_bytes": nb, "layer_s": t} for w, nb, t in zip(widths, layer_bytes, layer_seconds)}}
 
 
@@ -117,6 +139,6 @@ def calibrate_inference(device: str, out: str) -> dict:
         json.dump(profile, f, indent=1)
     print(f"{measured['device']}: a decode step reads weights at {measured['memory_bandwidth'] / 1e9:.1f} GB/s "
           f"(batch 1; {measured['decode_bandwidth']['32'] / 1e9:.1f} GB/s at batch 32) and costs "
-          f"{measured['per_layer_s'] * 1e6:.0f} us per layer + {measured['per_token_s'] * 1e6:.0f} us per token "
+          f"{measured['per_layer_s'] * 1e6:.0f} us per layer + {measured['per_token_s'] * 1e6:.0f} us per step "
           f"beyond that (fit R² {measured['fit_r2']:.3f})\nwrote {out}")
     return measured

@@ -1,0 +1,104 @@
+"""Issue 54, items 1, 2 and 7: collectives priced as NCCL runs them, framework profiles, and the
+published runs the planner was never fitted to."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from strata.errors import ConfigError
+from strata.plan.cost import estimate
+from strata.plan.frameworks import FRAMEWORKS, framework
+from strata.plan.inputs import build_cluster, workload
+from strata.plan.links import all_reduce_algorithms, collective_seconds
+from strata.plan.published import RUNS
+from strata.plan.published_unseen import UNSEEN_RUNS
+from strata.rules.layout import Layout
+
+
+# --- collectives ----------------------------------------------------------------------------------
+def _cluster(nodes: int, **changes):
+    return replace(build_cluster("A100-80G", nodes, 8, None, "ib-200", 8), **changes)
+
+
+def test_a_ring_inside_a_node_and_a_tree_across_many_nodes():
+    """Inside a node only the ring exists (and it is what is priced); across 288 nodes a 25 MB
+    bucket's ring pays 2 x 287 latencies, the tree 2 ceil(log2 288) = 18 across nodes plus its chains:
+    the tree is taken, and it equals the formula."""
+    one = _cluster(1)
+    assert [name for name, _ in all_reduce_algorithms(one, 25e6, 8, 1)] == ["ring"]
+    many = _cluster(288)
+    found = dict(all_reduce_algorithms(many, 25e6, 288, 8))
+    assert found["tree"] < found["ring"]
+    bandwidth = many.inter_bandwidth / 8  # each of a node's 8 rings leaves through its share of the links
+    tree = 2 * (math.ceil(math.log2(288)) * many.inter_latency + 0 * many.intra_latency) + 2 * 25e6 / bandwidth
+    assert found["tree"] == pytest.approx(tree)
+    assert collective_seconds(many, "all_reduce", 25e6, 288, 8) == pytest.approx(tree)
+    # a large message over few nodes: the ring's 2(N-1)/N < 2 of the tree's bandwidth term wins
+    few = dict(all_reduce_algorithms(_cluster(2), 4e9, 2, 8))
+    assert few["ring"] < few["tree"]
+
+
+def test_in_network_reduction_where_the_fabric_has_it():
+    """NVLink SHARP inside a node and SHARP switches across nodes move each byte once each way: a
+    1 GB all-reduce takes n/B plus two latencies, against the ring's 2(N-1)/N n/B."""
+    plain, nvls = _cluster(1), _cluster(1, in_network=frozenset({"nvls"}))
+    found = dict(all_reduce_algorithms(nvls, 1e9, 8, 1))
+    assert found["nvls"] == pytest.approx(2 * nvls.intra_latency + 1e9 / nvls.intra_bandwidth)
+    assert collective_seconds(nvls, "all_reduce", 1e9, 8, 1) < collective_seconds(plain, "all_reduce", 1e9, 8, 1)
+    sharp = dict(all_reduce_algorithms(_cluster(4, in_network=frozenset({"sharp"})), 1e9, 4, 8))
+    assert sharp["sharp"] < min(sharp["ring"], sharp["tree"])
+
+
+# --- framework profiles ---------------------------------------------------------------------------
+def test_the_profiles_switches():
+    core = framework("megatron-core")
+    assert core.fused_attention and core.fused_accumulation and core.tp_overlap
+    # Megatron-Core's DDP bucket: max(40M, 1M x dp) parameters, as --bucket-mb counts fp32 masters
+    assert core.bucket_mb(8) == pytest.approx(40e6 * 4 / 2**20)
+    assert core.bucket_mb(288) == pytest.approx(288e6 * 4 / 2**20)
+    assert framework("strata").bucket_mb(1024) == 25.0
+    assert not framework("megatron-lm").fused_attention and not framework("strata").fused_accumulation
+    with pytest.raises(ConfigError, match="--framework nope: valid: strata, megatron-lm"):
+        framework("nope")
+    assert set(FRAMEWORKS) >= {"strata", "megatron-core", "megatron-deepspeed", "deepspeed", "torchtitan"}
+
+
+def test_tensor_parallel_overlap_hides_all_but_one_chunk_and_keeps_the_total():
+    """Megatron-Core's --tp-comm-overlap: the step's exposed tp time falls to what the GEMMs do not
+    hide (at least 1/tp of it); the tp traffic and its total time are the same."""
+    from strata.model.presets import get_preset
+    cluster = build_cluster("H100-80G", 4, 8, None, "ib-400", 8)
+    lay = Layout(dp=4, tp=8, micro_batch=1, sequence_parallel=True)
+    work = workload(get_preset("llama3-8b"), 64, 4096, "bf16")
+    plain, overlapped = estimate(work, cluster, lay), estimate(replace(work, tp_overlap=True), cluster, lay)
+    assert overlapped.comm_seconds["tp"] == pytest.approx(plain.comm_seconds["tp"])
+    assert overlapped.comm_bytes["tp"] == pytest.approx(plain.comm_bytes["tp"])
+    assert plain.exposed_comm_s["tp"] / 8 <= overlapped.exposed_comm_s["tp"] < plain.exposed_comm_s["tp"]
+    assert overlapped.step_time_s < plain.step_time_s
+
+
+# --- the runs the planner was not fitted to -------------------------------------------------------
+def test_the_unseen_runs_table_and_its_median():
+    """29 published runs none of the defaults were fitted to: 4 sources' families of H100 runs among
+    them, data parallelism at 128 replicas or more in 6; every one priced with its framework's
+    profile. Their median error is at most 10% (issue 54's bound); the worst is reported by
+    bench/validation.py --unseen, not bounded here (it is above 20%: docs/cost-model.md says which
+    and why)."""
+    assert len(UNSEEN_RUNS) >= 29 and not {r.name for r in UNSEEN_RUNS} & {r.name for r in RUNS}
+    assert sum(r.device.startswith("H100") for r in UNSEEN_RUNS) >= 8
+    assert sum(r.layout.replicas >= 128 for r in UNSEEN_RUNS) >= 5
+    assert len({r.profile.name for r in UNSEEN_RUNS + RUNS}) >= 4
+    errors = sorted(abs(r.error()) for r in UNSEEN_RUNS)
+    median = (errors[len(errors) // 2] + errors[(len(errors) - 1) // 2]) / 2
+    assert median <= 0.10, median
+
+
+def test_megatron_cores_flop_formula_converts_the_published_figure():
+    """Megatron-Core's num_floating_point_operations (2024-07) at 1.7B: 408.8 TFLOP/s per GPU."""
+    row = next(r for r in UNSEEN_RUNS if r.name == "GPT 1.7B, 48 H100")
+    L, h, V, s = 24, 2048, 131072, 4096
+    per_token = 12 * L * h * h * ((1 + 1 + s / h) + 4 + V / (2 * L * h))
+    assert row.tokens_per_s * per_token == pytest.approx(408.8e12)
