@@ -31,6 +31,19 @@ def hf_configs():
         "gpt2": t.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64, bos_token_id=1,
                              eos_token_id=2),
         "bloom": t.BloomConfig(vocab_size=VOCAB, hidden_size=48, n_layer=2, n_head=6),  # 6 heads: ALiBi's odd rule
+        # GPT-NeoX (Pythia): the parallel residual, a fused per-head query_key_value, rotary on 4 of
+        # each head's 16 features (the other 12 pass), the exact GELU, an untied embed_out
+        "gpt_neox": t.GPTNeoXConfig(**{**SMALL, "hidden_size": 64}, num_attention_heads=4, max_position_embeddings=64,
+                                    rotary_pct=0.25, bos_token_id=1, eos_token_id=2),
+        # ... without the parallel residual, and int(16 x 0.3125) = 5 rotary features: transformers
+        # rotates 6 (three frequencies of theta^(-2i/5))
+        "gpt_neox-sequential": t.GPTNeoXConfig(**{**SMALL, "hidden_size": 64}, num_attention_heads=4,
+                                               max_position_embeddings=64, rotary_pct=0.3125,
+                                               use_parallel_residual=False, bos_token_id=1, eos_token_id=2),
+        # GPT-J: one LayerNorm for both branches, rotary on 8 of each head's 12 features in
+        # interleaved pairs, no attention biases, a head with a bias
+        "gptj": t.GPTJConfig(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=64, rotary_dim=8,
+                             n_inner=80, bos_token_id=1, eos_token_id=2),
     }
 
 
@@ -56,3 +69,17 @@ def hf_model(case: str):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def sharp_and_converted(case: str, root):
+    """The case's random model with its weights x 3 (sharper logits: greedy choices far from ties),
+    saved under root/hf and converted by `strata convert` to root/ck: (transformers', strata's)."""
+    from strata.cli import main as strata_main
+    from strata.infer.session import load_for_inference
+    model = hf_model(case)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    model.save_pretrained(root / "hf")
+    assert strata_main(["convert", "--from-hf", str(root / "hf"), "--out", str(root / "ck")]) == 0
+    return model, load_for_inference(str(root / "ck"))[0]

@@ -1,7 +1,7 @@
 """Model families against transformers: for each family, a random-weight Hugging Face model with
 awkward shapes (a vocabulary of 251, one KV head where the family allows it, Qwen3 and Gemma with
 head_dim != hidden / heads, Llama 3.1's RoPE scaling, Mistral's sliding window shorter than the
-prompts) converts with `strata convert --from-hf`, gives transformers' logits, goes back bit for
+prompts, GPT-NeoX's and GPT-J's parallel blocks with rotary on part of each head) converts with `strata convert --from-hf`, gives transformers' logits, goes back bit for
 bit, fine-tunes in fp64, and plans with transformers' parameter count; the presets count what
 transformers counts."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from hf_cases import CASES, VOCAB, hf_configs, hf_model
+from hf_cases import CASES, VOCAB, hf_configs, hf_model, sharp_and_converted
 from safetensors.torch import load_file
 
 from strata.checkpoint.hf import hf_config_from_model
@@ -90,13 +90,7 @@ def test_sliding_window_logits_and_greedy_tokens_equal_transformers(tmp_path):
     """A window of 16 over 64-token prompts: the prefill masks it as transformers' training does, and
     40 greedy tokens (the KV cache holding 104 positions, the window sliding over them) are
     transformers' generate(do_sample=False)."""
-    model = hf_model("mistral")
-    with torch.no_grad():
-        for p in model.parameters():  # sharper logits: greedy choices far from ties
-            p.mul_(3.0)
-    model.save_pretrained(tmp_path / "hf")
-    assert strata_main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 0
-    ours, _ = load_for_inference(str(tmp_path / "ck"))
+    model, ours = sharp_and_converted("mistral", tmp_path)
     prompts = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert max_relative_difference(ours(prompts), model(prompts).logits) < 1e-4
@@ -122,7 +116,8 @@ def test_llama3_rope_frequencies_are_transformers():
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3.1-8b", "llama3-70b", "llama3.1-405b", "qwen2.5-7b",
-                                  "qwen2.5-72b", "mistral-7b", "gemma-7b", "llama-7b", "gpt2-124m"])
+                                  "qwen2.5-72b", "mistral-7b", "gemma-7b", "llama-7b", "gpt2-124m", "gpt-j-6b",
+                                  "pythia-1.4b"])
 def test_preset_counts_equal_transformers_on_the_meta_device(name):
     cfg = PRESETS[name]
     hf = hf_config_from_model(cfg, None)
@@ -136,7 +131,7 @@ def test_preset_counts_equal_transformers_on_the_meta_device(name):
 PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3.1-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
              "llama3.1-405b": 405_853_388_800,
              "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648, "mistral-7b": 7_241_732_096,
-             "gemma-7b": 8_537_680_896}
+             "gemma-7b": 8_537_680_896, "pythia-1.4b": 1_414_647_808}
 
 
 def test_new_presets_have_the_published_counts_and_a_family():
@@ -152,10 +147,19 @@ def test_flops_count_the_query_width_and_the_window():
 
 
 def test_a_manifest_written_before_families_reads_the_same():
-    for name in ("tiny", "tiny-gpt2", "llama-70b", "bloom-176b", "gpt-j-6b"):
+    for name in ("tiny", "tiny-gpt2", "llama-70b", "bloom-176b"):
         cfg = PRESETS[name]
         old = {k: v for k, v in cfg.to_dict().items() if k in OLD_FIELDS}
         assert ModelConfig.from_dict(old) == cfg, name
+
+
+def test_a_gptj_manifest_written_before_its_own_block_is_refused_in_one_line():
+    """Before issue 55 the gptj family computed strata's shared (sequential) block in GPT-J's shape:
+    such a manifest reads as family gptj without GPT-J's options, and is refused, not read as GPT-J."""
+    old = ModelConfig.from_dict({k: v for k, v in PRESETS["gpt-j-6b"].to_dict().items() if k in OLD_FIELDS})
+    assert old.family == "gptj" and old.family_options == ()
+    with pytest.raises(ValueError, match="family 'gptj' computes a block of its own and needs its family_options"):
+        old.validate()
 
 
 OLD_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len", "n_kv_heads", "norm",
@@ -181,6 +185,10 @@ def test_new_parameters_start_as_identity_norms():
     ("gemma", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ("bloom", {"apply_residual_connection_post_layernorm": True}, "apply_residual_connection_post_layernorm"),
     ("mistral", {"sliding_window": 0}, "sliding_window=0 must be a whole number"),
+    ("gptj", {"rotary_dim": None}, "rotary_dim=None is not supported"),
+    ("gptj", {"tie_word_embeddings": True}, "tie_word_embeddings=True is not supported"),
+    ("gpt_neox", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type 'linear'"),
+    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
 ])
 def test_unsupported_options_are_one_line_naming_the_key(case, change, needle, tmp_path, capsys):
     hf = {**hf_configs()[case].to_dict(), **change}
@@ -197,8 +205,11 @@ def test_a_model_its_family_cannot_write_is_refused_on_export():
     assert windowed_llama.family == "llama"
     with pytest.raises(ConfigError, match="cannot hold this model's sliding_window=8"):
         hf_config_from_model(windowed_llama, None)
-    with pytest.raises(ConfigError, match="'gptj' has no Hugging Face conversion"):
-        hf_config_from_model(PRESETS["gpt-j-6b"], None)
+    with pytest.raises(ConfigError, match="a gptj config.json cannot hold this model's rope_theta=500000.0"):
+        hf_config_from_model(PRESETS["gpt-j-6b"].with_overrides(rope_theta=500000.0), None)  # GPT-J's is fixed
+    narrow_heads = PRESETS["gpt-j-6b"].with_overrides(n_heads=128)  # 32-wide heads rotate whole in strata
+    with pytest.raises(ConfigError, match="rotary_dim=64 is not supported"):
+        hf_config_from_model(narrow_heads, None)
 
 
 def test_every_family_places_every_parameter_under_tensor_parallelism():

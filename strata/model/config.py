@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 ROPE_TYPES = ("default", "llama3")
 # the fields of Llama 3.1's RoPE scaling (rope_type "llama3"); None under the default RoPE
@@ -27,6 +28,21 @@ SHAPE_LIMITS: dict[str, tuple[int, str]] = {
     "rope_original_max_seq_len": (2**24, "the longest contexts are about 10M tokens"),
     "n_experts": (2**14, "the most experts per layer are a few hundred"),
 }
+Shapes = list[tuple[str, tuple[int, ...]]]  # parameters by their path in a block, in the order it registers them
+
+
+class OwnBlock(Protocol):
+    """What ModelConfig reads of a family's own block (strata/model/families/base.OwnBlock)."""
+
+    def parameter_shapes(self, cfg: ModelConfig) -> Shapes: ...
+
+    def check(self, cfg: ModelConfig) -> None: ...
+
+
+# The families whose description brings a block of its own (GPT-J, GPT-NeoX: Family.block), by
+# name. strata.model.families fills it when it is imported: this module sits below the families
+# and imports none of them, yet counts their blocks (the planner reads the counts from here).
+OWN_BLOCKS: dict[str, OwnBlock] = {}
 
 
 @dataclass(frozen=True)
@@ -36,7 +52,13 @@ class ModelConfig:
     Mistral's sliding window, Gemma's (1 + w) norms, scaled embeddings, GeGLU and wide heads), and
     the GPT-2/GPT-3/BLOOM family (layernorm, learned or ALiBi positions, gelu, tied embeddings,
     biases). Every option defaults to what the model was before it existed. `family` names the
-    description in strata/model/families that converts it to and from Hugging Face."""
+    description in strata/model/families that converts it to and from Hugging Face.
+
+    These options are the shared Block's, and its list is closed: a family whose computation
+    differs (GPT-J's and GPT-NeoX's parallel block) brings its own block, and its own options ride
+    in the one generic field `family_options`. Outside the block the shared fields keep their
+    meaning (embedding, positions, final norm, head); inside it the family's block decides (for
+    such a family `bias` is the head's bias alone, `qkv_bias` and `qk_norm` are refused)."""
 
     vocab_size: int
     n_layers: int
@@ -77,10 +99,17 @@ class ModelConfig:
     shared_d_ff: int = 0
     gated_shared_expert: bool = False
     router_aux_coef: float = 0.01
+    # What a family with its own block computes beyond the fields above (GPT-J's rotary_dim,
+    # GPT-NeoX's rotary_pct and parallel residual), as plain (name, value) pairs sorted by name (a
+    # dict is accepted): the family reads them into its own options (strata/model/families), the
+    # shared Block reads none. Plain data, so that a preset and a manifest can hold them.
+    family_options: tuple[tuple[str, bool | int | float | str], ...] = ()
 
     def __post_init__(self):
         if not self.family:
             object.__setattr__(self, "family", infer_family(self))
+        if not isinstance(self.family_options, tuple) or any(not isinstance(p, tuple) for p in self.family_options):
+            object.__setattr__(self, "family_options", _sorted_pairs(self.family_options))
 
     @property
     def kv_heads(self) -> int:
@@ -142,6 +171,18 @@ class ModelConfig:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         self._validate_rope_scaling()
         self._validate_experts()
+        self._validate_family_options()
+
+    def _validate_family_options(self) -> None:
+        for name, value in self.family_options:
+            if not isinstance(name, str) or not name.isidentifier() or not isinstance(value, (bool, int, float, str)):
+                raise ValueError(f"family_options: {name!r}={value!r} must be a name and a number, flag or word")
+        if self.family in OWN_BLOCKS and not self.family_options:
+            raise ValueError(f"family {self.family!r} computes a block of its own and needs its family_options "
+                             f"(a model of this family written before that block existed computed strata's "
+                             f"shared block: it is not this family's model)")
+        if self.family_options:
+            self.own_block().check(self)
 
     def _validate_experts(self) -> None:
         if not isinstance(self.n_experts, int) or isinstance(self.n_experts, bool) or self.n_experts < 0:
@@ -181,6 +222,15 @@ class ModelConfig:
             raise ValueError(f"rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
                              f"rope_low_freq_factor={self.rope_low_freq_factor}")
 
+    def own_block(self) -> OwnBlock | None:
+        """The family's own block, or None: the shared Block computes this model. A config carries
+        family_options exactly when its family brings a block of its own."""
+        own = OWN_BLOCKS.get(self.family)
+        if self.family_options and own is None:
+            raise ValueError(f"family_options={dict(self.family_options)!r}: family {self.family!r} has no block "
+                             f"of its own (or strata.model.families was never imported)")
+        return own if self.family_options else None
+
     # --- counting -----------------------------------------------------------------------------
     def norm_params(self, width: int) -> int:
         """A norm over `width` features: a weight, and a bias for LayerNorm."""
@@ -190,6 +240,9 @@ class ModelConfig:
         """The weights one token multiplies in a block: q, k, v, o and the MLP's matrices (with
         experts: the router, the experts_per_token experts a token is sent to, the shared expert
         and its gate: the active parameters, not all of them)."""
+        own = self.own_block()
+        if own is not None:  # its matrices (norm weights and biases are vectors)
+            return sum(math.prod(shape) for _, shape in own.parameter_shapes(self) if len(shape) == 2)
         d, kv_dim = self.d_model, self.kv_heads * self.head_dim
         attn = 2 * d * self.q_dim + 2 * d * kv_dim
         if self.moe:
@@ -223,20 +276,44 @@ class ModelConfig:
         """Parameters of the model's units (Transformer.units: what the pipeline cuts between and
         ZeRO-3 gathers): (the input layers, one block, the output layers; a tied head counts in
         the inputs)."""
-        d, f, b = self.d_model, self.d_ff, int(self.bias)
-        q_dim, kv_dim = self.q_dim, self.kv_heads * self.head_dim
+        d, b = self.d_model, int(self.bias)
         norm = self.norm_params(d)
-        attn_bias = b * (q_dim + 2 * kv_dim + d) + (0 if b else int(self.qkv_bias) * (q_dim + 2 * kv_dim))
-        qk_norms = 2 * self.norm_params(self.head_dim) if self.qk_norm else 0
-        if self.moe:  # every expert, not only the active ones; no biases (Mixtral, Qwen2-MoE)
-            mlp = self.router_params() + self.expert_params() + self.shared_params()
-        else:
-            mlp = (3 if self.gated_mlp else 2) * d * f + b * ((2 if self.gated_mlp else 1) * f + d)
-        block = 2 * norm + 2 * d * q_dim + 2 * d * kv_dim + mlp + attn_bias + qk_norms
+        block = sum(math.prod(shape) for _, shape in self.block_parameter_shapes())
         inputs = self.vocab_size * d + (self.max_seq_len * d if self.position == "learned" else 0) + \
             (norm if self.embedding_norm else 0)
         outputs = norm + (0 if self.tie_embeddings else self.vocab_size * d + b * self.vocab_size)
         return inputs, block, outputs
+
+    def block_parameter_shapes(self) -> Shapes:
+        """Each parameter of one block, (its path in the block, its shape), in the order the block
+        registers them: the shared Block's (with experts: all of them), or those its family's own
+        block declares (OwnBlock.parameter_shapes). What unit_params counts, and what the planner's
+        parameter lists (plan/memory.py, plan/buckets.py) can read instead of listing them again."""
+        own = self.own_block()
+        if own is not None:
+            return own.parameter_shapes(self)
+        d, kv_dim, head = self.d_model, self.kv_heads * self.head_dim, self.head_dim
+        qkv_bias = self.bias or self.qkv_bias
+        shapes = norm_shapes(self, "attn_norm", d) + linear_shapes("attn.wq", d, self.q_dim, qkv_bias) + \
+            linear_shapes("attn.wk", d, kv_dim, qkv_bias) + linear_shapes("attn.wv", d, kv_dim, qkv_bias) + \
+            linear_shapes("attn.wo", self.q_dim, d, self.bias)
+        if self.qk_norm:
+            shapes += norm_shapes(self, "attn.q_norm", head) + norm_shapes(self, "attn.k_norm", head)
+        return shapes + norm_shapes(self, "mlp_norm", d) + self._mlp_shapes()
+
+    def _mlp_shapes(self) -> Shapes:
+        d, f, b = self.d_model, self.d_ff, self.bias
+        if not self.moe:
+            ins = ("mlp.w_gate", "mlp.w_up") if self.gated_mlp else ("mlp.w_in",)
+            outs = linear_shapes("mlp.w_down" if self.gated_mlp else "mlp.w_out", f, d, b)
+            return [shape for name in ins for shape in linear_shapes(name, d, f, b)] + outs
+        n, e, s = self.n_experts, self.expert_width, self.shared_d_ff  # no biases (Mixtral, Qwen2-MoE)
+        shapes = [("mlp.router.weight", (n, d)), ("mlp.experts.w_gate", (n, e, d)), ("mlp.experts.w_up", (n, e, d)),
+                  ("mlp.experts.w_down", (n, d, e))]
+        if s:
+            shapes += linear_shapes("mlp.shared.w_gate", d, s, False) + linear_shapes("mlp.shared.w_up", d, s, False) + \
+                linear_shapes("mlp.shared.w_down", s, d, False)
+        return shapes + (linear_shapes("mlp.shared_gate", d, 1, False) if self.gated_shared_expert else [])
 
     def attended_positions(self, seq_len: int) -> int:
         """How many keys a query is counted against: the sequence, or the sliding window."""
@@ -260,7 +337,8 @@ class ModelConfig:
 
 def infer_family(cfg: ModelConfig) -> str:
     """The family a config's options describe: what a manifest written before `family` existed
-    holds (those knew llama, gpt2 and bloom shapes; gptj is the planning-only GPT-J preset)."""
+    holds (those knew llama, gpt2 and bloom shapes; gptj: the GPT-J preset's shape then, which
+    computed the shared block: without GPT-J's family_options it is refused by validate)."""
     if cfg.n_experts:
         return "qwen2_moe" if cfg.qkv_bias else "mixtral"
     if cfg.position == "alibi" or cfg.embedding_norm:
@@ -278,6 +356,22 @@ def infer_family(cfg: ModelConfig) -> str:
     if cfg.sliding_window:
         return "mistral"
     return "llama"
+
+
+def linear_shapes(path: str, inputs: int, outputs: int, bias: bool) -> Shapes:
+    """A linear layer's weight (outputs, inputs) and, with a bias, its bias."""
+    return [(f"{path}.weight", (outputs, inputs))] + ([(f"{path}.bias", (outputs,))] if bias else [])
+
+
+def norm_shapes(cfg: ModelConfig, path: str, width: int) -> Shapes:
+    """The config's norm over `width` features: a weight, and LayerNorm's bias."""
+    return [(f"{path}.weight", (width,))] + ([(f"{path}.bias", (width,))] if cfg.norm == "layernorm" else [])
+
+
+def _sorted_pairs(options) -> tuple:
+    """family_options as given (a dict, or pairs: a manifest's JSON lists) -> (name, value) pairs by name."""
+    pairs = options.items() if isinstance(options, dict) else options
+    return tuple(sorted((name, value) for name, value in pairs))
 
 
 def _check_count(name: str, value) -> None:

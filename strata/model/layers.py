@@ -94,15 +94,18 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 # --- attention -----------------------------------------------------------------------------------
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool | None = None, out_bias: bool | None = None):
+        """qkv_bias, out_bias: biases on q, k, v and on the output projection (None: as the
+        config's options say; a family's own block says itself)."""
         super().__init__()
         self.head_dim = cfg.head_dim
         kv_dim = cfg.kv_heads * cfg.head_dim
-        qkv_bias = cfg.bias or cfg.qkv_bias
+        qkv_bias = (cfg.bias or cfg.qkv_bias) if qkv_bias is None else qkv_bias
+        out_bias = cfg.bias if out_bias is None else out_bias
         self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=qkv_bias)
-        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=out_bias)
         # Qwen3: one norm over each head's features, shared by all heads, before RoPE
         # (transformers' Qwen3Attention applies q_norm to q_proj(x).view(..., head_dim)).
         self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -122,11 +125,16 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope[0][..., :seq, :], rope[1][..., :seq, :]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)
         out = self.core(q, k, v, bias.to(q.dtype) if isinstance(bias, torch.Tensor) else bias)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def rotate(self, x, cos, sin):
+        """RoPE on queries or keys (batch, heads, seq, head_dim): here every feature of a head in the
+        "rotate half" layout; a family's own attention may rotate otherwise (strata/model/parallel_block.py)."""
+        return apply_rope(x, cos, sin)
 
     def core(self, q, k, v, bias):
         """softmax(q kᵀ/√d + bias) v: the "core attention" that selective checkpointing recomputes.
@@ -188,15 +196,18 @@ class GeGLU(SwiGLU):
 
 
 class GeluMLP(nn.Module):
-    """GPT-2's MLP, with the tanh approximation of GELU that GPT-2 was trained with."""
+    """GPT-2's MLP, with the tanh approximation of GELU that GPT-2 was trained with (approximate
+    "none": the exact GELU, as GPT-NeoX's "gelu"). bias: None as the config says."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, bias: bool | None = None, approximate: str = "tanh"):
         super().__init__()
-        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        bias = cfg.bias if bias is None else bias
+        self.approximate = approximate
+        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=bias)
 
     def forward(self, x):
-        return self.w_out(F.gelu(self.w_in(x), approximate="tanh"))
+        return self.w_out(F.gelu(self.w_in(x), approximate=self.approximate))
 
 
 class CrossEntropy(nn.Module):
@@ -218,19 +229,10 @@ class CrossEntropy(nn.Module):
         return total / targets.numel()
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: ModelConfig, router_losses: RouterLosses | None = None):
-        super().__init__()
-        self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
-        self.mlp_norm = make_norm(cfg)
-        self.mlp = MoE(cfg, router_losses) if cfg.moe else {"swiglu": SwiGLU, "geglu": GeGLU, "gelu": GeluMLP}[cfg.mlp](cfg)
-
-    def forward(self, x, rope=None, bias=None, cache=None):
-        x = x + self.attn(self.attn_norm(x), rope, bias, cache)
-        return x + self.mlp(self.mlp_norm(x))
+class AttentionBlock(nn.Module):
+    """What every block offers the rest of strata beside its forward(x, rope, bias, cache): its
+    attention as `self.attn` (an Attention: `wk`, `head_dim`, `core`), read here for the KV cache
+    and the core-attention hook. The shared Block and a family's own blocks derive from it."""
 
     def empty_kv_cache(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed keys and values for generation, (batch, kv_heads, max_len, head_dim) each, with
@@ -244,5 +246,21 @@ class Block(nn.Module):
                 torch.zeros(shape, dtype=weight.dtype, device=weight.device))
 
     def wrap_core_attention(self, wrap) -> None:
-        """Selective checkpointing's hook: the core attention becomes wrap(core attention)."""
+        """Selective checkpointing's and context parallelism's hook: the core attention becomes
+        wrap(core attention)."""
         self.attn.core = wrap(self.attn.core)
+
+
+class Block(AttentionBlock):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, router_losses: RouterLosses | None = None):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MoE(cfg, router_losses) if cfg.moe else {"swiglu": SwiGLU, "geglu": GeGLU, "gelu": GeluMLP}[cfg.mlp](cfg)
+
+    def forward(self, x, rope=None, bias=None, cache=None):
+        x = x + self.attn(self.attn_norm(x), rope, bias, cache)
+        return x + self.mlp(self.mlp_norm(x))

@@ -28,11 +28,17 @@ PRESETS: dict[str, ModelConfig] = {
                              max_seq_len=1024, **_GPT),
     "gpt2-1.5b": ModelConfig(vocab_size=50257, n_layers=48, d_model=1600, n_heads=25, d_ff=6400,
                              max_seq_len=1024, **_GPT),
-    # Wang & Komatsuzaki 2021 (GPT-J): a 6B model for the serving planner. Its attention and MLP
-    # read the same input in parallel, which changes no cost the planner counts.
+    # Wang & Komatsuzaki 2021 (GPT-J-6B's config.json): attention and MLP from one LayerNorm, in
+    # parallel; rotary positions on 64 of each head's 256 features; a head with a bias.
     "gpt-j-6b": ModelConfig(vocab_size=50400, n_layers=28, d_model=4096, n_heads=16, d_ff=16384,
                             max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu",
-                            tie_embeddings=False, bias=True, family="gptj"),
+                            tie_embeddings=False, bias=True, family="gptj", family_options={"rotary_dim": 64}),
+    # Biderman et al. 2023 (Pythia-1.4B's config.json; GPT-NeoX's block): parallel attention and MLP,
+    # rotary positions on a quarter of each head, the exact GELU; 1,414,647,808 parameters.
+    "pythia-1.4b": ModelConfig(vocab_size=50304, n_layers=24, d_model=2048, n_heads=16, d_ff=8192,
+                               max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu",
+                               family="gpt_neox", family_options={"rotary_pct": 0.25, "parallel_residual": True,
+                                                                  "attention_bias": True, "hidden_act": "gelu"}),
     # Llama 3.2 1B (Meta 2024; the shape of its Hugging Face config.json): 16 layers, hidden 2048,
     # 32 heads with 8 KV heads, SwiGLU 8192, a 128,256-token vocabulary, tied embeddings, RoPE theta
     # 500,000; 1,235,814,400 parameters. The context here is Llama 3's pre-training length, 8192,

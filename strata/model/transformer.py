@@ -21,6 +21,7 @@ from torch import nn
 
 from strata.model.attention_blocks import CausalMask
 from strata.model.config import ModelConfig
+from strata.model.families import FAMILIES
 from strata.model.initial_values import initial_value
 from strata.model.layers import Block, CrossEntropy, alibi_slopes, attention_bias, make_norm, rope_tables
 from strata.model.loss import chunk_bounds, chunked_loss
@@ -44,7 +45,11 @@ class Transformer(nn.Module):
         self.context = None
         # what the MoE layers route and the scale of their auxiliary loss's gradient (None: dense)
         self.router_losses = RouterLosses(cfg.n_layers, cfg.router_aux_coef) if cfg.moe else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.router_losses) for i in range(cfg.n_layers)})
+        # the shared Block, or the family's own (GPT-J's, GPT-NeoX's: families/base.OwnBlock)
+        family = FAMILIES.get(cfg.family)
+        self.own_block = family.block if family is not None else None
+        make_block = self.own_block.make if self.own_block is not None else Block
+        self.blocks = nn.ModuleDict({str(i): make_block(cfg, self.router_losses) for i in range(cfg.n_layers)})
         self.final_norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
         # Layers without weights that a parallel version replaces: the loss, and what turns the
@@ -57,9 +62,15 @@ class Transformer(nn.Module):
         self.register_buffer("alibi", torch.empty(0), persistent=False)
         self.heads = range(cfg.n_heads)  # the query heads this model computes (a slice under tensor parallelism)
         if cfg.position == "rope":
-            self.rope_cos, self.rope_sin = rope_tables(cfg)
+            self.rope_cos, self.rope_sin = self.rope_tables()
         if cfg.position == "alibi":
             self.alibi = alibi_slopes(cfg.n_heads)
+
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin by position (fp64): the family's own block's (partial, interleaved)
+        or the whole head's in the "rotate half" layout."""
+        own = self.own_block
+        return own.rope_tables(self.cfg) if own is not None and own.rope_tables is not None else rope_tables(self.cfg)
 
     # --- initialisation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -74,7 +85,7 @@ class Transformer(nn.Module):
         cfg, sample = self.cfg, next(self.parameters())  # any layer: a pipeline stage may lack the embedding
         device, dtype = sample.device, sample.dtype
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg)
+            cos, sin = self.rope_tables()
             self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
         if cfg.position == "alibi":
             self.alibi = alibi_slopes(cfg.n_heads)[self.heads.start:self.heads.stop].to(device, dtype)

@@ -11,6 +11,7 @@ what the rank holds (plan/tensor.params_held)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,23 +36,9 @@ def _norm(cfg: ModelConfig, width: int) -> list[int]:
 
 def block_parameters(cfg: ModelConfig) -> list[tuple[int, bool]]:
     """(elements, whether a routed expert's) of one block's parameters, in the model's order: the
-    attention's norm, q, k, v, output (each weight with its bias), the per-head norms, the MLP's
-    norm, then the MLP (a mixture: its router, the experts' three stacked matrices, the shared
-    expert and its gate)."""
-    d, kv, qkv_bias = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.bias or cfg.qkv_bias
-    sizes = _norm(cfg, d) + _linear(d, cfg.q_dim, qkv_bias) + _linear(d, kv, qkv_bias) + \
-        _linear(d, kv, qkv_bias) + _linear(cfg.q_dim, d, cfg.bias)
-    if cfg.qk_norm:
-        sizes += _norm(cfg, cfg.head_dim) * 2
-    sizes += _norm(cfg, d)
-    if not cfg.moe:
-        mlp = _linear(d, cfg.d_ff, cfg.bias) * (2 if cfg.gated_mlp else 1) + _linear(cfg.d_ff, d, cfg.bias)
-        return [(size, False) for size in sizes + mlp]
-    routed = [d * cfg.expert_width * cfg.n_experts] * 3
-    shared = (_linear(d, cfg.shared_d_ff, False) * 2 + _linear(cfg.shared_d_ff, d, False) if cfg.shared_d_ff else []) + \
-        (_linear(d, 1, False) if cfg.gated_shared_expert else [])
-    return [(size, False) for size in sizes + _linear(d, cfg.n_experts, False)] + \
-        [(size, True) for size in routed] + [(size, False) for size in shared]
+    model's own list (ModelConfig.block_parameter_shapes: the shared block's, or a family's own); a
+    routed expert's is the only stacked (3-D) tensor of a block."""
+    return [(math.prod(shape), len(shape) == 3) for _, shape in cfg.block_parameter_shapes()]
 
 
 def input_parameters(cfg: ModelConfig) -> list[int]:

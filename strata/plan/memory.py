@@ -60,7 +60,7 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     """The shape of every parameter of strata's model of this config (strata/model/: the embedding,
     learned positions, each block's norms, projections and MLP or experts, the final norm and the
     head), from the config alone. Their sizes add up to cfg.num_params()."""
-    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+    d = cfg.d_model
 
     def norm(width: int) -> list[tuple[int, ...]]:
         return [(width,)] * (2 if cfg.norm == "layernorm" else 1)
@@ -68,17 +68,7 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     def linear(k: int, n: int, bias: bool) -> list[tuple[int, ...]]:
         return [(n, k)] + ([(n,)] if bias else [])
 
-    qkv_bias = cfg.bias or cfg.qkv_bias
-    block = norm(d) * 2 + linear(d, cfg.q_dim, qkv_bias) + linear(d, kv, qkv_bias) * 2 + \
-        linear(cfg.q_dim, d, cfg.bias) + (norm(cfg.head_dim) * 2 if cfg.qk_norm else [])
-    if cfg.moe:
-        e, n = cfg.expert_width, cfg.n_experts
-        block += [(n, d), (n, e, d), (n, e, d), (n, d, e)]
-        if cfg.shared_d_ff:
-            block += [(cfg.shared_d_ff, d)] * 2 + [(d, cfg.shared_d_ff)] + ([(1, d)] if cfg.gated_shared_expert else [])
-    else:
-        ins = linear(d, f, cfg.bias) * (2 if cfg.gated_mlp else 1)
-        block += ins + linear(f, d, cfg.bias)
+    block = [shape for _, shape in cfg.block_parameter_shapes()]  # the model's own, a family's block too
     inputs = [(cfg.vocab_size, d)] + ([(cfg.max_seq_len, d)] if cfg.position == "learned" else []) + \
         (norm(d) if cfg.embedding_norm else [])
     outputs = norm(d) + ([] if cfg.tie_embeddings else linear(d, cfg.vocab_size, cfg.bias))

@@ -7,6 +7,8 @@ A description says
 - how to read a Hugging Face `config.json` into a ModelConfig (refusing, in one line naming the
   key, an option strata's model does not compute), and how to write one back over the original;
 - how to rename (and re-lay-out) tensors from Hugging Face's names to strata's and back;
+- `block`, when the shared Block cannot compute the family (GPT-J's and GPT-NeoX's parallel
+  block): its own block module (base.OwnBlock), its options read from `cfg.family_options`;
 - `tensor_parallel`: per module path (a block's as `blocks.*.<path>`), its placement (PLACEMENTS in
   base.py: vocabulary, column, kv_column, row, input_norm, head_norm, replicated), from which
   strata/parallel/tensor.py splits the model, the row placements being the outputs sequence
@@ -27,7 +29,7 @@ import importlib
 import pkgutil
 
 from strata.errors import ConfigError
-from strata.model.config import ModelConfig
+from strata.model.config import OWN_BLOCKS, ModelConfig
 from strata.model.families.base import PLACEMENTS, Family  # noqa: F401 - the description's type, here too
 
 
@@ -41,6 +43,8 @@ def _described() -> dict[str, Family]:
 
 
 FAMILIES: dict[str, Family] = _described()
+# ModelConfig counts a family's own block through its description (config.py imports no family)
+OWN_BLOCKS.update({name: family.block for name, family in FAMILIES.items() if family.block is not None})
 
 
 def get_family(name: str) -> Family:

@@ -4,11 +4,13 @@ families is strata/model/families/__init__.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from fnmatch import fnmatchcase
 
+import torch
+
 from strata.errors import ConfigError
-from strata.model.config import ModelConfig
+from strata.model.config import ModelConfig, Shapes
 
 # Where a module's parameters go under 1-D tensor parallelism (strata/parallel/tensor.py does it).
 PLACEMENTS = {
@@ -32,6 +34,24 @@ PLACEMENTS = {
 
 
 @dataclass(frozen=True)
+class OwnBlock:
+    """A family's own block (torchtitan gives each model its own modules), for a computation the
+    shared Block (strata/model/layers.py) does not do: what the Transformer builds for every layer in
+    its place, the rotary tables its attention reads, the shapes of its parameters (ModelConfig's
+    counts, the planner's) and the check of the family's options (cfg.family_options).
+
+    The block keeps the shared Block's interface (layers.AttentionBlock: forward(x, rope, bias,
+    cache), `attn` with `wk`, `head_dim` and `core`), so the KV cache, selective checkpointing and
+    context parallelism (which replace `attn.core`) work on it unchanged; its modules are placed
+    under tensor parallelism by the description's `tensor_parallel` paths, so sequence
+    parallelism, the pipeline's cuts and ZeRO-3's units (a block each) follow."""
+    make: Callable  # (ModelConfig, RouterLosses | None) -> the block module
+    parameter_shapes: Callable[[ModelConfig], Shapes]  # one block's, in the order it registers them
+    check: Callable[[ModelConfig], None]  # ValueError naming what the block cannot compute
+    rope_tables: Callable | None = None  # ModelConfig -> (cos, sin), (max_seq_len, width); None: layers.rope_tables
+
+
+@dataclass(frozen=True)
 class Family:
     name: str  # ModelConfig.family
     model_types: tuple[str, ...]  # the Hugging Face model_type values it reads (none: planning only)
@@ -45,6 +65,8 @@ class Family:
     tensors_from_hf: Callable[[dict, ModelConfig, str], dict] | None = None
     # strata's tensors, ModelConfig, the original file's tensor names (or None) -> Hugging Face's
     tensors_to_hf: Callable[[dict, ModelConfig, list | None], dict] | None = None
+    # its own block, when the shared Block cannot compute it (its options: cfg.family_options)
+    block: OwnBlock | None = None
 
     @property
     def converts(self) -> bool:
@@ -62,6 +84,26 @@ class Family:
 def in_blocks(placements: dict[str, str]) -> dict[str, str]:
     """Placements of the modules inside every block, by their path in a block."""
     return {f"blocks.*.{path}": placement for path, placement in placements.items()}
+
+
+def read_options(cfg: ModelConfig, options_type: type):
+    """cfg.family_options as the family's own frozen dataclass: every field given, and no other
+    (so that two configs of one model hold equal options)."""
+    given, names = dict(cfg.family_options), [f.name for f in fields(options_type)]
+    unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
+    if unknown or missing:
+        raise ValueError(f"family_options of a {cfg.family} model: " +
+                         (f"{unknown[0]!r} is not one of them ({', '.join(names)})" if unknown else
+                          f"{missing[0]!r} is missing"))
+    return options_type(**given)
+
+
+def check_option(name: str, value, kind: type, valid=None) -> None:
+    """One family option: of `kind` (a bool is no number; a whole number is a float too), and
+    `valid(value)` when given."""
+    kinds = (int, float) if kind is float else kind
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kinds) or (valid and not valid(value)):
+        raise ValueError(f"family_options: {name}={value!r} is not a valid {kind.__name__} here")
 
 
 # --- what the descriptions share --------------------------------------------------------------
@@ -110,6 +152,30 @@ def names_to_hf(tensors: dict, layer: dict, top: dict, blocks: str, prefix: str 
         if value is not None:
             out[f"{prefix}{blocks}{block}.{reverse_layer[module]}.{leaf}"] = value
     return out
+
+
+def put_fused_qkv(out: dict, name: str, value, fused_key: str, blocks: str, heads: int, head_dim: int) -> bool:
+    """A family's fused per-head query_key_value tensor (`fused_key` in a block) put into `out` as
+    strata's wq, wk and wv (exact views); False when `name` is not one."""
+    fused = name_from_hf(name, {fused_key: "attn.qkv"}, {}, blocks)
+    if fused is None:
+        return False
+    for proj, part in zip(("wq", "wk", "wv"), split_per_head(value, heads, head_dim)):
+        out[fused.replace(".qkv.", f".{proj}.")] = part
+    return True
+
+
+def split_per_head(fused, heads: int, head_dim: int) -> tuple:
+    """A fused query_key_value laid out per head (BLOOM, GPT-NeoX: output rows (heads, 3,
+    head_dim), q, k and v of head 0, then of head 1, ...) -> strata's q, k and v."""
+    per_head = fused.view(heads, 3, head_dim, *fused.shape[1:])
+    return tuple(per_head[:, i].reshape(heads * head_dim, *fused.shape[1:]).contiguous() for i in range(3))
+
+
+def join_per_head(q, k, v, heads: int, head_dim: int):
+    """The inverse of split_per_head, bit for bit."""
+    fused = torch.stack([t.reshape(heads, head_dim, *t.shape[1:]) for t in (q, k, v)], dim=1)
+    return fused.reshape(3 * heads * head_dim, *q.shape[1:])
 
 
 def tied_head_to_hf(out: dict, tensors: dict, cfg: ModelConfig, keys: list | None, name: str) -> None:

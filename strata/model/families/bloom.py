@@ -11,11 +11,9 @@ the slopes of the heads it holds."""
 
 from __future__ import annotations
 
-import torch
-
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, name_from_hf, refuse_set, tied_head_to_hf
+from strata.model.families.base import Family, join_per_head, name_from_hf, put_fused_qkv, refuse_set, tied_head_to_hf
 from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, BLOCKS, strip_prefix, unfused_to_hf, written_prefix
 
 NAME = "bloom"
@@ -56,12 +54,7 @@ def tensors_from_hf(hf_tensors: dict, cfg: ModelConfig, where: str) -> dict:
     for name, value in strip_prefix(hf_tensors)[0].items():
         if name == "lm_head.weight":
             continue  # tied
-        fused = name_from_hf(name, {FUSED: "attn.qkv"}, {}, BLOCKS)
-        if fused is not None:
-            per_head = value.view(heads, 3, head_dim, *value.shape[1:])  # rows: (head, q|k|v, feature)
-            for i, proj in enumerate(("wq", "wk", "wv")):
-                out[fused.replace(".qkv.", f".{proj}.")] = per_head[:, i].reshape(
-                    heads * head_dim, *value.shape[1:]).contiguous()
+        if put_fused_qkv(out, name, value, FUSED, BLOCKS, heads, head_dim):
             continue
         strata_name = name_from_hf(name, LAYER, TOP, BLOCKS)
         if strata_name is None:
@@ -76,8 +69,7 @@ def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
     for block in range(cfg.n_layers):
         for leaf in ("weight", "bias"):
             q, k, v = (tensors[f"blocks.{block}.attn.{p}.{leaf}"] for p in ("wq", "wk", "wv"))
-            fused = torch.stack([t.reshape(heads, head_dim, *t.shape[1:]) for t in (q, k, v)], dim=1)
-            out[f"{prefix}h.{block}.{FUSED}.{leaf}"] = fused.reshape(3 * heads * head_dim, *q.shape[1:])
+            out[f"{prefix}h.{block}.{FUSED}.{leaf}"] = join_per_head(q, k, v, heads, head_dim)
     tied_head_to_hf(out, tensors, cfg, keys, "lm_head.weight")
     return out
 
