@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
-from strata.plan.buckets import bucket_parts, collective_parts, staged
+from strata.plan.buckets import collective_parts, staged
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, fp8_flops, unit_seconds
 from strata.plan.context import NO_CONTEXT, ContextComm, context_comm, extra_activation_bytes
 from strata.plan.data_parallel import BYTES, data_parallel_seconds, gradient_pass_seconds, optimizer_seconds
@@ -382,9 +382,10 @@ def _buffers(cfg: ModelConfig, lay: Layout, t: int, load: StageLoad, bucket_mb: 
     if lay.zero == 2:
         dense, experts = expert_share(cfg, lay, load.params / t, load.layers)
         split = False if experts else None
-        held = staged(bucket_parts(cfg, load.layers, load.first, load.last, split, dense, bucket_mb))
+        # each bucket as the runtime pads it: aligned, a multiple of its group's shards
+        held = staged(collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, bucket_mb))
         if experts and expert_group(lay)[0] > 1:  # (a group of one rank: ZeRO-0, nothing staged)
-            held += staged(bucket_parts(cfg, load.layers, load.first, load.last, True, experts, bucket_mb))
+            held += staged(collective_parts(cfg, lay, load.layers, load.first, load.last, True, experts, bucket_mb))
         return held * BYTES[lay.reduce_dtype]
     if lay.zero < 3:
         return 0.0
