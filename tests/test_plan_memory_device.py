@@ -97,7 +97,7 @@ def test_an_optimizer_the_planner_does_not_know_is_refused_in_one_line():
 
 # --- the last stage's activations --------------------------------------------------------------------
 def test_the_planners_chunk_is_the_runtimes():
-    assert LOGITS_CHUNK_BYTES == RUNTIME_CHUNK_BYTES
+    assert LOGITS_CHUNK_BYTES == RUNTIME_CHUNK_BYTES  # one constant (rules/constants.py), read by both
     for rows, positions, width in ((1, 8192, 128256), (4, 2048, 16032), (2, 31, 251), (1, 131072, 32000)):
         bounds = chunk_bounds(rows, positions, width)
         chunk = positions if bounds is None else bounds[0][1] - bounds[0][0]

@@ -27,9 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-# The bytes of one chunk's fp32 logits, at most (the chunk is at least one position). A model whose
-# whole logits fit in one chunk computes its loss unchunked, keeping its logits for backward.
-LOGITS_CHUNK_BYTES = 256 * 2**20
+from strata.rules.constants import LOGITS_CHUNK_BYTES
+
+# A model whose whole logits fit in one chunk (rules/constants.LOGITS_CHUNK_BYTES, which the planner
+# prices too) computes its loss unchunked, keeping its logits for backward. Tests and the GPU check
+# set this module's LOGITS_CHUNK_BYTES to try other budgets.
 
 
 def chunk_bounds(rows: int, positions: int, width: int, budget: int | None = None) -> list[tuple[int, int]] | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Device
+from strata.rules.constants import LOGITS_CHUNK_BYTES
 from strata.rules.layout import Layout
 from strata.rules.optimizers import OPTIMIZERS, bytes_per_parameter
 from strata.rules.optimizers import STATE_BYTES as MOMENT_ELEMENT_BYTES
@@ -133,9 +134,6 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
     return sbh * (10 + 24 / tp + attention)
 
 
-# The runtime's budget for one chunk of the loss's fp32 logits (strata/model/loss.py's
-# LOGITS_CHUNK_BYTES, which imports torch: tests/test_plan_memory_device.py checks they agree).
-LOGITS_CHUNK_BYTES = 256 * 2**20
 FP32 = 4
 
 

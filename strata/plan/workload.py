@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from strata.model.config import ModelConfig
 from strata.plan.frameworks import framework
-from strata.plan.memory import LOGITS_CHUNK_BYTES
-from strata.rules.constants import BUCKET_MB
+from strata.rules.constants import BUCKET_MB, LOGITS_CHUNK_BYTES
 from strata.rules.layout import Layout
 
 

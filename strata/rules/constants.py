@@ -30,3 +30,8 @@ BUCKET_ALIGN_ELEMENTS = 128
 # between Megatron-LM's 175B (44%) and 1T (52%) A100 runs once communication and bubbles are priced
 # separately (docs/cost-model.md).
 DEFAULT_EFFICIENCY = 0.63
+
+# The bytes of one chunk of the loss's fp32 logits, at most (strata/model/loss.py computes the loss a
+# chunk of the sequence at a time; the planner prices one chunk): 256 MiB, where a 128K vocabulary's
+# whole logits at 8K tokens would take 4 GiB. A chunk is at least one position.
+LOGITS_CHUNK_BYTES = 256 * 2**20
