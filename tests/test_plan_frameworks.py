@@ -66,6 +66,27 @@ def test_the_profiles_switches():
     assert set(FRAMEWORKS) >= {"strata", "megatron-core", "megatron-deepspeed", "deepspeed", "torchtitan"}
 
 
+def test_the_framework_flag_prices_the_run_as_that_code_base_runs_it(capsys):
+    """`strata plan --framework megatron-core` on a tp 8 layout: the same traffic, less of it
+    exposed (TP overlap), so a shorter step than strata's own pricing; --bucket-mb still overrides
+    its buckets."""
+    import json
+
+    from strata.cli import main as strata_main
+
+    def plan(*extra):
+        assert strata_main(["plan", "--model", "llama3-8b", "--device", "H100-80G", "--nodes", "4",
+                            "--nics-per-node", "8", "--network", "ib-400", "--global-batch", "64", "--seq-len", "4096",
+                            "--layout", "dp=4,tp=8,mb=1,sp", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["layouts"][0]
+    strata, core = plan(), plan("--framework", "megatron-core")
+    assert core["comm_bytes"]["tp"] == pytest.approx(strata["comm_bytes"]["tp"])
+    assert core["exposed_comm_seconds"]["tp"] < strata["exposed_comm_seconds"]["tp"]
+    assert core["step_time_s"] < strata["step_time_s"]
+    given = plan("--framework", "megatron-core", "--bucket-mb", "25")
+    assert given["comm_seconds"]["dp"] != core["comm_seconds"]["dp"]  # 25 MB buckets, not 40M parameters
+
+
 def test_tensor_parallel_overlap_hides_all_but_one_chunk_and_keeps_the_total():
     """Megatron-Core's --tp-comm-overlap: the step's exposed tp time falls to what the GEMMs do not
     hide (at least 1/tp of it); the tp traffic and its total time are the same."""
