@@ -180,7 +180,11 @@ def _hang_with_dumps(directory):
     comm.all_reduce(torch.ones(2, device="cpu"), None, "world")  # both ranks' streams (and watchdogs) run
     if dist.get_rank() == 1:  # never enters all-reduce #2: waits until rank 0 has reported
         dist.distributed_c10d._get_default_store().wait(["reported"], __import__("datetime").timedelta(seconds=60))
-        time.sleep(2 * rehearsal.Watchdog.CHECK_EVERY_S + 1.5)  # its watchdog polls for the dump signal
+        # its watchdog polls the store for the dump signal once a second; a loaded machine may be slower,
+        # so wait for the file itself (bounded) instead of a fixed time
+        deadline = time.monotonic() + 30
+        while "rank_1" not in os.listdir(directory) and time.monotonic() < deadline:
+            time.sleep(rehearsal.Watchdog.CHECK_EVERY_S)
         return sorted(os.listdir(directory))
     result = _outcome(lambda: comm.all_reduce(torch.ones(2, device="cpu"), None, "world"))
     time.sleep(2.5)  # the signal reaches rank 1's watchdog within about a second
