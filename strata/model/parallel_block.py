@@ -119,7 +119,7 @@ def check_shape(cfg: ModelConfig, shape: ParallelShape) -> None:
 def described(shape_of, check) -> dict:
     """The fields of an OwnBlock (families/base.py) for a family whose block is this one, its
     ParallelShape read from a config by shape_of; check: the family's check of its options."""
-    def make(cfg: ModelConfig, router_losses=None) -> nn.Module:
+    def make(cfg: ModelConfig, router_losses=None, layer: int = 0) -> nn.Module:
         return ParallelBlock(cfg, shape_of(cfg))
 
     def checked(cfg: ModelConfig) -> None:

@@ -48,8 +48,9 @@ class Transformer(nn.Module):
         # the shared Block, or the family's own (GPT-J's, GPT-NeoX's: families/base.OwnBlock)
         family = FAMILIES.get(cfg.family)
         self.own_block = family.block if family is not None else None
-        make_block = self.own_block.make if self.own_block is not None else Block
-        self.blocks = nn.ModuleDict({str(i): make_block(cfg, self.router_losses) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): self.own_block.make(cfg, self.router_losses, i)
+                                     if self.own_block is not None else Block(cfg, self.router_losses)
+                                     for i in range(cfg.n_layers)})
         self.final_norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
         # Layers without weights that a parallel version replaces: the loss, and what turns the

@@ -45,7 +45,7 @@ class OwnBlock:
     context parallelism (which replace `attn.core`) work on it unchanged; its modules are placed
     under tensor parallelism by the description's `tensor_parallel` paths, so sequence
     parallelism, the pipeline's cuts and ZeRO-3's units (a block each) follow."""
-    make: Callable  # (ModelConfig, RouterLosses | None) -> the block module
+    make: Callable  # (ModelConfig, RouterLosses | None, layer index) -> that layer's block module
     parameter_shapes: Callable[[ModelConfig], Shapes]  # one block's, in the order it registers them
     check: Callable[[ModelConfig], None]  # ValueError naming what the block cannot compute
     rope_tables: Callable | None = None  # ModelConfig -> (cos, sin), (max_seq_len, width); None: layers.rope_tables
