@@ -13,7 +13,7 @@ from strata.checkpoint import store
 from strata.config import RUN_LAYOUT, TrainConfig, check_run_layout
 from strata.errors import ConfigError
 from strata.plan.cost import Cluster
-from strata.plan.hardware import DEVICES
+from strata.plan.hardware import DEVICES, device_for_cuda_name
 from strata.plan.inputs import build_cluster, cpu_local_cluster, default_profile_path, load_profile, workload
 from strata.plan.search import explain, search
 from strata.rules.dtypes import DTYPES
@@ -31,11 +31,8 @@ def local_cluster(processes: int) -> Cluster:
     """The processes of this job on this node: a GPU from the device table when there is one,
     else this CPU as `strata calibrate` measured it."""
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        name = props.name
-        # "NVIDIA A100-SXM4-80GB" -> the A100 entries, then the one whose memory is closest
-        family = [d for d in DEVICES.values() if d.name.split("-")[-1 if d.name.startswith("RTX") else 0] in name]
-        match = min(family, key=lambda d: abs(d.memory_bytes - props.total_memory)).name if family else None
+        name = torch.cuda.get_device_name(0)
+        match = device_for_cuda_name(name)  # the one table of CUDA names the metrics' MFU reads too
         if match is None:
             raise ConfigError(f"--parallel auto: {name!r} is not in the planner's device table "
                               f"({', '.join(DEVICES)}); choose the layout by hand")
