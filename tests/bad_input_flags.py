@@ -50,6 +50,7 @@ CASES: list[tuple[list[str], str, dict | None]] = [
     ([*TRAIN, "--allow-async"], "--allow-async: only with --parallel auto", None),
     (["train", "--model", "tiny-gpt2", "--init-from", "{ck.good}", "--steps", "1"],
      "--model tiny-gpt2: the checkpoint of --init-from", None),
+    (["train", "--model", "nope", "--init-from", "{ck.good}", "--steps", "1"], "--model nope: unknown preset", None),
     ([*TRAIN, "--config", "{file.both_spellings.toml}"], "'seq-len' and 'seq_len' both set seq_len; keep one", None),
     ([*TRAIN, "--save-every", "1"], "--save-every 1: only with --save DIR", None),
     ([*GEN, "{ck.good}", "--prompt-ids", "1", "--temperature", "0", "--top-p", "0.9"],

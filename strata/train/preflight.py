@@ -61,6 +61,8 @@ def check_model_flag(cfg: TrainConfig) -> None:
     """--model given beside --init-from: the checkpoint fixes the model, so a preset of another
     shape is refused (never dropped); one of the checkpoint's shape says the same thing. The
     vocabulary and context are left out of the comparison: data and --max-seq-len set them."""
+    if cfg.model not in PRESETS:  # before the checkpoint is read: the name alone is wrong
+        raise ConfigError(f"unknown preset; valid: {', '.join(PRESETS)}", "model", cfg.model)
     saved = model_shape(replace(cfg, n_layers=None, max_seq_len=None, n_heads=None))
     preset = PRESETS[cfg.model]
     if replace(saved, vocab_size=preset.vocab_size, max_seq_len=preset.max_seq_len) != preset:
