@@ -10,7 +10,8 @@ is behind. Each launch first retires every reduction that has completed (`is_com
 query that never blocks, on gloo's works, NCCL's and the emulation's handles alike), and waits
 for the oldest only while more than `limit` are still outstanding. A retired reduction is
 finished out of launch order when an older one is still running: a stage's `finish` touches its
-own bucket's ranges only (strata/parallel/gradients.py)."""
+own bucket's ranges only (strata/parallel/gradients.py). ZeRO-3's reduce-scatters
+(strata/parallel/zero3_hooks.py) go through the same queue, InFlight."""
 
 from __future__ import annotations
 
@@ -20,6 +21,49 @@ from functools import partial
 from torch import nn
 
 from strata.parallel.buckets import Bucket
+
+
+class InFlight:
+    """Collectives in flight, oldest first, each finished once by `finish(key)`: adding one first
+    retires every one already done (a query that never blocks), then waits for the oldest only
+    while more than `limit` are still running (None: no limit). A work of None (one process, no
+    collective) is done at once."""
+
+    def __init__(self, finish: Callable[[object], None], limit: int | None):
+        self.finish, self.limit = finish, limit
+        self.entries: list = []  # (key, work)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, key, work) -> None:
+        self.entries.append((key, work))
+        self.retire_completed()
+        while self.limit is not None and len(self.entries) > self.limit:
+            self.complete_oldest()
+
+    def retire_completed(self) -> None:
+        """Finish every collective that is done, in launch order, without waiting for the others
+        (its wait() returns at once: it settles the handle's accounting and, on NCCL, orders the
+        current stream after work that has already ended)."""
+        running, done = [], []
+        for entry in self.entries:
+            (done if entry[1] is None or entry[1].is_completed() else running).append(entry)
+        self.entries = running
+        for key, work in done:
+            self._finish(key, work)
+
+    def complete_oldest(self) -> None:
+        self._finish(*self.entries.pop(0))
+
+    def complete_all(self) -> None:
+        while self.entries:
+            self.complete_oldest()
+
+    def _finish(self, key, work) -> None:
+        if work is not None:
+            work.wait()
+        self.finish(key)
 
 
 class BucketReductions:
@@ -36,7 +80,7 @@ class BucketReductions:
         self.sync = True
         self._ready = [0] * len(buckets)
         self._launched = [False] * len(buckets)
-        self._pending: list = []
+        self.in_flight = InFlight(finish, limit)
         # A hook is held by the parameter's C++ side, where Python's collector cannot see the cycle
         # (parameter -> hook -> this -> the buckets -> parameter): removed at close(), or a run
         # inside a longer process would keep its model, its buffers and its process groups.
@@ -60,27 +104,7 @@ class BucketReductions:
 
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.index] = True
-        self._pending.append((bucket, self.start(bucket)))
-        self._retire_completed()
-        while self.limit is not None and len(self._pending) > self.limit:
-            self._complete_oldest()
-
-    def _retire_completed(self) -> None:
-        """Finish every reduction that is done, in launch order, without waiting for the others
-        (its wait() returns at once: it settles the handle's accounting and, on NCCL, orders the
-        current stream after work that has already ended)."""
-        running, done = [], []
-        for entry in self._pending:
-            (done if entry[1].is_completed() else running).append(entry)
-        self._pending = running
-        for bucket, work in done:
-            work.wait()
-            self.finish(bucket)
-
-    def _complete_oldest(self) -> None:
-        bucket, work = self._pending.pop(0)
-        work.wait()
-        self.finish(bucket)
+        self.in_flight.add(bucket, self.start(bucket))
 
     def complete(self) -> None:
         """Every bucket reduced: those that got no gradient send their zeros too."""
@@ -89,7 +113,6 @@ class BucketReductions:
                 for param in bucket.params:  # including those no gradient reached (collect is idempotent)
                     self.collect(bucket, param)
                 self._launch(bucket)
-        while self._pending:
-            self._complete_oldest()
+        self.in_flight.complete_all()
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)

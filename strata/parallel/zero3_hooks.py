@@ -9,7 +9,8 @@
             the last one reduce-scatters the buffer and frees the unit
 
 At most MAX_IN_FLIGHT reduce-scatters are outstanding, which bounds the full gradients alive at
-once; a completed one hands this rank's reduced shard to `receive` (the strategy: added to the
+once; those already done are retired first, so backward waits only while more are still running
+(the buckets' queue, bucket_reductions.InFlight); a completed one hands this rank's reduced shard to `receive` (the strategy: added to the
 gradient shard in memory, or sent to ZeRO-Infinity's tier)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from strata.distributed import comm
+from strata.parallel.bucket_reductions import InFlight
 from strata.parallel.zero3_units import Unit, UnitGathers
 from strata.rules.constants import MAX_IN_FLIGHT
 
@@ -33,7 +35,8 @@ class UnitHooks:
         self.gathers, self.units, self.settings, self.receive = gathers, gathers.units, settings, receive
         self.group, self.dp_size, self.dp_rank = settings.dp_group, settings.dp_size, settings.dp_rank
         self.offload = gathers.offload
-        self._pending: list = []  # (unit, its reduce-scatter or None on one process), oldest first
+        # (unit, its reduce-scatter or None on one process), oldest first
+        self.in_flight = InFlight(self._received, MAX_IN_FLIGHT)
         # held by the parameters' C++ side: removed at remove() (see BucketReductions)
         self.grad_hooks: list = []
         for unit in self.units:
@@ -113,16 +116,12 @@ class UnitHooks:
         if unit.staging is None:  # no gradient reached this unit: reduce zeros
             unit.staging = self._new_staging(unit)
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
-        self._pending.append((unit, None if self.group is None else
-                              comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group, "dp", async_op=True)))
+        work = None if self.group is None else comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group,
+                                                                    "dp", async_op=True)
         unit.ready = -1  # reduced for this backward
-        while len(self._pending) > MAX_IN_FLIGHT:  # bound the full gradients alive at once
-            self._complete_oldest()
+        self.in_flight.add(unit, work)  # bounds the full gradients alive at once
 
-    def _complete_oldest(self) -> None:
-        unit, work = self._pending.pop(0)
-        if work is not None:
-            work.wait()
+    def _received(self, unit: Unit) -> None:
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
         reduced, unit.staging = unit.staging[lo:hi], None
         self.receive(unit, reduced)
@@ -133,8 +132,7 @@ class UnitHooks:
         for unit in self.units:
             if unit.ready != -1:
                 self._reduce(unit)
-        while self._pending:
-            self._complete_oldest()
+        self.in_flight.complete_all()
         for unit in self.units:
             unit.ready = 0
             if unit.gathered:
