@@ -28,6 +28,7 @@ from strata.parallel.data import DataParallel, DataParallelSettings
 from strata.parallel.expert import ExpertAxes, ExpertSplit, apply_expert_parallel, set_capacity
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
 from strata.parallel.pipeline.stage import keep_stage, tied_copy
+from strata.parallel.powersgd import PowerSGDReplicate
 from strata.parallel.sharding import ShardingStrategy
 from strata.parallel.tensor import apply_tensor_parallel, shard_specs
 from strata.parallel.tensor_nd import GridGroups, apply_grid_parallel
@@ -98,6 +99,9 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                 expert_stage([p for n, p in trainable if n in expert_names],
                              replace(settings, dp_group=experts.edp.group, group_name="edp")),
                 expert_names)
+        elif lay.compress == "powersgd":
+            sharding = PowerSGDReplicate([p for _, p in trainable], settings, lay.compress_rank, lay.compress_after,
+                                         cfg.seed)
         else:
             sharding = BUCKET_STAGES[lay.zero]([p for _, p in trainable], settings)
         if SCHEDULES[lay.schedule].asynchronous and lay.zero == 0:  # weight stashing swaps the parameters' storage

@@ -13,6 +13,7 @@ from dataclasses import field as dataclass_field
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
 from strata.rules.checkpointing import parse as parse_checkpointing
+from strata.rules.compression import COMPRESSIONS
 from strata.rules.context import check_context
 from strata.rules.experts import check_experts
 from strata.rules.layout_text import describe
@@ -98,6 +99,13 @@ class Layout:
     capacity_factor: float | None = setting(None, "mixture of experts: each expert takes at most factor x tokens x k "
                                                   "/ n_experts of a micro-batch's tokens, the rest dropped (default: "
                                                   "dropless)")
+    compress: str = setting("none", "gradient compression for slow networks (zero 0): none | powersgd (each gradient "
+                                    "matrix all-reduced as two rank --compress-rank factors, with error feedback and "
+                                    "a warm start; Vogels et al. 2019)")
+    compress_rank: int = setting(4, "with --compress powersgd: the rank r of the factors (a matrix n x m is "
+                                    "compressed where 2r(n + m) < nm)", key="crank")
+    compress_after: int = setting(0, "with --compress: steps all-reduced uncompressed first (PyTorch's "
+                                     "start_powerSGD_iter)", key="cafter")
 
     @property
     def grid(self) -> TensorGrid:
@@ -236,7 +244,36 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
                   layout.capacity_factor, layout.offload_params)
     check_context(model, layout.cp, layout.cp_mode, layout.tp, layout.tp_mode, layout.sequence_parallel, seq_len)
     check_asynchronous(model, layout, global_batch)
+    check_compression(layout)
     return check_pipeline(model, layout, seq_len)
+
+
+def check_compression(layout: Layout) -> None:
+    """PowerSGD replaces ZeRO-0's all-reduce of fp32 gradients (strata/parallel/powersgd.py)."""
+    if layout.compress not in COMPRESSIONS:
+        raise ConfigError(f"valid: {', '.join(COMPRESSIONS)}", "compress", layout.compress)
+    if layout.compress == "none":
+        for field, default in (("compress_rank", 4), ("compress_after", 0)):
+            if getattr(layout, field) != default:
+                raise ConfigError("only with --compress powersgd", field, getattr(layout, field))
+        return
+    check_ceiling("compress_rank", layout.compress_rank)
+    check_ceiling("compress_after", layout.compress_after)
+    if layout.compress_rank < 1:
+        raise ConfigError("must be >= 1", "compress_rank", layout.compress_rank)
+    if layout.compress_after < 0:
+        raise ConfigError("must be >= 0", "compress_after", layout.compress_after)
+    refusals = [(layout.replicas == 1, "compresses the data-parallel reduction, and dp is 1"),
+                (layout.zero != 0, f"replaces ZeRO-0's all-reduce; zero is {layout.zero} (use zero 0)"),
+                (layout.reduce_dtype != "fp32", "compresses fp32 gradients; leave --reduce-dtype at fp32"),
+                (layout.ep > 1, "not with expert parallelism (the experts' reduction is apart)"),
+                # each rank would factor its own slice (tp), a partial gradient of its chunks (cp), or a
+                # stage's copy of a tied matrix from another start (pp): rules not built nor tested yet
+                (layout.tp > 1 or layout.cp > 1 or layout.pp > 1,
+                 "runs with data parallelism alone for now (tp, cp and pp 1)")]
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(reason, "compress", layout.compress)
 
 
 def check_grid_layout(layout: Layout) -> None:

@@ -1,0 +1,113 @@
+"""PowerSGD (--compress powersgd): ZeRO-0's all-reduce of each gradient matrix replaced by two
+all-reduces of its rank-r factors, with error feedback and a warm start (Vogels, Karimireddy and
+Jaggi, "PowerSGD", NeurIPS 2019), as PyTorch's DDP hook computes it
+(torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook); which matrices, and the bytes:
+strata/rules/compression.py.
+
+Per bucket, when backward completes it (the buckets' overlap is kept for the first round):
+  1. M = this rank's gradient + its error from the last step (each rank's gradient carries 1/N
+     of the loss already: the sums below are the average, as everywhere in strata)
+  2. P = M Q, all-reduced with every tensor left whole (vectors and small matrices: exact)
+  3. P orthonormalised (reduced QR, in fp32 at least); Q = M^T P, all-reduced
+  4. the gradient becomes P Q^T; the error keeps M - P Q^T / N, so that the ranks' errors sum to
+     what the approximation missed; Q is kept for the next step (the warm start)
+Q starts as standard normal draws, one generator per parameter seeded with (--seed, the
+parameter's index among the model's trainable parameters), orthonormalised: the same on every
+rank. The first --compress-after steps all-reduce uncompressed (PyTorch's start_powerSGD_iter).
+The factors and errors live on the rank and are not written to checkpoints: a resumed run starts
+them afresh (Q drawn again, errors zero)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.distributed import comm
+from strata.parallel.buckets import Bucket
+from strata.parallel.gradients import Replicate
+from strata.rules.compression import compressible, matrix_shape
+
+
+def orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """P's columns orthonormalised (reduced QR), computed in fp32 at least."""
+    wide = p if p.dtype in (torch.float32, torch.float64) else p.float()
+    return torch.linalg.qr(wide, mode="reduced").Q.to(p.dtype)
+
+
+def initial_q(shape: tuple[int, ...], rank: int, seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
+    """The first Q of the parameter at `index`: (m, r) standard normal draws, orthonormalised."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    draws = torch.randn(matrix_shape(shape)[1], rank, generator=generator, dtype=torch.float64)
+    return orthonormal(draws).to(dtype=like.dtype, device=like.device)
+
+
+class PowerSGDReplicate(Replicate):
+    """ZeRO-0 with PowerSGD: every rank holds the whole model; the gradient matrices travel as
+    rank-`rank` factors from step `after` on."""
+
+    def __init__(self, params: list[nn.Parameter], settings, rank: int, after: int, seed: int):
+        super().__init__(params, settings)
+        self.rank, self.after, self.steps = rank, after, 0
+        self.index = {p: i for i, p in enumerate(params)}
+        self.compressed = {p for p in params if compressible(tuple(p.shape), rank)}
+        self.seed = seed
+        self.qs: dict[nn.Parameter, torch.Tensor] = {}  # the warm start: last step's summed Q
+        self.errors: dict[nn.Parameter, torch.Tensor] = {}
+
+    @property
+    def compressing(self) -> bool:
+        return self.group is not None and self.steps >= self.after
+
+    def _matrix(self, param: nn.Parameter) -> torch.Tensor:
+        return self.gradients.views[param].view(matrix_shape(tuple(param.shape)))
+
+    def _start(self, bucket: Bucket):
+        if not self.compressing:
+            return super()._start(bucket)
+        parts = []
+        for param in bucket.params:
+            if param not in self.compressed:
+                parts.append(self.gradients.views[param].reshape(-1))
+                continue
+            m = self._matrix(param)
+            if param in self.errors:
+                m.add_(self.errors[param])
+            if param not in self.qs:
+                self.qs[param] = initial_q(tuple(param.shape), self.rank, self.seed, self.index[param], m)
+            parts.append((m @ self.qs[param]).reshape(-1))
+        self._wires[bucket.index] = wire = torch.cat(parts)
+        return comm.all_reduce(wire, self.group, self.group_name, async_op=True)
+
+    def _finish(self, bucket: Bucket) -> None:
+        if not self.compressing:
+            return super()._finish(bucket)
+        wire, at, factored = self._wires.pop(bucket.index), 0, []
+        for param in bucket.params:
+            if param not in self.compressed:
+                self.gradients.views[param].view(-1).copy_(wire[at:at + param.numel()])
+                at += param.numel()
+                continue
+            n = param.shape[0]
+            p = orthonormal(wire[at:at + n * self.rank].view(n, self.rank))
+            at += n * self.rank
+            factored.append((param, p, self._matrix(param).t() @ p))
+        if not factored:  # a bucket of vectors and small matrices: sent whole, unpadded, once
+            return
+        q_wire = torch.cat([q.reshape(-1) for _, _, q in factored])
+        comm.all_reduce(q_wire, self.group, self.group_name)
+        at = 0
+        for param, p, q in factored:
+            q_sum = q_wire[at:at + q.numel()].view_as(q)
+            at += q.numel()
+            m, approximation = self._matrix(param), p @ q_sum.t()
+            self.errors[param] = m - approximation / self.dp_size
+            m.copy_(approximation)
+            self.qs[param] = q_sum.clone()
+
+    def after_step(self) -> None:
+        self.steps += 1
+
+    def _grads_bytes(self) -> int:
+        """The gradients, and the state compression keeps beside them (errors, Q factors)."""
+        kept = list(self.errors.values()) + list(self.qs.values())
+        return super()._grads_bytes() + sum(t.numel() * t.element_size() for t in kept)

@@ -1,0 +1,43 @@
+"""Compressed gradients (--compress): which tensors PowerSGD compresses and what it sends, the rule
+the runtime compresses by (strata/parallel/powersgd.py) and the planner and tests count bytes with.
+
+PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019; PyTorch's DDP communication hook
+torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook) approximates each gradient matrix M
+(n x m: a parameter's first dimension by the rest) by rank r: P = M Q is all-reduced and
+orthogonalised, Q = M^T P is all-reduced, and P Q^T replaces the sum of the ranks' M. A matrix is
+compressed only where that pays (PyTorch's `min_compression_rate`): 2 r (n + m) < n m; the rest
+(vectors, small or thin matrices) is all-reduced whole."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+COMPRESSIONS = ("none", "powersgd")
+# a matrix is compressed when its r (n + m) elements are less than 1/MIN_COMPRESSION_RATE of n m
+MIN_COMPRESSION_RATE = 2
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """A parameter's gradient as the matrix PowerSGD factors: its first dimension by the rest."""
+    return shape[0], math.prod(shape[1:])
+
+
+def compressible(shape: Sequence[int], rank: int) -> bool:
+    if len(shape) < 2:
+        return False
+    n, m = matrix_shape(shape)
+    return MIN_COMPRESSION_RATE * rank * (n + m) < n * m
+
+
+def powersgd_elements(shapes: Iterable[Sequence[int]], rank: int) -> tuple[int, int]:
+    """Elements a compressed step all-reduces, in its two rounds: (the P factors with every tensor
+    left whole, the Q factors)."""
+    first = second = 0
+    for shape in shapes:
+        if compressible(shape, rank):
+            n, m = matrix_shape(shape)
+            first, second = first + n * rank, second + m * rank
+        else:
+            first += math.prod(shape)
+    return first, second
