@@ -135,3 +135,32 @@ def test_a_compressed_step_all_reduces_the_formulas_elements():
 def test_what_compression_does_not_run_with_is_one_line(flags, needle):
     result = run_strata("train", "--model", "tiny", "--steps", "1", "--micro-batch", "1", *flags)
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+# --- the planner prices it ------------------------------------------------------------------------
+def test_the_planners_shares_are_the_runtimes_and_its_bytes_fall_by_them():
+    """powersgd_fractions over the model's shapes as the planner lists them equal the runtime's
+    parameters' (tiny); `strata plan`'s data-parallel bytes fall by the two rounds' share, and for a
+    1B model on 8 nodes of 8 GPUs over 10 GbE the compressed step is the faster."""
+    import dataclasses
+
+    from strata.model.presets import get_preset
+    from strata.model.transformer import build_model
+    from strata.plan.buckets import powersgd_fractions
+    from strata.plan.cost import estimate
+    from strata.plan.inputs import build_cluster, workload
+    from strata.rules.layout import Layout
+    model = build_model(get_preset("tiny"), seed=None)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    first, second = powersgd_elements(shapes, RANK)
+    total = sum(math.prod(s) for s in shapes)
+    p_share, q_share, _ = powersgd_fractions(get_preset("tiny"), RANK)
+    assert (p_share, q_share) == pytest.approx((first / total, second / total), rel=1e-12)
+    cfg = get_preset("llama-1b")
+    work, cluster = workload(cfg, 512, 2048, "bf16"), build_cluster("A100-80G", 8, 8, None, "10gbe")
+    plain = Layout(dp=64, checkpointing="full", micro_batch=1)
+    compressed = dataclasses.replace(plain, compress="powersgd", compress_rank=4)
+    a, b = estimate(work, cluster, plain), estimate(work, cluster, compressed)
+    p_share, q_share, _ = powersgd_fractions(cfg, 4)
+    assert b.comm_bytes["dp"] == pytest.approx(a.comm_bytes["dp"] * (p_share + q_share), rel=1e-3)
+    assert b.fits and b.step_time_s < a.step_time_s

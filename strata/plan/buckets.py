@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.experts import expert_group
+from strata.plan.memory import powersgd_fractions
 from strata.rules.buckets import bucket_elements, bucket_fills, in_flight_limit
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
@@ -58,6 +59,9 @@ class Parts:
     """The parameters each collective of one kind carries, in the order the runtime issues them."""
     sizes: tuple[tuple[float, int], ...]  # (elements, padded, how many collectives carry that many)
     last: float  # the last one's: ZeRO-0/1/2's bucket that backward completes last
+    # --compress powersgd: (the P round's, the Q round's) elements per element of a bucket, and the
+    # share of the elements in compressed matrices (rules/compression.py); None: sent whole
+    compressed: tuple[float, float, float] | None = None
 
     @property
     def count(self) -> int:
@@ -98,7 +102,11 @@ def collective_parts(cfg: ModelConfig, lay: Layout, layers: int, first: bool, la
     if lay.zero == 3:
         return unit_parts(layers, params)
     group = expert_group(lay)[0] if experts else lay.replicas  # the ranks a bucket is sharded over
-    return bucket_parts(cfg, layers, first, last, experts, params, bucket_mb, group)
+    parts = bucket_parts(cfg, layers, first, last, experts, params, bucket_mb, group)
+    if lay.compress == "powersgd":
+        parts = replace(parts, compressed=powersgd_fractions(cfg, lay.compress_rank))
+    return parts
+
 
 
 def staged(parts: Parts) -> float:

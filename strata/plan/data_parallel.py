@@ -50,6 +50,8 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t
         ends = gather + scatter
         exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
         return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
+    if parts.compressed is not None:
+        return _powersgd_seconds(cluster, lay, parts, d, stride, t_bwd, grad_bytes)
     if lay.zero == 0:  # one all-reduce per bucket
         total, last = one_by_one("all_reduce", lay.reduce_dtype)
         # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
@@ -66,6 +68,30 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t
     hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
     exposed = max(last if hidden else rs, rs - hidden) * reductions + first + max(0.0, ag - first - t_fwd)
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
+
+
+# PowerSGD's work on a compressed matrix M, in passes over its fp32 elements: M Q, M^T P and P Q^T
+# each read M (thin products at small rank: memory-bound), the error is added (read, write) and
+# kept (a write)
+POWERSGD_PASSES = 6
+
+
+def _powersgd_seconds(cluster: Cluster, lay: Layout, parts: Parts, d: int, stride: int, t_bwd: float,
+                      grad_bytes: float) -> tuple[float, float, float]:
+    """--compress powersgd (ZeRO-0, parallel/powersgd.py): per bucket an all-reduce of the P factors
+    (with the tensors left whole) as backward completes it, hidden behind backward as ZeRO-0's are;
+    then per bucket the Q round, after backward: exposed, as is the compression's own work."""
+    p_share, q_share, factored = parts.compressed
+
+    def rounds(share: float) -> tuple[float, float]:
+        def seconds(size: float) -> float:
+            return collective_seconds(cluster, "all_reduce", size * share * BYTES["fp32"], d, stride, together=True)
+        return sum(n * seconds(size) for size, n in parts.sizes), seconds(parts.last)
+    (p_total, p_last), (q_total, _) = rounds(p_share), rounds(q_share)
+    params = sum(size * n for size, n in parts.sizes)
+    work = POWERSGD_PASSES * factored * params * BYTES["fp32"] / cluster.device.memory_bandwidth
+    exposed = max(p_last, p_total - t_bwd) + q_total + work
+    return p_total + q_total + work, exposed, 2 * (d - 1) / d * grad_bytes * (p_share + q_share)
 
 
 def gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m: int, fused: bool) -> float:

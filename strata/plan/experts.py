@@ -8,12 +8,12 @@ A dense model passes through every function here unchanged (no experts, nothing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from strata.model.config import ModelConfig
 from strata.plan.links import Cluster, all_to_all_seconds, group_link
 from strata.plan.links import members_per_node as members_on_a_node
-from strata.plan.memory import ModelStates, held_state_bytes
+from strata.plan.memory import ModelStates, held_state_bytes, powersgd_fractions
 from strata.rules.experts import COUNT_BYTES, uniform_all_to_all_bytes
 from strata.rules.layout import Layout
 
@@ -54,6 +54,8 @@ def held_states(cfg: ModelConfig, lay: Layout, held: float, layers: float, preci
     ZeRO-0's states; a mixture has no context parallelism)."""
     dense, experts = expert_share(cfg, lay, held, layers)
     states = held_state_bytes(dense, lay.zero, lay.replicas, precision, optimizer, lay.gather_dtype)
+    if lay.compress == "powersgd":  # each compressed matrix's error, kept beside its fp32 gradient
+        states = replace(states, grads=states.grads + powersgd_fractions(cfg, lay.compress_rank)[2] * dense * 4)
     if not experts:
         return states
     edp, _ = expert_group(lay)

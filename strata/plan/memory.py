@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.hardware import Device
+from strata.rules.compression import compressible, powersgd_elements
 from strata.rules.constants import LOGITS_CHUNK_BYTES
 from strata.rules.layout import Layout
 from strata.rules.optimizers import OPTIMIZERS, bytes_per_parameter
@@ -74,6 +76,18 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
         (norm(d) if cfg.embedding_norm else [])
     outputs = norm(d) + ([] if cfg.tie_embeddings else linear(d, cfg.vocab_size, cfg.bias))
     return inputs + block * cfg.n_layers + outputs
+
+
+@lru_cache(maxsize=256)
+def powersgd_fractions(cfg: ModelConfig, rank: int) -> tuple[float, float, float]:
+    """PowerSGD's two rounds per element of the model's gradients, and the share of the elements
+    in the matrices it compresses (rules/compression.py), over the model's own parameter shapes
+    (the runtime compresses the whole model's: data parallelism alone)."""
+    shapes = parameter_shapes(cfg)
+    total = sum(math.prod(shape) for shape in shapes)
+    first, second = powersgd_elements(shapes, rank)
+    factored = sum(math.prod(shape) for shape in shapes if compressible(shape, rank))
+    return first / total, second / total, factored / total
 
 
 def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed",
