@@ -23,7 +23,7 @@ from distributed import run_on_ranks
 
 RANKS, RANK, AFTER, STEPS = 2, 2, 2, 6
 BASE = dict(model="tiny", seq_len=16, micro_batch=1, global_batch=4, steps=STEPS, progress=False, eval_batches=1,
-            device="cpu", dtype="fp64", grad_clip=0.0, lr=3e-3, seed=5)
+            device="cpu", dtype="fp64", grad_clip=0.0, lr=3e-3, seed=5, bucket_mb=0.02)  # a dozen buckets
 COMPRESSED = dict(compress="powersgd", compress_rank=RANK, compress_after=AFTER)
 
 

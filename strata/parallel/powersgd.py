@@ -8,7 +8,9 @@ Per bucket, when backward completes it (the buckets' overlap is kept for the fir
   1. M = this rank's gradient + its error from the last step (each rank's gradient carries 1/N
      of the loss already: the sums below are the average, as everywhere in strata)
   2. P = M Q, all-reduced with every tensor left whole (vectors and small matrices: exact)
-  3. P orthonormalised (reduced QR, in fp32 at least); Q = M^T P, all-reduced
+  3. P orthonormalised (reduced QR, in fp32 at least); Q = M^T P
+After backward, every bucket's Q in one all-reduce (in bucket order, the same on every rank);
+then per matrix:
   4. the gradient becomes P Q^T; the error keeps M - P Q^T / N, so that the ranks' errors sum to
      what the approximation missed; Q is kept for the next step (the warm start)
 Q starts as standard normal draws, one generator per parameter seeded with (--seed, the
@@ -18,6 +20,8 @@ The factors and errors live on the rank and are not written to checkpoints: a re
 them afresh (Q drawn again, errors zero)."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -53,6 +57,7 @@ class PowerSGDReplicate(Replicate):
         self.seed = seed
         self.qs: dict[nn.Parameter, torch.Tensor] = {}  # the warm start: last step's summed Q
         self.errors: dict[nn.Parameter, torch.Tensor] = {}
+        self._factored: dict[int, list] = {}  # bucket index -> (param, orthonormal P, this rank's Q)
 
     @property
     def compressing(self) -> bool:
@@ -79,6 +84,8 @@ class PowerSGDReplicate(Replicate):
         return comm.all_reduce(wire, self.group, self.group_name, async_op=True)
 
     def _finish(self, bucket: Bucket) -> None:
+        """The P round is in: the whole tensors take their sums, each P is orthonormalised and this
+        rank's Q = M^T P computed; the Q round waits for every bucket (`_q_round`)."""
         if not self.compressing:
             return super()._finish(bucket)
         wire, at, factored = self._wires.pop(bucket.index), 0, []
@@ -91,7 +98,15 @@ class PowerSGDReplicate(Replicate):
             p = orthonormal(wire[at:at + n * self.rank].view(n, self.rank))
             at += n * self.rank
             factored.append((param, p, self._matrix(param).t() @ p))
-        if not factored:  # a bucket of vectors and small matrices: sent whole, unpadded, once
+        self._factored[bucket.index] = factored
+
+    def _q_round(self) -> None:
+        """Every bucket's Q factors in one all-reduce, in bucket order: the P rounds finish in an
+        order each rank's timing decides (the buckets' throttle retires what is done), and a
+        collective issued from there would meet another on the next rank."""
+        factored = [entry for index in sorted(self._factored) for entry in self._factored[index]]
+        self._factored = {}
+        if not factored:  # vectors and small matrices only: sent whole in the P round
             return
         q_wire = torch.cat([q.reshape(-1) for _, _, q in factored])
         comm.all_reduce(q_wire, self.group, self.group_name)
@@ -103,6 +118,18 @@ class PowerSGDReplicate(Replicate):
             self.errors[param] = m - approximation / self.dp_size
             m.copy_(approximation)
             self.qs[param] = q_sum.clone()
+
+    @contextmanager
+    def backward(self, sync: bool, final: bool = True):
+        with super().backward(sync, final):
+            yield
+        if self.compressing and sync:
+            self._q_round()
+
+    def reduce_all(self) -> None:
+        super().reduce_all()
+        if self.compressing:
+            self._q_round()
 
     def after_step(self) -> None:
         self.steps += 1

@@ -80,15 +80,14 @@ def _powersgd_seconds(cluster: Cluster, lay: Layout, parts: Parts, d: int, strid
                       grad_bytes: float) -> tuple[float, float, float]:
     """--compress powersgd (ZeRO-0, parallel/powersgd.py): per bucket an all-reduce of the P factors
     (with the tensors left whole) as backward completes it, hidden behind backward as ZeRO-0's are;
-    then per bucket the Q round, after backward: exposed, as is the compression's own work."""
+    then one all-reduce of every Q factor after backward: exposed, as is the compression's work."""
     p_share, q_share, factored = parts.compressed
 
-    def rounds(share: float) -> tuple[float, float]:
-        def seconds(size: float) -> float:
-            return collective_seconds(cluster, "all_reduce", size * share * BYTES["fp32"], d, stride, together=True)
-        return sum(n * seconds(size) for size, n in parts.sizes), seconds(parts.last)
-    (p_total, p_last), (q_total, _) = rounds(p_share), rounds(q_share)
+    def seconds(elements: float) -> float:
+        return collective_seconds(cluster, "all_reduce", elements * BYTES["fp32"], d, stride, together=True)
     params = sum(size * n for size, n in parts.sizes)
+    p_total, p_last = sum(n * seconds(size * p_share) for size, n in parts.sizes), seconds(parts.last * p_share)
+    q_total = seconds(params * q_share)
     work = POWERSGD_PASSES * factored * params * BYTES["fp32"] / cluster.device.memory_bandwidth
     exposed = max(p_last, p_total - t_bwd) + q_total + work
     return p_total + q_total + work, exposed, 2 * (d - 1) / d * grad_bytes * (p_share + q_share)
