@@ -79,6 +79,8 @@ def check_grid(model: ModelConfig, grid: TensorGrid, micro_batch: int) -> None:
     if grid.mode == "1d":
         return
     q, name = grid.q, f"tp_mode {grid.mode}"
+    if model.own_block() is not None:  # the grids cut the shared block's layers; a family's own is placed in 1-D
+        raise ConfigError(f"the {model.family} family's own block is placed by tp_mode 1d only", "tp_mode", grid.mode)
     if micro_batch % grid.batch_parts:
         raise ConfigError(f"must be a multiple of {grid.batch_parts} with {name} on {grid.size} ranks (each "
                           f"group of ranks holds 1/{grid.batch_parts} of a micro-batch's sequences)",
