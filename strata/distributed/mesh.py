@@ -39,6 +39,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    shards: int = 0  # hybrid sharding: ZeRO's states over this many adjacent dp ranks (0: all of them)
 
     @property
     def world_size(self) -> int:
@@ -63,6 +64,20 @@ class ParallelDims:
             return None
         return init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp),
                                 mesh_dim_names=("pp", "dp", "cp", "tp"))
+
+    def hybrid_groups(self, rank: int, timeout_s: float) -> tuple[object, object]:
+        """Hybrid sharding's two groups of this rank, at its (pp, tp) place: the `shards` adjacent
+        dp ranks ZeRO shards over (inside a node while it fits, as tp's are), and the ranks at the
+        same place of every shard group, the replicas its shard is all-reduced across."""
+        replicas = self.dp // self.shards
+        made = []
+        for members in ([[r * self.shards + s for s in range(self.shards)] for r in range(replicas)],
+                        [[r * self.shards + s for r in range(replicas)] for s in range(self.shards)]):
+            everywhere = [[self.rank_at(pp, dp, tp) for dp in group] for pp in range(self.pp) for tp in range(self.tp)
+                          for group in members]
+            mine, _ = dist.new_subgroups_by_enumeration(everywhere, timeout=timedelta(seconds=timeout_s))
+            made.append(mine)
+        return made[0], made[1]
 
     def replica_group(self, mesh: DeviceMesh, timeout_s: float):
         """The process group of the ranks that average their gradients: the mesh's dp group, or with
@@ -157,6 +172,8 @@ class Mesh:
         groups = {name: mesh[name].get_group() if mesh is not None and getattr(dims, name) > 1 else None
                   for name in ("cp", "tp", "pp")}
         groups["dp"] = dims.replica_group(mesh, timeout_s) if mesh is not None else None
+        hybrid = 0 < dims.shards < dims.dp
+        groups["dp_shard"], groups["dp_replicate"] = dims.hybrid_groups(rank, timeout_s) if hybrid else (None, None)
         return cls(dims, rank, timeout_s, groups)
 
     def coordinate(self, name: str) -> int:

@@ -43,13 +43,16 @@ BUCKET_STAGES = {0: Replicate, 1: ShardOptimizerStates, 2: ShardGradients}  # Ze
 def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
                 dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None,
                 offload_dir: str | None = None, rank: int = 0, grid: GridGroups | None = None,
-                experts: ExpertAxes | None = None, context=None) -> tuple[Transformer, DataParallel]:
+                experts: ExpertAxes | None = None, context=None,
+                hybrid: tuple[object, object] | None = None) -> tuple[Transformer, DataParallel]:
     """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None.
     offload_dir, rank: where and under which rank's name offloaded parameters and activations go.
     grid: this rank's place and sub-groups under 2-D, 2.5-D or 3-D tensor parallelism.
     experts: this rank's expert-parallel groups (with --ep > 1).
     context: this rank's context-parallel group (an Axis, with --cp > 1); dp_group is then the
-    dp x cp ranks, over which the gradients are averaged."""
+    dp x cp ranks, over which the gradients are averaged.
+    hybrid: hybrid sharding's (shard group, replica group): ZeRO shards over the first, and the
+    gradient shards are all-reduced over the second."""
     lay = cfg.layout
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
     if grid is not None:
@@ -76,6 +79,8 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                for name, value in (("reduce_dtype", lay.reduce_dtype), ("gather_dtype", lay.gather_dtype))}
     settings = DataParallelSettings(dp_group, tp_group, stage[2] if stage is not None else None, cfg.bucket_mb,
                                     **on_wire)
+    if hybrid is not None:
+        settings = replace(settings, dp_group=hybrid[0], replica_group=hybrid[1], group_name="dp_shard")
     if lay.zero == 3:  # (without pipeline stages: no tied copy to leave out)
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
         offload = OffloadedShards(Tier(lay.offload_params, "params", offload_dir, rank)) \

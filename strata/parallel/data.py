@@ -41,6 +41,17 @@ class DataParallelSettings:
     expert_ids: frozenset[int] = frozenset()
     ep_group: object = None
     edp_rank: int = 0
+    # hybrid sharding: dp_group is then the shard group, and this the ranks holding the same shard
+    # (the gradient shards are all-reduced over it after the reduce-scatters; None: flat ZeRO)
+    replica_group: object = None
+
+    @property
+    def replica_size(self) -> int:
+        return dist.get_world_size(self.replica_group) if self.replica_group is not None else 1
+
+    @property
+    def replica_rank(self) -> int:
+        return dist.get_rank(self.replica_group) if self.replica_group is not None else 0
 
     @property
     def dp_size(self) -> int:
@@ -72,7 +83,7 @@ class DataParallel:
         """What each rank's loss is multiplied by before backward so that the reductions, which
         sum, leave the average gradient over the data-parallel ranks: 1/dp (exact for powers of
         two). DDP divides while copying into its buckets; here no pass over the gradients does."""
-        return 1.0 / self.settings.dp_size
+        return 1.0 / (self.settings.dp_size * self.settings.replica_size)
 
     def spec_of(self, param: nn.Parameter) -> ShardSpec:
         """How tensor parallelism splits a parameter (replicated when not)."""
@@ -87,6 +98,7 @@ class DataParallel:
             yield
         if is_last_micro_batch and not self.sharding.offloaded:  # offloaded: summed as they left
             self._sum_partial_grads_over_tp()
+            self._sum_over_replicas()
 
     def reduce_gradients(self) -> None:
         """After a pipeline schedule, which ran every backward inside `backward(False)`: reduce
@@ -94,6 +106,22 @@ class DataParallel:
         spread over chunks and ranks, so there is no one backward to overlap with)."""
         self.sharding.reduce_all()
         self._sum_partial_grads_over_tp()
+        self._sum_over_replicas()
+
+    def _sum_over_replicas(self) -> None:
+        """Hybrid sharding: this rank's gradient shards, reduced within its shard group, summed
+        over the replicas holding the same shard: one all-reduce a step, after accumulation (the
+        sums are linear), of 1/shards of the gradients, in the reduce dtype (HSDP's second level)."""
+        group = self.settings.replica_group
+        if group is None:
+            return
+        grads = [g for g, _ in self.sharding.grad_pairs()]
+        flat = torch.cat([g.reshape(-1).to(self.settings.reduce_dtype or g.dtype) for g in grads])
+        comm.all_reduce(flat, group, "dp_replicate")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _sum_partial_grads_over_tp(self) -> None:
         """Parameters that each tensor-parallel rank saw only part of (norms under sequence
@@ -153,7 +181,7 @@ class DataParallel:
                 comm.all_reduce(experts, settings.ep_group, "ep")
             squares[0] += experts[0]  # split by tp like an MLP, when tp > 1
         if self.stage > 0 and settings.dp_group is not None:  # each dp rank holds a disjoint part
-            comm.all_reduce(squares, settings.dp_group, "dp")
+            comm.all_reduce(squares, settings.dp_group, settings.group_name)
         if settings.tp_group is not None:
             split = squares[:1].clone()
             comm.all_reduce(split, settings.tp_group, "tp")
@@ -230,7 +258,7 @@ class DataParallel:
         spec = self.spec_of(param)
         written = spec.owner if spec.cuts else (spec.dim is not None or tp_rank == 0)
         replica = self.settings.edp_rank if id(param) in self.settings.expert_ids else self.settings.dp_rank
-        return ((self.stage > 0 or replica == 0) and written
+        return ((self.stage > 0 or replica == 0) and written and self.settings.replica_rank == 0
                 and id(param) not in self.settings.counted_elsewhere)
 
 

@@ -117,7 +117,7 @@ class UnitHooks:
             unit.staging = self._new_staging(unit)
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
         work = None if self.group is None else comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group,
-                                                                    "dp", async_op=True)
+                                                                    self.settings.group_name, async_op=True)
         unit.ready = -1  # reduced for this backward
         self.in_flight.add(unit, work)  # bounds the full gradients alive at once
 

@@ -113,7 +113,8 @@ class UnitGathers:
             unit.gather_source, unit.gathered = None, True
             self.drop_shard(unit)
         else:
-            unit.pending_gather = comm.all_gather(unit.full, unit.gather_source, self.group, "dp", async_op=True)
+            unit.pending_gather = comm.all_gather(unit.full, unit.gather_source, self.group, self.settings.group_name,
+                                                  async_op=True)
         self.count_buffers()
 
     def ensure_gathered(self, unit: Unit) -> None:
@@ -137,7 +138,7 @@ class UnitGathers:
     def full_masters(self, unit: Unit) -> torch.Tensor:
         """The unit's fp32 masters, all-gathered into a tensor of their own (whatever the gather dtype)."""
         self.load_shard(unit)
-        masters = gather_shards(unit.shard, unit.full.numel(), self.group) if self.group is not None else \
+        masters = gather_shards(unit.shard, unit.full.numel(), self.group, self.settings.group_name) if self.group is not None else \
             unit.shard.clone()
         self.drop_shard(unit)
         return masters

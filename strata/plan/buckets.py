@@ -101,7 +101,7 @@ def collective_parts(cfg: ModelConfig, lay: Layout, layers: int, first: bool, la
     """What each of a rank's data-parallel collectives carries under its ZeRO stage."""
     if lay.zero == 3:
         return unit_parts(layers, params)
-    group = expert_group(lay)[0] if experts else lay.replicas  # the ranks a bucket is sharded over
+    group = expert_group(lay)[0] if experts else lay.shards  # the ranks a bucket is sharded over
     parts = bucket_parts(cfg, layers, first, last, experts, params, bucket_mb, group)
     if lay.compress == "powersgd":
         parts = replace(parts, compressed=powersgd_fractions(cfg, lay.compress_rank))

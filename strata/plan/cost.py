@@ -201,7 +201,7 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
         memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
         memory["weights"] = memory["gradients"] = 0.0  # is read in ahead of its gather (two at once)
-        memory["buffers"] += 2 * 4 * max(cfg.unit_params()) / t / lay.replicas
+        memory["buffers"] += 2 * 4 * max(cfg.unit_params()) / t / lay.shards
     if lay.offload_activations != "none":  # only the block being recomputed has its input back
         memory["activations"] -= terms.activation_per_layer * (load.layers - 1)
     spec = SCHEDULES[lay.schedule]
@@ -287,7 +287,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     slowest = ranks[slowest_rank]
     m, t, p, v = terms.micro_batches, lay.tp, lay.pp, lay.virtual_stages
     # the step's sums of partial gradients: under ZeRO-1/2 each rank sums its data-parallel shard
-    shards = lay.replicas if lay.zero in (1, 2) else 1
+    shards = lay.shards if lay.zero in (1, 2) else 1
     sums_bytes, sums_seconds = slowest.tp_step_bytes / shards, slowest.tp_step_seconds / shards
     comm_bytes = {"tp": slowest.tp_bytes * m + sums_bytes, "pp": 2 * v * m * terms.pp_message * (p > 1)}
     comm_seconds = {"tp": slowest.tp_seconds * m + sums_seconds, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}

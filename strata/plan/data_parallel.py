@@ -15,6 +15,21 @@ BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the t
 
 def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: float, t_bwd: float,
                           group: tuple[int, int] | None = None):
+    """(total seconds, exposed seconds, bytes per device): ZeRO's collectives over the ranks that
+    shard the states (`zero_seconds`) and, with hybrid sharding (--dp-shard), the all-reduce of
+    this rank's gradient shard across the replicas holding the same shard: once a step, after the
+    last backward (parallel/data.py), exposed."""
+    total, exposed, nbytes = zero_seconds(cluster, lay, parts, m, t_fwd, t_bwd, group)
+    if group is not None or lay.shards == lay.replicas:
+        return total, exposed, nbytes
+    replicas, shard = lay.replicas // lay.shards, sum(size * n for size, n in parts.sizes) / lay.shards
+    seconds = collective_seconds(cluster, "all_reduce", shard * BYTES[lay.reduce_dtype], replicas, lay.tp * lay.shards,
+                                 together=True)
+    return total + seconds, exposed + seconds, nbytes + 2 * (replicas - 1) / replicas * shard * BYTES[lay.reduce_dtype]
+
+
+def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: float, t_bwd: float,
+                 group: tuple[int, int] | None = None):
     """(total seconds, seconds not hidden behind compute, bytes per device) of the ranks holding the
     same parameters, dp x cp of them tp apart (or `group`: (size, stride), a mixture's
     expert-data-parallel one). `parts`: the parameters each collective carries, as the runtime
@@ -24,7 +39,7 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t
     dtype, each bucket at its padded size (what the runtime moves). Every rank runs these at the
     same point of its step, so they are priced `together`: no process computes through another's
     wait."""
-    d, stride = group or (lay.replicas, lay.tp)
+    d, stride = group or (lay.shards, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
@@ -102,7 +117,7 @@ def gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
     add the reduced shard to the accumulated one."""
     full = 3 * params_local * 4
     if lay.zero >= 2:
-        passes = m * full + max(0, m - 1) * full / lay.replicas
+        passes = m * full + max(0, m - 1) * full / lay.shards
     else:
         passes = 0.0 if fused else max(0, m - 1) * full
     return passes / cluster.device.memory_bandwidth

@@ -53,7 +53,7 @@ def held_states(cfg: ModelConfig, lay: Layout, held: float, layers: float, preci
     ranks (the runtime's ExpertSplit: a group of one rank shards nothing, so its experts keep
     ZeRO-0's states; a mixture has no context parallelism)."""
     dense, experts = expert_share(cfg, lay, held, layers)
-    states = held_state_bytes(dense, lay.zero, lay.replicas, precision, optimizer, lay.gather_dtype)
+    states = held_state_bytes(dense, lay.zero, lay.shards, precision, optimizer, lay.gather_dtype)
     if lay.compress == "powersgd":  # each compressed matrix's error, kept beside its fp32 gradient
         states = replace(states, grads=states.grads + powersgd_fractions(cfg, lay.compress_rank)[2] * dense * 4)
     if not experts:
@@ -70,7 +70,7 @@ def updated_params(cfg: ModelConfig, lay: Layout, held: float, layers: float) ->
     dense, experts = expert_share(cfg, lay, held, layers)
     if lay.zero < 1:
         return dense + experts
-    return dense / lay.replicas + experts / expert_group(lay)[0]
+    return dense / lay.shards + experts / expert_group(lay)[0]
 
 
 # --- what an MoE layer keeps for backward ---------------------------------------------------------

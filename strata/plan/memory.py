@@ -187,9 +187,10 @@ def head_bytes(cfg: ModelConfig, lay: Layout, seq_len: int, element_bytes: int, 
 def device_overhead(device: Device, lay: Layout, tensor_bytes: float) -> dict[str, float]:
     """What a device's memory holds beside the layout's tensors (hardware.py's figures): the CUDA
     context, NCCL's buffers for each process group of more than one rank this rank joins (tensor,
-    data (with context) parallel, pipeline, context, expert), and the caching allocator's reserve
+    data (with context) parallel, pipeline, context, expert; hybrid sharding's shard and replica
+    groups besides), and the caching allocator's reserve
     as a fraction of the tensors. Nothing on cpu-local (its figures are 0)."""
-    groups = sum(size > 1 for size in (lay.tp, lay.replicas, lay.pp, lay.cp, lay.ep))
+    groups = sum(size > 1 for size in (lay.tp, lay.replicas, lay.pp, lay.cp, lay.ep)) + 2 * (lay.shards < lay.replicas)
     overhead = {"cuda_context": device.context_bytes, "nccl_buffers": groups * device.group_bytes,
                 "allocator_reserve": device.allocator_reserve * tensor_bytes}
     return {kind: nbytes for kind, nbytes in overhead.items() if nbytes}

@@ -54,7 +54,7 @@ def offload_cost(device: Device, lay: Layout, params_local: float, largest_unit:
     parameters one ZeRO-3 unit has (of that slice); activation_bytes: one micro-batch's checkpointed
     block inputs; kept_unit: a unit kept gathered from forward to backward (a tied embedding);
     page_cache_bytes: memory left for the page cache (0: reads come from the disk)."""
-    sharded = params_local / (lay.replicas if lay.zero >= 1 else 1)  # what this rank's optimizer updates
+    sharded = params_local / (lay.shards if lay.zero >= 1 else 1)  # what this rank's optimizer updates
     during, step, held = {}, {}, {}
 
     def add(where: str, compute: Traffic, optimizer: Traffic, stored: float) -> None:
@@ -64,7 +64,7 @@ def offload_cost(device: Device, lay: Layout, params_local: float, largest_unit:
         held[tier] = held.get(tier, 0.0) + stored
 
     if lay.offload_params != "none":
-        backward, update = parameter_traffic(sharded, micro_batches, kept_unit / (lay.replicas if lay.zero >= 1 else 1))
+        backward, update = parameter_traffic(sharded, micro_batches, kept_unit / (lay.shards if lay.zero >= 1 else 1))
         add(lay.offload_params, backward, update, 2 * MASTER_BYTES * sharded)  # fp32 shards and their gradients
     if lay.offload == "disk":
         add("disk", Traffic(), moment_traffic(sharded), MOMENT_BYTES * sharded)
@@ -81,7 +81,7 @@ def offload_cost(device: Device, lay: Layout, params_local: float, largest_unit:
     first = 0.0
     if lay.offload_params != "none":
         read_rate = rates[TIER_NAMES[lay.offload_params]][0]
-        first = MASTER_BYTES * largest_unit / (lay.replicas if lay.zero >= 1 else 1) / read_rate
+        first = MASTER_BYTES * largest_unit / (lay.shards if lay.zero >= 1 else 1) / read_rate
     return OffloadCost(held, seconds(during), first, seconds(step))
 
 

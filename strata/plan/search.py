@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 from strata.errors import ConfigError
 from strata.plan.context import context_degrees, context_lines, data_parallel_twin, searched_micro_batches
@@ -25,16 +26,17 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
-            allow_async: bool = False, params_offload: bool = False) -> Iterator[Layout]:
+            allow_async: bool = False, params_offload: bool = False, per_node: int | None = None) -> Iterator[Layout]:
     """Every layout of `world` devices strata runs for this model and batch: the candidates below,
     each passed through the trainer's own layout check. transfers: the (reduce, gather) dtypes the
     run asked for; a layout they do not apply to (bf16 reductions without dp, bf16 gathers
     without ZeRO) is not run, so not offered. allow_async: offer the asynchronous schedules too,
     which change the optimisation (stale weights), so only when asked. params_offload: instead,
     the ZeRO-Infinity layouts (ZeRO-3 with its shards in host memory or on disk), which `search`
-    tries only when nothing else fits."""
+    tries only when nothing else fits. per_node: devices a node holds, to offer hybrid sharding
+    (ZeRO over a node's dp ranks, replicated across nodes) where dp crosses nodes."""
     candidates = _infinity_candidates(work, world, offload, transfers) if params_offload else \
-        _candidates(work, world, offload, transfers, allow_async)
+        _candidates(work, world, offload, transfers, allow_async, per_node)
     for layout in candidates:
         try:
             check_layout(work.model, layout, world, work.seq_len, work.global_batch)
@@ -44,7 +46,7 @@ def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[s
 
 
 def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str],
-                allow_async: bool) -> Iterator[Layout]:
+                allow_async: bool, per_node: int | None = None) -> Iterator[Layout]:
     """The search space: every split of the world into tp x pp x cp x dp (cp: plan/context.py's
     degrees, ring and Ulysses, with micro-batches of 1), the schedules worth trying for each
     pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP, and for a
@@ -61,10 +63,24 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                                 for place in ("none", "cpu") if offload else ("none",):
                                     for sp, mode, depth in modes:
                                         for ep in expert_degrees(work.model, d):
-                                            yield Layout(dp=d, tp=t, pp=p, virtual_stages=v, zero=zero, micro_batch=b,
-                                                         checkpointing=checkpointing, offload=place,
-                                                         sequence_parallel=sp, schedule=schedule, reduce_dtype=transfers[0], gather_dtype=transfers[1],
-                                                         tp_mode=mode, tp_depth=depth, ep=ep, cp=c, cp_mode=cp_mode)
+                                            flat = Layout(dp=d, tp=t, pp=p, virtual_stages=v, zero=zero, micro_batch=b,
+                                                          checkpointing=checkpointing, offload=place,
+                                                          sequence_parallel=sp, schedule=schedule, reduce_dtype=transfers[0], gather_dtype=transfers[1],
+                                                          tp_mode=mode, tp_depth=depth, ep=ep, cp=c, cp_mode=cp_mode)
+                                            yield flat
+                                            shard = node_shards(flat, per_node)
+                                            if shard:
+                                                yield replace(flat, dp_shard=shard)
+
+
+def node_shards(lay: Layout, per_node: int | None) -> int | None:
+    """Hybrid sharding's shard group worth trying: a node's dp ranks (ZeRO's collectives on its
+    links, the replicas' all-reduce across nodes), where ZeRO's dp ranks span nodes; else None."""
+    if per_node is None or not lay.zero or per_node % lay.tp or lay.dp * lay.tp <= per_node or \
+            lay.pp > 1 or lay.cp > 1 or lay.ep > 1:  # (the runtime's hybrid sharding: dp and tp alone for now)
+        return None
+    shard = per_node // lay.tp
+    return shard if 2 <= shard < lay.dp and lay.dp % shard == 0 else None
 
 
 def _tensor_modes(t: int) -> list[tuple[bool, str, int]]:
@@ -129,7 +145,8 @@ def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tu
     """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first).
     Parameter offload (ZeRO-Infinity) is offered only when nothing else fits, as a last resort: it
     trades device memory for transfers over PCIe or from disk on every step."""
-    ranked, rejected = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers, allow_async))
+    ranked, rejected = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers, allow_async,
+                                                         per_node=cluster.devices_per_node))
     if not ranked and offload:
         last_resort, still = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers,
                                                                params_offload=True))
@@ -172,7 +189,7 @@ def distinct(estimates: list[Estimate]) -> list[Estimate]:
     seen, kept = set(), []
     for e in estimates:
         lay = e.layout
-        key = (lay.dp, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth, lay.ep,
+        key = (lay.dp, lay.shards, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth, lay.ep,
                lay.cp, lay.cp_mode)
         if key not in seen:
             seen.add(key)
@@ -204,6 +221,9 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         "with tensor parallelism across nodes": lambda lay: lay.tp > cluster.devices_per_node,
         "with Megatron's 1-D tensor parallelism (tp_mode=1d, tp>1)": lambda lay: lay.tp > 1 and lay.tp_mode == "1d",
         "with 2-D, 2.5-D or 3-D tensor parallelism": lambda lay: lay.tp_mode != "1d",
+        "with hybrid sharding (ZeRO inside a node, replicas across nodes: dp_shard)":
+            lambda lay: lay.shards < lay.replicas,
+        "with ZeRO over every dp rank (flat, zero>0)": lambda lay: lay.zero > 0 and lay.shards == lay.replicas,
     }
     if best.total_params != best.active_params:  # a mixture of experts: where its experts live, and why
         lines += moe_lines(best, ranked, cluster)

@@ -69,6 +69,13 @@ class Layout:
     virtual_stages: int = setting(1, "with --schedule interleaved: model chunks per pipeline rank", key="v",
                                   auto="planned")
     zero: int = setting(0, "ZeRO stage 0-3", auto="planned", show="always")
+    dp_shard: int | None = setting(None, "hybrid sharding (FSDP's HSDP): ZeRO-1/2/3 shard states over this many "
+                                         "adjacent data-parallel ranks (a node's, so that ZeRO's traffic stays on "
+                                         "it) and keep dp / dp_shard replicas of them; gradients are "
+                                         "reduce-scattered within a shard group and all-reduced across replicas "
+                                         "(default: every dp rank, flat ZeRO)", key="shard")
+    dp_replicate: int | None = setting(None, "hybrid sharding: the replicas instead (dp / dp_replicate ranks shard "
+                                             "each)", key="replicate")
     micro_batch: int = setting(1, "sequences per forward/backward on one rank", key="mb", auto="replaced",
                                show="always")
     schedule: str = setting("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1) | "
@@ -114,6 +121,14 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def shards(self) -> int:
+        """The ranks ZeRO shards the states over: all of the replicas, or with hybrid sharding a
+        group of dp_shard (dp / dp_replicate) of them."""
+        if self.dp_shard:
+            return self.dp_shard
+        return self.replicas // self.dp_replicate if self.dp_replicate else self.replicas
 
     @property
     def replicas(self) -> int:
@@ -245,7 +260,30 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     check_context(model, layout.cp, layout.cp_mode, layout.tp, layout.tp_mode, layout.sequence_parallel, seq_len)
     check_asynchronous(model, layout, global_batch)
     check_compression(layout)
+    check_hybrid_sharding(layout)
     return check_pipeline(model, layout, seq_len)
+
+
+def check_hybrid_sharding(layout: Layout) -> None:
+    """--dp-shard N / --dp-replicate M: N x M = dp, ZeRO's states over the N adjacent ranks."""
+    shard, replicate = layout.dp_shard, layout.dp_replicate
+    if shard is None and replicate is None:
+        return
+    field, value = ("dp_shard", shard) if shard is not None else ("dp_replicate", replicate)
+    for name, given in (("dp_shard", shard), ("dp_replicate", replicate)):
+        if given is not None and (given < 1 or layout.dp % given):
+            raise ConfigError(f"must divide dp {layout.dp}", name, given)
+    if shard is not None and replicate is not None and shard * replicate != layout.dp:
+        raise ConfigError(f"x dp_replicate {replicate} must equal dp {layout.dp}", "dp_shard", shard)
+    if layout.shards < 2:
+        raise ConfigError(f"leaves {layout.shards} rank to shard over; ZeRO needs 2 or more (or zero 0)", field, value)
+    refusals = [(layout.zero == 0, "shards ZeRO's states, and zero is 0 (use zero 1, 2 or 3)"),
+                (layout.cp > 1 or layout.pp > 1 or layout.ep > 1,
+                 "runs with data and tensor parallelism for now (cp, pp and ep 1)"),
+                (layout.offload_params != "none", "not with offload_params (ZeRO-Infinity shards over every rank)")]
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(reason, field, value)
 
 
 def check_compression(layout: Layout) -> None:

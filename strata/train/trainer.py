@@ -60,7 +60,7 @@ def setup(run_input: TrainConfig | RunSpec, checked: bool = False) -> Run:
     groups_before = process_groups()
     spec = _spec_here(run_input, world_size, rank, checked)
     cfg, lay = spec.config, spec.config.layout  # the caller's config is left as it was given
-    dims = ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp)
+    dims = ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, shards=lay.shards)
     mesh = Mesh.build(dims, rank, device.type, cfg.timeout)
     groups = mesh.groups
     experts = ExpertAxes(*mesh.expert_axes(lay.ep)) if lay.ep > 1 else None
@@ -76,7 +76,8 @@ def setup(run_input: TrainConfig | RunSpec, checked: bool = False) -> Run:
     torch.manual_seed(cfg.seed)
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
-                                  offload_dir(cfg), rank, grid_groups, experts, mesh.context_axis())
+                                  offload_dir(cfg), rank, grid_groups, experts, mesh.context_axis(),
+                                  (groups["dp_shard"], groups["dp_replicate"]) if groups["dp_shard"] else None)
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
                                 parallel.sharding.stream_units if lay.offload_params != "none" else None)
     versions = _weight_versions(cfg, model, model_cfg, stage_layout, pp_rank, seq_len) \
