@@ -1,9 +1,9 @@
-"""The planner against published training runs (strata/plan/published.py): the validation table of
-docs/cost-model.md, and the fit of the defaults set from published runs, on the first half only.
+"""The planner against published training runs: the one validation table of docs/cost-model.md
+(strata/plan/validation_table.py), split into a fit half and a held-out half by a hash of each
+row's name, and the fit of the planner's defaults on the fit half only.
 
-    python bench/validation.py            # the table, with each half's worst error
-    python bench/validation.py --fit      # the first half's best defaults, searched on a grid
-    python bench/validation.py --unseen   # the runs the defaults were never fitted to, with their errors
+    python bench/validation.py            # the table, with each half's median and worst error
+    python bench/validation.py --fit      # the fit half's best defaults, searched on a grid, then the table
 """
 
 from __future__ import annotations
@@ -11,33 +11,44 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import statistics
 
 from strata.plan import hardware
-from strata.plan.published import RUNS, halves
-from strata.plan.published_unseen import UNSEEN_RUNS
+from strata.plan.validation_table import TABLE, halves, in_fit_half
 
 
-def table(runs=RUNS) -> str:
-    first, _ = halves()
-    lines = ["| run | source | layout | published | tokens/s per GPU: published | predicted | error | half |",
-             "|---|---|---|---|---|---|---|---|"]
+def _network(run) -> str:
+    priced = f"{run.nics_per_node} x {run.network}" if run.gpus > 8 else "NVLink"
+    return f"{run.fabric} (priced {priced})" if run.fabric else priced
+
+
+def _figures(run) -> tuple[str, str]:
+    """(published, predicted) as the row compares them: tokens/s per device, or device-hours."""
+    if run.device_hours is None:
+        return f"{run.tokens_per_s:,.1f}", f"{run.predicted_tokens_per_s():,.1f}"
+    return f"{run.device_hours:,.0f} h", f"{run.predicted_hours():,.0f} h"
+
+
+def table(runs=TABLE) -> str:
+    lines = ["| run | source (framework) | network | layout | published | figure: published | predicted | error | half |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        e = run.predict()
-        half = 1 if run in first else 2 if run in RUNS else "unseen"
-        lines.append(f"| {run.name} | {run.source} ({run.framework}) | {run.layout.describe()} | {run.published} | "
-                     f"{run.tokens_per_s:,.1f} | {e.tokens_per_s / run.gpus:,.1f} | {run.error():+.0%} | {half} |")
+        published, predicted = _figures(run)
+        lines.append(f"| {run.name} | {run.source} ({run.framework}) | {_network(run)} | {run.layout.describe()} | "
+                     f"{run.published} | {published} | {predicted} | {run.error():+.1%} | "
+                     f"{'fit' if in_fit_half(run.name) else 'held out'} |")
     return "\n".join(lines)
 
 
-def unseen_summary() -> str:
-    errors = sorted(abs(r.error()) for r in UNSEEN_RUNS)
-    middle = len(errors) // 2
-    median = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
-    return f"unseen runs: {len(errors)}, median error {median:.1%}, worst {errors[-1]:.1%}"
+def summary(name: str, runs) -> str:
+    errors = [abs(r.error()) for r in runs]
+    return f"{name}: {len(errors)} runs, median error {statistics.median(errors):.1%}, worst {max(errors):.1%}"
 
 
-def worst(runs) -> float:
-    return max(abs(r.error()) for r in runs)
+def squared_error(runs) -> float:
+    """The fit's objective: the sum of the squared errors (least squares), so every row counts
+    and no one miss the profiles do not explain drags the defaults after it alone."""
+    return sum(r.error() ** 2 for r in runs)
 
 
 def with_defaults(share: float, bandwidth: float, overhead: float) -> None:
@@ -50,14 +61,16 @@ def with_defaults(share: float, bandwidth: float, overhead: float) -> None:
     hardware.TRAINING_GEMM_SHARE = share
 
 
+GRID = (tuple(0.75 + 0.025 * i for i in range(9)), (0.5, 0.6, 0.7, 0.8, 0.9, 1.0), (4e-6, 8e-6, 16e-6))
+
+
 def fit() -> tuple[float, float, float]:
-    """The defaults with the smallest worst error on the first half."""
-    first, _ = halves()
-    grid = itertools.product([0.75 + 0.025 * i for i in range(9)], [0.5, 0.6, 0.7, 0.8, 0.9, 1.0], [4e-6, 8e-6, 16e-6])
+    """The defaults with the least squared error on the fit half (ties: the first on the grid)."""
+    fit_half, _ = halves()
     best = None
-    for share, bandwidth, overhead in grid:
+    for share, bandwidth, overhead in itertools.product(*GRID):
         with_defaults(share, bandwidth, overhead)
-        score = worst(first)
+        score = squared_error(fit_half)
         if best is None or score < best[0]:
             best = (score, share, bandwidth, overhead)
     return best[1:]
@@ -66,18 +79,14 @@ def fit() -> tuple[float, float, float]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", action="store_true")
-    parser.add_argument("--unseen", action="store_true")
     args = parser.parse_args()
-    if args.unseen:
-        print(table(UNSEEN_RUNS))
-        print(f"\n{unseen_summary()}")
-        raise SystemExit(0)
     if args.fit:
         share, bandwidth, overhead = fit()
-        print(f"first half's best: TRAINING_GEMM_SHARE = {share:.3f}, BANDWIDTH_FRACTION = {bandwidth}, "
+        print(f"fit half's best: TRAINING_GEMM_SHARE = {share:.3f}, BANDWIDTH_FRACTION = {bandwidth}, "
               f"GEMM_OVERHEAD_S = {overhead:g}")
         with_defaults(share, bandwidth, overhead)
     print(table())
-    first, second = halves()
-    print(f"\nworst error: first half {worst(first):.1%}, second half {worst(second):.1%} "
-          f"({len(first)} + {len(second)} runs)")
+    fit_half, held_out = halves()
+    print()
+    print(summary("fit half", fit_half))
+    print(summary("held-out half", held_out))

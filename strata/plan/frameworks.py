@@ -52,9 +52,11 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               "Megatron-Core (r0.8, 2024): Transformer Engine's fused attention, gradient-accumulation fusion, "
               "--tp-comm-overlap, DDP buckets of max(40M, 1M x dp) parameters "
               "(distributed_data_parallel_config.py bucket_size)"),
-    Framework("megatron-deepspeed", False, True, False, lambda dp: 500_000_000,
-              "Megatron-DeepSpeed (BLOOM, MT-NLG, 2021-2022): Megatron's unfused attention and accumulation "
-              "fusion, DeepSpeed's reduce_bucket_size of 5e8 elements"),
+    Framework("megatron-deepspeed", False, False, False, lambda dp: 500_000_000,
+              "Megatron-DeepSpeed (BLOOM, MT-NLG, 2021-2022): Megatron's unfused attention; no gradient-"
+              "accumulation fusion (its ColumnParallelLinear is F.linear, bigscience-workshop/Megatron-DeepSpeed "
+              "megatron/mpu/layers.py: DeepSpeed's engine owns the gradients, autograd sums them into .grad, a "
+              "pass of their own per micro-batch); DeepSpeed's reduce_bucket_size of 5e8 elements"),
     Framework("deepspeed", True, False, False, lambda dp: 500_000_000,
               "DeepSpeed ZeRO with a PyTorch model: fused attention, autograd's accumulation, "
               "reduce_bucket_size 5e8 elements (its default)"),

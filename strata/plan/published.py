@@ -9,12 +9,12 @@ Where a source leaves a field out, one rule fills it for every row, never tuned 
 - Megatron-LM's attention of 2021-2022 unfused (softmax between two batched GEMMs); fused
   (FlashAttention) for the runs of 2023 on;
 - Megatron's weight gradients summed into the fp32 accumulator by the GEMM (its gradient
-  accumulation fusion) in Megatron-LM and Megatron-DeepSpeed; a pass of their own in PyTorch's
-  autograd (FSDP, torchtitan).
+  accumulation fusion) in Megatron-LM; a pass of their own in autograd under DeepSpeed's engine
+  (Megatron-DeepSpeed, whose layers are plain F.linear) and PyTorch's (FSDP, torchtitan);
+- ZeRO-1 (DeepSpeed's, Megatron's distributed optimizer) gathering the updated 16-bit parameters.
 
-The rows are split in two halves, alternately in this order: the defaults the planner sets from
-published runs (hardware.GEMM_OVERHEAD_S, BANDWIDTH_FRACTION, KERNEL_OVERHEAD_S) come from the
-first half only, and the error of the second half is reported on its own."""
+These rows are part of the one validation table (strata/plan/validation_table.py), which splits
+it into a fit half and a held-out half by a hash of each row's name."""
 
 from __future__ import annotations
 
@@ -23,13 +23,17 @@ from dataclasses import dataclass, replace
 from strata.model.config import ModelConfig
 from strata.plan.cost import Estimate, estimate
 from strata.plan.frameworks import Framework, framework
+from strata.plan.goodput import GoodputSettings
 from strata.plan.inputs import build_cluster, workload
-from strata.plan.workload import with_framework
+from strata.plan.links import Cluster
+from strata.plan.run_cost import expected_cost
+from strata.plan.workload import Workload, with_framework
 from strata.rules.layout import Layout
 
 # each source's code base -> its profile
 PROFILES = {"Megatron-LM": "megatron-lm", "Megatron-Core": "megatron-core", "Megatron-DeepSpeed": "megatron-deepspeed",
-            "llm-foundry (PyTorch FSDP)": "torchtitan", "torchtitan (FSDP2)": "torchtitan"}
+            "llm-foundry (PyTorch FSDP)": "torchtitan", "torchtitan (FSDP2)": "torchtitan",
+            "Meta's Llama 3 stack (PyTorch 4D)": "torchtitan", "strata (the planner's pick)": "strata"}
 
 
 @dataclass(frozen=True)
@@ -48,22 +52,45 @@ class PublishedRun:
     fused_attention: bool
     published: str  # the figure as the source states it
     tokens_per_s: float  # per device, from that figure
+    fabric: str = ""  # the network as the source names it, where the priced link only stands in for it
+    # a production total: the device-hours the source gives for `run_tokens` tokens (None: a throughput row)
+    device_hours: float | None = None
+    run_tokens: float | None = None
 
     @property
     def profile(self) -> Framework:
         """The framework profile the run is priced with (strata/plan/frameworks.py)."""
         return framework(PROFILES[self.framework])
 
-    def predict(self) -> Estimate:
-        cluster = build_cluster(self.device, max(1, self.gpus // 8), min(8, self.gpus), None, self.network,
-                                self.nics_per_node)
+    def cluster(self) -> Cluster:
+        return build_cluster(self.device, max(1, self.gpus // 8), min(8, self.gpus), None, self.network,
+                             self.nics_per_node)
+
+    def work(self) -> Workload:
         work = with_framework(workload(self.model, self.global_batch, self.seq_len, "bf16"), self.profile.name)
         # an era's attention: the row's (Megatron-LM's and BLOOM's of 2021-2022 unfused)
-        return estimate(replace(work, fused_attention=self.fused_attention), cluster, self.layout)
+        return replace(work, fused_attention=self.fused_attention)
+
+    def predict(self) -> Estimate:
+        return estimate(self.work(), self.cluster(), self.layout)
+
+    def predicted_hours(self) -> float:
+        """A production total's expected device-hours: the steady state's plus checkpoints,
+        evaluation and failures at the planner's defaults (strata/plan/goodput.py)."""
+        costs = expected_cost(self.work(), self.predict(), self.run_tokens, min(8, self.gpus), GoodputSettings())
+        return costs.expected.device_hours
+
+    def predicted_tokens_per_s(self) -> float:
+        """Per device: the step's throughput, or for a production total its tokens over the
+        expected device-seconds of the whole run (so a total compares as its throughput does)."""
+        if self.device_hours is None:
+            return self.predict().tokens_per_s / self.gpus
+        return self.run_tokens / (self.predicted_hours() * 3600)
 
     def error(self) -> float:
-        """Predicted over published throughput, minus one."""
-        return self.predict().tokens_per_s / self.gpus / self.tokens_per_s - 1
+        """Predicted over published throughput, minus one (a total: published over predicted
+        device-hours, minus one): positive is optimistic."""
+        return self.predicted_tokens_per_s() / self.tokens_per_s - 1
 
 
 def _gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelConfig:
@@ -118,7 +145,7 @@ def _foundry(name: str, model: ModelConfig, gpus: int, mbs: int, accumulation: i
     return PublishedRun(f"MPT {name}, {gpus} A100", "llm-foundry, scripts/train/benchmarking/README.md",
                         "llm-foundry (PyTorch FSDP)", model, "A100-80G", gpus, "ib-200", 8, layout,
                         gpus * mbs * accumulation, 2048, True, f"{tokens_per_s:g} tokens/s per GPU (MFU {mfu})",
-                        tokens_per_s)
+                        tokens_per_s, fabric="NVLink only (one node)")
 
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> ModelConfig:
@@ -155,8 +182,10 @@ RUNS: tuple[PublishedRun, ...] = (
     _korthikanti("1T", 160, 25600, 128, 64, 512, 512, 1, 1, 71.49, "56.3%"),
     PublishedRun("BLOOM 176B, 384 A100", "BigScience tr11-176B-ml (chronicles, log of 2022-03-18)",
                  "Megatron-DeepSpeed", BLOOM, "A100-80G", 384, "100gbe", 4,
-                 Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, checkpointing="full", reduce_dtype="bf16"),
-                 2048, 2048, False, "105.22 s per iteration (149 TFLOP/s)", 2048 * 2048 / 105.22 / 384),
+                 Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, checkpointing="full", reduce_dtype="bf16",
+                        gather_dtype="bf16"),
+                 2048, 2048, False, "105.22 s per iteration (149 TFLOP/s)", 2048 * 2048 / 105.22 / 384,
+                 fabric="4 x 100 Gb/s Omni-Path"),
     _foundry("1B", _mpt(2048, 24, 16), 8, 14, 4, False, 20513, "59.86%"),
     _foundry("7B", _mpt(4096, 32, 32), 8, 6, 2, False, 4641, "64.23%"),
     _foundry("13B", _mpt(5120, 40, 40), 8, 2, 3, False, 2262, "59.57%"),
@@ -166,8 +195,3 @@ RUNS: tuple[PublishedRun, ...] = (
     _titan("Llama 3 70B", _llama(80, 8192, 64, 8, 28672, 128256, 8192), 64, 1, 8192, "full", 331, "51.7%"),
     _titan("Llama 2 70B", _llama(80, 8192, 64, 8, 28672, 32000, 4096), 64, 2, 4096, "full", 353, "50.5%"),
 )
-
-
-def halves() -> tuple[tuple[PublishedRun, ...], tuple[PublishedRun, ...]]:
-    """(the rows defaults may be set from, the rows held out): alternate rows, in table order."""
-    return RUNS[0::2], RUNS[1::2]

@@ -1,12 +1,15 @@
-"""Published runs the planner was never fitted to (issue 54): H100 runs with Megatron-Core layouts,
-data parallelism at 96-288 replicas, FSDP on RoCE, MegaScale's Megatron-LM baselines on up to
-12,288 GPUs, MT-NLG. Each row as its source publishes it, priced with its framework's profile
-(strata/plan/frameworks.py); docs/cost-model.md ("Runs the planner was not fitted to") gives each
-source and the rules that fill what a source leaves out:
+"""Published runs added for issue 54: H100 runs with Megatron-Core layouts, data parallelism at
+96-288 replicas, FSDP on RoCE, MegaScale's Megatron-LM baselines on up to 12,288 GPUs, MT-NLG. They
+were added as runs the defaults had never seen; they are now rows of the one validation table
+(strata/plan/validation_table.py), whose hash rule puts each in the fit or the held-out half. Each
+row as its source publishes it, priced with its framework's profile (strata/plan/frameworks.py);
+docs/cost-model.md ("Validation") gives each source and the rules that fill what a source leaves out:
 
 - micro-batch 1 where not stated; sequence parallelism with tensor parallelism in Megatron-Core's
   runs (its recommended setting) and none in Megatron-LM's and Megatron-DeepSpeed's;
-- Megatron-Core's distributed optimizer as ZeRO-1 (it shards the optimizer states over dp);
+- Megatron-Core's distributed optimizer as ZeRO-1 (it shards the optimizer states over dp), and every
+  ZeRO-1 row (Megatron's distributed optimizer, DeepSpeed's ZeRO-1) gathering the updated 16-bit
+  parameters, not fp32 ones (gather_dtype bf16);
 - activation recomputation as stated, none where a Megatron-Core table does not say;
 - an unstated network: 8 x 400 Gb/s InfiniBand per H100 node (a DGX H100's), 8 x 200 Gb/s per
   A100 node (a DGX A100's).
@@ -36,7 +39,7 @@ def _core_weak_scaling(params: str, layers: int, hidden: int, heads: int, t: int
                        tflops: float, mfu: str) -> PublishedRun:
     model = _gpt(layers, hidden, heads, vocab=131072, seq=4096)
     layout = Layout(dp=gpus // (t * p), tp=t, pp=p, zero=1, micro_batch=1, sequence_parallel=t > 1,
-                    reduce_dtype="bf16")
+                    reduce_dtype="bf16", gather_dtype="bf16")
     return PublishedRun(f"GPT {params}, {gpus} H100", "Megatron-LM README, H100 weak scaling (2024-07)",
                         "Megatron-Core", model, "H100-80G", gpus, *_H100_NET, layout, batch, 4096, True,
                         f"{tflops:g} TFLOP/s per GPU (MFU {mfu})",
@@ -51,7 +54,7 @@ def _nemotron(name: str, layers: int, hidden: int, heads: int, t: int, p: int, g
                         d_ff=4 * hidden, max_seq_len=4096, mlp="gelu")
     v = 2 if p > 1 else 1  # "interleaved" without a count (340B)
     layout = Layout(dp=gpus // (t * p), tp=t, pp=p, virtual_stages=v, zero=1, micro_batch=1, sequence_parallel=True,
-                    schedule="interleaved" if v > 1 else "1f1b", reduce_dtype="bf16")
+                    schedule="interleaved" if v > 1 else "1f1b", reduce_dtype="bf16", gather_dtype="bf16")
     return PublishedRun(f"Nemotron-4 {name}, {gpus} H100", "NVIDIA 2024, Nemotron-4 technical reports, Table 2",
                         "Megatron-Core", model, "H100-80G", gpus, *_H100_NET, layout, batch, 4096, True,
                         f"{iteration_s:g} s per iteration (MFU {mfu})", batch * 4096 / iteration_s / gpus)
@@ -59,12 +62,16 @@ def _nemotron(name: str, layers: int, hidden: int, heads: int, t: int, p: int, g
 
 def _foundry_h100(name: str, model: ModelConfig, gpus: int, mbs: int, accumulation: int, recompute: bool,
                   tokens_per_s: float, mfu: str, device: str = "H100-80G") -> PublishedRun:
+    h100 = device.startswith("H100")
+    # the README's mixed-precision mode: amp_bf16 DEFAULT on H100 (bf16 gathers, fp32 reductions),
+    # bf16 PURE on A100-40GB (bf16 gathers and reductions)
     layout = Layout(dp=gpus, zero=3, micro_batch=mbs, checkpointing="full" if recompute else "none",
-                    gather_dtype="bf16")
-    net = _H100_NET if device.startswith("H100") else _A100_NET
+                    gather_dtype="bf16", reduce_dtype="fp32" if h100 else "bf16")
+    net = _H100_NET if h100 else _A100_NET
     return PublishedRun(f"MPT {name}, {gpus} {device}", "llm-foundry, scripts/train/benchmarking/README.md",
                         "llm-foundry (PyTorch FSDP)", model, device, gpus, *net, layout, gpus * mbs * accumulation,
-                        2048, True, f"{tokens_per_s:g} tokens/s per GPU (MFU {mfu})", tokens_per_s)
+                        2048, True, f"{tokens_per_s:g} tokens/s per GPU (MFU {mfu})", tokens_per_s,
+                        fabric="" if h100 else "1600 Gb/s RoCE per node")
 
 
 def _megascale(gpus: int, batch: int, iteration_s: float, mfu: str) -> PublishedRun:
@@ -72,15 +79,17 @@ def _megascale(gpus: int, batch: int, iteration_s: float, mfu: str) -> Published
     heads, 64K vocabulary, tp 8, pp 8 with 6 virtual stages, on 8 x 200G RoCE per node."""
     model = _gpt(96, 12288, 128, vocab=64000)
     layout = Layout(dp=gpus // 64, tp=8, pp=8, virtual_stages=6, micro_batch=1, schedule="interleaved",
-                    reduce_dtype="bf16", zero=1)
+                    reduce_dtype="bf16", zero=1, gather_dtype="bf16")
     return PublishedRun(f"GPT 175B (MegaScale baseline), {gpus} A100", "Jiang et al. 2024 (MegaScale), Table 2",
                         "Megatron-LM", model, "A100-80G", gpus, *_A100_NET, layout, batch, 2048, True,
-                        f"{iteration_s:g} s per iteration (MFU {mfu})", batch * 2048 / iteration_s / gpus)
+                        f"{iteration_s:g} s per iteration (MFU {mfu})", batch * 2048 / iteration_s / gpus,
+                        fabric="8 x 200 Gb/s RoCE")
 
 
 def _mt_nlg(gpus: int, iteration_s: float, tflops: float) -> PublishedRun:
     """MT-NLG 530B (Smith et al. 2022): 105 layers of 20,480, 128 heads, tp 8, pp 35, batch 1,920."""
-    layout = Layout(dp=gpus // 280, tp=8, pp=35, zero=1, micro_batch=1, checkpointing="full", reduce_dtype="bf16")
+    layout = Layout(dp=gpus // 280, tp=8, pp=35, zero=1, micro_batch=1, checkpointing="full", reduce_dtype="bf16",
+                    gather_dtype="bf16")
     return PublishedRun(f"MT-NLG 530B, {gpus} A100", "Smith et al. 2022 (MT-NLG), section 2.4",
                         "Megatron-DeepSpeed", _gpt(105, 20480, 128), "A100-80G", gpus, *_A100_NET, layout, 1920, 2048,
                         False, f"{iteration_s:g} s per iteration ({tflops:g} TFLOP/s)", 1920 * 2048 / iteration_s / gpus)
