@@ -164,3 +164,26 @@ def test_the_planners_shares_are_the_runtimes_and_its_bytes_fall_by_them():
     p_share, q_share, _ = powersgd_fractions(cfg, 4)
     assert b.comm_bytes["dp"] == pytest.approx(a.comm_bytes["dp"] * (p_share + q_share), rel=1e-3)
     assert b.fits and b.step_time_s < a.step_time_s
+
+
+def _wire_dtypes() -> set:
+    """The dtypes of what a bf16 run's PowerSGD all-reduces (backward's hooks run inside autocast)."""
+    seen, all_reduce = set(), comm.all_reduce
+
+    def recorded(tensor, group, name, *args, **kwargs):
+        if name == "dp" and tensor.numel() > 1:
+            seen.add(str(tensor.dtype))
+        return all_reduce(tensor, group, name, *args, **kwargs)
+    comm.all_reduce = recorded
+    try:
+        trainer.train(train_config(**{**BASE, **COMPRESSED, "dtype": "bf16", "steps": AFTER + 2}))
+    finally:
+        comm.all_reduce = all_reduce
+    return seen
+
+
+def test_under_bf16_the_factors_travel_in_the_fp32_gradients_dtype():
+    """A product inside backward's autocast came out bf16 in one bucket and fp32 in another, as each
+    rank's timing retired them: 'small' died after 63 steps with wires of different sizes."""
+    for seen in run_on_ranks(_wire_dtypes, RANKS):
+        assert seen == {"torch.float32"}, seen
