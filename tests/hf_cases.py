@@ -44,6 +44,42 @@ def hf_configs():
         # interleaved pairs, no attention biases, a head with a bias
         "gptj": t.GPTJConfig(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=64, rotary_dim=8,
                              n_inner=80, bos_token_id=1, eos_token_id=2),
+        # Gemma 2: four norms a block, a local layer (window 8) then a global one, scores scaled by
+        # 1/sqrt(24) (heads of 16) and both soft caps small enough to bend (1 and 2), one KV head
+        "gemma2": t.Gemma2Config(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                 max_position_embeddings=64, sliding_window=8, query_pre_attn_scalar=24,
+                                 attn_logit_softcapping=1.0, final_logit_softcapping=2.0),
+        # OLMo 2: norms after the sub-blocks only, q/k norms over the whole projections, one KV head
+        "olmo2": t.Olmo2Config(**SMALL, num_attention_heads=6, num_key_value_heads=1, max_position_embeddings=64,
+                               pad_token_id=1, bos_token_id=None, eos_token_id=2),
+        # Gemma 3: Gemma 2's block with per-head q/k norms, a local layer with its own RoPE base, a
+        # global one with linear RoPE scaling (factor 8), no soft caps
+        "gemma3": t.Gemma3TextConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                     max_position_embeddings=64, sliding_window=8, query_pre_attn_scalar=24,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                         "rope_theta": 1e6},
+                                                      "sliding_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1e4}}),
+        # Falcon-40B's new decoder architecture: ln_attn and ln_mlp in parallel, one KV group (fewer
+        # than ranks) in a fused per-group query_key_value, rotary over 12-wide heads, no biases
+        "falcon": t.FalconConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                 num_kv_heads=1, new_decoder_architecture=True, ffn_hidden_size=80,
+                                 max_position_embeddings=64, bos_token_id=1, eos_token_id=2),
+        # StarCoder: GPT-2's block with multi-query attention (one K/V head for 6), nn.Linear weights
+        "gpt_bigcode": t.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64,
+                                          n_inner=80, bos_token_id=1, eos_token_id=2),
+        # Qwen3-MoE: Qwen3's per-head q/k norms (head_dim 16 != 48 / 4, one KV head) and 6 experts of
+        # 24 (not intermediate_size's 80) in every block, 2 per token renormalised, no shared expert
+        "qwen3_moe": t.Qwen3MoeConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=64, num_experts=6, num_experts_per_tok=2,
+                                      moe_intermediate_size=24, norm_topk_prob=True),
+        # DeepSeek-V3's multi-head latent attention, every layer dense: a query latent of 24 and a
+        # key/value latent of 16 for 4 heads, q/k heads 8 + 4 rotary (interleaved) wide, v heads 6
+        "deepseek_v3": t.DeepseekV3Config(**SMALL, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                          first_k_dense_replace=2, max_position_embeddings=64, bos_token_id=1,
+                                          eos_token_id=2),
     }
 
 

@@ -272,3 +272,20 @@ def test_the_grid_layernorm_keeps_its_precision_far_from_a_zero_mean():
     x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(0)) * 0.5 + 1000
     got = norm_from_statistics(x, torch.ones(1024), torch.zeros(1024), "layernorm", 1e-5, 1024, lambda s: s)
     torch.testing.assert_close(got, torch.nn.functional.layer_norm(x, (1024,), eps=1e-5), rtol=0, atol=1e-3)
+
+
+def test_a_family_whose_placements_the_grids_do_not_cut_is_refused_in_one_line():
+    """rules/tensor_modes.GRID_PLACEMENTS is what the grids' cutter computes; a family placing a layer
+    otherwise (Gemma 2's output norms, OLMo 2's projection norms, MLA's summed replicas) is refused
+    before processes start (MLA's used to crash inside the ranks), the parallel blocks are not."""
+    from strata.errors import ConfigError
+    from strata.model.families.base import PLACEMENTS
+    from strata.parallel.tensor_nd import _GridCutter
+    from strata.rules.tensor_modes import GRID_PLACEMENTS, check_grid
+    assert GRID_PLACEMENTS == {p for p in PLACEMENTS if hasattr(_GridCutter, p)}
+    grid = grid_of("2d", 4)
+    with pytest.raises(ConfigError, match="deepseek_v3 family's summed_replica placement has no cut on a grid"):
+        check_grid(get_preset("tiny-mla"), grid, 2)
+    with pytest.raises(ConfigError, match="olmo2 family's kv_projection_norm, normed_kv_column, output_norm"):
+        check_grid(get_preset("olmo-2-7b"), grid, 2)
+    check_grid(get_preset("pythia-1.4b"), grid, 2)  # GPT-NeoX's parallel block is cut (test_family_parallel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal, Protocol
 
@@ -38,11 +39,17 @@ class OwnBlock(Protocol):
 
     def check(self, cfg: ModelConfig) -> None: ...
 
+    # ModelConfig -> why context parallelism's ring cannot compute the block's attention, or None (it can)
+    context_refusal: Callable[[ModelConfig], str | None] | None
+
 
 # The families whose description brings a block of its own (GPT-J, GPT-NeoX: Family.block), by
 # name. strata.model.families fills it when it is imported: this module sits below the families
 # and imports none of them, yet counts their blocks (the planner reads the counts from here).
 OWN_BLOCKS: dict[str, OwnBlock] = {}
+# Each family's tensor-parallel placements (families/base.PLACEMENTS), by name, filled alike: the
+# rules check a layout against them without importing the families (rules/tensor_modes.check_grid).
+FAMILY_PLACEMENTS: dict[str, frozenset[str]] = {}
 
 
 @dataclass(frozen=True)

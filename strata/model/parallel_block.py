@@ -1,16 +1,18 @@
-"""The parallel block of GPT-J (Wang & Komatsuzaki 2021) and GPT-NeoX (Black et al. 2022): attention
-and the MLP read the same residual stream and add to it together,
+"""The parallel block of GPT-J (Wang & Komatsuzaki 2021), GPT-NeoX (Black et al. 2022) and Falcon
+(Almazrouei et al. 2023): attention and the MLP read the same residual stream and add to it together,
 
-    x + attn(ln_1(x)) + mlp(ln_2(x))        GPT-NeoX (use_parallel_residual)
-    x + attn(ln(x)) + mlp(ln(x))            GPT-J: one norm for both
+    x + attn(ln_1(x)) + mlp(ln_2(x))        GPT-NeoX (use_parallel_residual), Falcon-40B (ln_attn, ln_mlp)
+    x + attn(ln(x)) + mlp(ln(x))            GPT-J, Falcon-7B: one norm for both
 
-(GPT-NeoX without the parallel residual: the shared Block's order, x + attn(ln_1(x)), then + mlp),
-with rotary positions on the first features of each head only, in GPT-J's interleaved pairs
-(rotate_every_two) or GPT-NeoX's two halves (rotate_half over the rotated part), and the exact or
-tanh GELU in an MLP with biases.
+(GPT-NeoX without the parallel residual, Falcon's first releases: the shared Block's order,
+x + attn(ln_1(x)), then + mlp), with rotary positions on the first features of each head (all of
+them: Falcon), in GPT-J's interleaved pairs (rotate_every_two) or GPT-NeoX's two halves
+(rotate_half over the rotated part), and the exact or tanh GELU in an MLP with biases (Falcon's
+without, as its attention's). The K/V heads are the config's n_kv_heads (Falcon's multi-query and
+grouped attention).
 
-What a family's options make of it is a `ParallelShape` (families/gptj.py, families/gpt_neox.py
-read their options into one). The block keeps the shared Block's interface and module names
+What a family's options make of it is a `ParallelShape` (families/gptj.py, families/gpt_neox.py,
+families/falcon.py read their options into one). The block keeps the shared Block's interface and module names
 (attn_norm, attn.wq/wk/wv/wo, mlp_norm, mlp.w_in/w_out): every placement, hook and count reads it
 as it reads the shared Block (families/base.OwnBlock). Under tensor parallelism GPT-J's one norm
 feeds both column-parallel groups: its one input conversion serves them both (the gradients of
@@ -34,8 +36,9 @@ class ParallelShape:
     interleaved: bool  # GPT-J's pairs (2i, 2i + 1); else GPT-NeoX's halves of the rotated part
     parallel: bool  # attention and MLP from one residual; else one after the other
     one_norm: bool  # GPT-J: the attention's norm feeds the MLP too
-    attention_bias: bool  # biases on q, k, v and the output projection (the MLP always has them)
+    attention_bias: bool  # biases on q, k, v and the output projection
     gelu: str  # "none": the exact GELU; "tanh": its tanh approximation
+    mlp_bias: bool = True  # biases on the MLP's two matrices (GPT-J's and GPT-NeoX's; Falcon's per its `bias`)
 
     def rotated(self) -> int:
         """The features of each head that rotate (transformers': the width of its cos table)."""
@@ -69,7 +72,7 @@ class ParallelBlock(AttentionBlock):
         self.attn_norm = make_norm(cfg)
         self.attn = PartialRotaryAttention(cfg, shape)
         self.mlp_norm = None if shape.one_norm else make_norm(cfg)
-        self.mlp = GeluMLP(cfg, bias=True, approximate=shape.gelu)
+        self.mlp = GeluMLP(cfg, bias=shape.mlp_bias, approximate=shape.gelu)
 
     def forward(self, x, rope=None, bias=None, cache=None):
         normed = self.attn_norm(x)
@@ -88,7 +91,8 @@ def parameter_shapes(cfg: ModelConfig, shape: ParallelShape) -> Shapes:
         linear_shapes("attn.wo", cfg.q_dim, d, bias)
     if not shape.one_norm:
         shapes += norm_shapes(cfg, "mlp_norm", d)
-    return shapes + linear_shapes("mlp.w_in", d, cfg.d_ff, True) + linear_shapes("mlp.w_out", cfg.d_ff, d, True)
+    return shapes + linear_shapes("mlp.w_in", d, cfg.d_ff, shape.mlp_bias) + \
+        linear_shapes("mlp.w_out", cfg.d_ff, d, shape.mlp_bias)
 
 
 def rotary_tables(cfg: ModelConfig, shape: ParallelShape) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,13 @@ PRESETS: dict[str, ModelConfig] = {
     # Tests of mixtures of experts: tiny's shape with 4 SwiGLU experts, each token sent to 2.
     "tiny-moe": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
                             max_seq_len=64, n_experts=4, experts_per_token=2, **{**_LLAMA, "family": "mixtral"}),
+    # Tests of multi-head latent attention (DeepSeek-V2/V3's, every layer dense: no published model
+    # is): tiny's width, 4 heads of 16 + 8 rotary query/key features and 16 value features, latents of 32.
+    "tiny-mla": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_head=24, d_ff=128, max_seq_len=64,
+                            norm_eps=1e-6, family_options={"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                                           "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                                           "rope_interleave": True},
+                            **{**_LLAMA, "family": "deepseek_v3"}),
     "tiny-gpt2": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256,
                              max_seq_len=64, **_GPT),
     # The demo: about 17M parameters with an 8192-token vocabulary.
@@ -39,6 +46,24 @@ PRESETS: dict[str, ModelConfig] = {
                                max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu",
                                family="gpt_neox", family_options={"rotary_pct": 0.25, "parallel_residual": True,
                                                                   "attention_bias": True, "hidden_act": "gelu"}),
+    # Falcon-7B's and Falcon-40B's config.json (TII 2023; Almazrouei et al. 2023): GPT-NeoX's parallel
+    # block with rotary over the whole head, no biases, the exact GELU, a 65,024-token vocabulary tied
+    # to the head (the files set no tie_word_embeddings); 7B: 71 heads of 64 sharing one K/V head and
+    # one LayerNorm, 6,921,720,704 parameters; 40B (new_decoder_architecture): 128 heads in 8 KV
+    # groups, ln_attn and ln_mlp, 41,303,293,952 parameters (transformers' counts of those files).
+    "falcon-7b": ModelConfig(vocab_size=65024, n_layers=32, d_model=4544, n_heads=71, n_kv_heads=1, d_ff=18176,
+                             max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu", tie_embeddings=True,
+                             family="falcon", family_options={"parallel_attn": True, "norms": 1, "bias": False,
+                                                              "activation": "gelu"}),
+    "falcon-40b": ModelConfig(vocab_size=65024, n_layers=60, d_model=8192, n_heads=128, n_kv_heads=8, d_ff=32768,
+                              max_seq_len=2048, norm="layernorm", position="rope", mlp="gelu", tie_embeddings=True,
+                              family="falcon", family_options={"parallel_attn": True, "norms": 2, "bias": False,
+                                                               "activation": "gelu"}),
+    # StarCoder's config.json (BigCode: Li et al. 2023; model_type gpt_bigcode): GPT-2's block with
+    # multi-query attention (48 heads of 128, one K/V head), 8,192 learned positions, a 49,152-token
+    # vocabulary tied to the head; 15,517,456,384 parameters ("15.5B").
+    "starcoder": ModelConfig(vocab_size=49152, n_layers=40, d_model=6144, n_heads=48, n_kv_heads=1, d_ff=24576,
+                             max_seq_len=8192, **{**_GPT, "family": "gpt_bigcode"}),
     # Llama 3.2 1B (Meta 2024; the shape of its Hugging Face config.json): 16 layers, hidden 2048,
     # 32 heads with 8 KV heads, SwiGLU 8192, a 128,256-token vocabulary, tied embeddings, RoPE theta
     # 500,000; 1,235,814,400 parameters. The context here is Llama 3's pre-training length, 8192,
@@ -95,6 +120,37 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma-7b": ModelConfig(vocab_size=256000, n_layers=28, d_model=3072, n_heads=16, d_head=256, d_ff=24576,
                             max_seq_len=8192, norm="gemma_rmsnorm", mlp="geglu", tie_embeddings=True,
                             scale_embeddings=True, norm_eps=1e-6, family="gemma"),
+    # gemma-2-9b's and gemma-2-27b's config.json (Gemma Team 2024b): Gemma's norms, GeGLU and tied
+    # head in the sandwich block (four norms a layer), local layers (window 4,096) alternating with
+    # global ones, soft caps of 50 (scores) and 30 (logits); 27B: heads of 128 with scores scaled by
+    # 1/sqrt(144). 9,241,705,984 and 27,227,128,320 parameters.
+    "gemma-2-9b": ModelConfig(vocab_size=256000, n_layers=42, d_model=3584, n_heads=16, n_kv_heads=8, d_head=256,
+                              d_ff=14336, max_seq_len=8192, norm="gemma_rmsnorm", mlp="geglu", tie_embeddings=True,
+                              scale_embeddings=True, norm_eps=1e-6, family="gemma2",
+                              family_options={"attention_bias": False, "query_pre_attn_scalar": 256,
+                                              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                                              "sliding_window": 4096, "layer_types": "LG"}),
+    "gemma-2-27b": ModelConfig(vocab_size=256000, n_layers=46, d_model=4608, n_heads=32, n_kv_heads=16, d_head=128,
+                               d_ff=36864, max_seq_len=8192, norm="gemma_rmsnorm", mlp="geglu", tie_embeddings=True,
+                               scale_embeddings=True, norm_eps=1e-6, family="gemma2",
+                               family_options={"attention_bias": False, "query_pre_attn_scalar": 144,
+                                               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                                               "sliding_window": 4096, "layer_types": "LG"}),
+    # gemma-3-1b-pt's config.json (Gemma Team 2025): Gemma 2's block with per-head q/k norms, five
+    # local layers (window 512, RoPE base 10,000) for each global one (base 1,000,000), no soft caps,
+    # a 262,144-token vocabulary; 999,885,952 parameters.
+    "gemma-3-1b": ModelConfig(vocab_size=262144, n_layers=26, d_model=1152, n_heads=4, n_kv_heads=1, d_head=256,
+                              d_ff=6912, max_seq_len=32768, norm="gemma_rmsnorm", mlp="geglu", tie_embeddings=True,
+                              scale_embeddings=True, norm_eps=1e-6, rope_theta=1000000.0, family="gemma3",
+                              family_options={"attention_bias": False, "query_pre_attn_scalar": 256,
+                                              "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0,
+                                              "sliding_window": 512, "layer_types": "LLLLLG",
+                                              "rope_local_base_freq": 10000.0, "rope_scaling_factor": 1.0}),
+    # OLMo-2-1124-7B's config.json (OLMo et al. 2024): norms after the sub-blocks only, q/k norms over
+    # the whole projections, RoPE theta 500,000, a 100,352-row vocabulary; 7,298,617,344 parameters.
+    "olmo-2-7b": ModelConfig(vocab_size=100352, n_layers=32, d_model=4096, n_heads=32, d_ff=11008, max_seq_len=4096,
+                             norm_eps=1e-6, rope_theta=500000.0, family_options={"attention_bias": False},
+                             **{**_LLAMA, "family": "olmo2"}),
     # Mixtral-8x7B-v0.1's config.json (Jiang et al. 2024): Mistral 7B's attention (without its window),
     # 8 experts of 14,336 per block, 2 per token, RoPE theta 1,000,000, router_aux_loss_coef 0.02;
     # 46,702,792,704 parameters, 12,879,925,248 active per token.
@@ -109,6 +165,13 @@ PRESETS: dict[str, ModelConfig] = {
                                    n_experts=60, experts_per_token=4, expert_d_ff=1408, norm_topk=False,
                                    shared_d_ff=5632, gated_shared_expert=True, router_aux_coef=0.001,
                                    **{**_LLAMA, "family": "qwen2_moe"}),
+    # Qwen3-30B-A3B's config.json (model_type qwen3_moe, Qwen team 2025): Qwen3's attention (32 heads
+    # of 128 over a 2,048 width, 4 KV heads, q/k norms), 128 experts of 768 in every block, 8 per
+    # token renormalised, no shared expert; 30,532,122,624 parameters, 3,353,032,704 active per token.
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, d_head=128,
+                                 d_ff=6144, max_seq_len=40960, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
+                                 n_experts=128, experts_per_token=8, expert_d_ff=768, norm_topk=True,
+                                 router_aux_coef=0.001, **{**_LLAMA, "family": "qwen3_moe"}),
 }
 
 

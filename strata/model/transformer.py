@@ -56,6 +56,10 @@ class Transformer(nn.Module):
         # Layers without weights that a parallel version replaces: the loss, and what turns the
         # head's output into the logits a sampler reads (identity on one device).
         self.criterion = CrossEntropy()
+        # Gemma 2's final logit soft cap c: the logits become c · tanh(logits / c) (0: none). Elementwise,
+        # so a vocabulary-parallel rank caps its own columns and the loss needs no change.
+        own_cap = self.own_block.final_logit_softcap if self.own_block is not None else None
+        self.logit_softcap = own_cap(cfg) if own_cap is not None else 0.0
         self.gather_logits = nn.Identity()
         # Position tables are derived, not learned: not saved in checkpoints, rebuilt by init_weights.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -208,10 +212,13 @@ class Transformer(nn.Module):
         return self.project(self.final_norm(h))
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
-        """The logits of normed hidden states: the head, or a tied model's embedding matrix."""
-        if self.head is None:
-            return F.linear(h, self.embed.weight)
-        return self.head(h)
+        """The logits of normed hidden states: the head's, or a tied model's embedding matrix's,
+        soft-capped where the family caps them."""
+        return self.cap_logits(F.linear(h, self.embed.weight) if self.head is None else self.head(h))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the last block's output. When the whole fp32 logits would pass
@@ -223,7 +230,9 @@ class Transformer(nn.Module):
         if bounds is None:  # one chunk: the logits kept for backward
             return self.criterion(self.project(h), targets)
         # the chunks run the head without its hooks: chunked_loss fires them once, around them all
-        project = self.head.forward if self.head is not None else self.project
+        # (the head's own forward, read now: chunked_loss runs the chunks as the head's forward)
+        head_forward = self.head.forward if self.head is not None else None
+        project = (lambda part: self.cap_logits(head_forward(part))) if head_forward is not None else self.project
         return chunked_loss(h, targets, self.head, project, self.criterion, weights, bounds)
 
     def head_weights(self) -> list[nn.Parameter]:

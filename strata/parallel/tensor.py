@@ -33,6 +33,7 @@ from torch import nn
 from strata.distributed import comm
 from strata.model.families import get_family
 from strata.parallel import tensor_comm as tpc
+from strata.parallel.tensor_norms import ProjectionNorm, keep_rows_after
 from strata.rules.tensor_modes import grid_of, padded_vocab
 
 
@@ -311,14 +312,40 @@ class _Splitter:
     def column(self, module):
         return ColumnParallelLinear(module.in_features, module.out_features, module.bias is not None, self.group)
 
-    def kv_column(self, module):
+    def kv_column(self, module, every_head: bool = False):
         cfg = self.cfg
         if cfg.kv_heads % self.world == 0:
             return self.column(module)
         # fewer KV heads than ranks: keep K and V whole, use the KV heads this rank's query heads read
+        # (or every one, for a norm after it that reads them all: normed_kv_column)
+        return ReplicatedKVLinear(module.in_features, cfg.kv_heads, cfg.head_dim, module.bias is not None,
+                                  range(cfg.kv_heads) if every_head else self._kv_heads_used())
+
+    def _kv_heads_used(self) -> range:
+        """The KV heads this rank's query heads read (with fewer KV heads than ranks)."""
+        cfg = self.cfg
         q_per_rank, q_per_kv = cfg.n_heads // self.world, cfg.n_heads // cfg.kv_heads
-        used = range(self.rank * q_per_rank // q_per_kv, (self.rank * q_per_rank + q_per_rank - 1) // q_per_kv + 1)
-        return ReplicatedKVLinear(module.in_features, cfg.kv_heads, cfg.head_dim, module.bias is not None, used)
+        return range(self.rank * q_per_rank // q_per_kv, (self.rank * q_per_rank + q_per_rank - 1) // q_per_kv + 1)
+
+    def normed_kv_column(self, module):
+        return self.kv_column(module, every_head=True)
+
+    def output_norm(self, module):
+        if self.sequence_parallel:
+            _partial_gradients(module)  # it sees 1/t of the tokens
+        return module
+
+    def projection_norm(self, module):
+        width = module.weight.shape[0]
+        return ProjectionNorm(width, module.eps, self.cfg.norm == "gemma_rmsnorm", self.group, ShardSpec((width,), 0))
+
+    def kv_projection_norm(self, module):
+        if self.cfg.kv_heads % self.world == 0:
+            return self.projection_norm(module)
+        used, head_dim = self._kv_heads_used(), self.cfg.head_dim
+        keep_rows_after(module, slice(used.start * head_dim, used.stop * head_dim))
+        _partial_gradients(module)  # each rank's heads' part of it
+        return module
 
     def row(self, module):
         return RowParallelLinear(module.in_features, module.out_features, module.bias is not None, self.group,
@@ -336,6 +363,8 @@ class _Splitter:
     def head_norm(self, module):
         _partial_gradients(module)  # it sees this rank's heads only
         return module
+
+    summed_replica = head_norm  # (MLA's down projections: whole, feeding this rank's heads only)
 
     def replicated(self, module):
         return module

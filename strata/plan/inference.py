@@ -136,10 +136,37 @@ class ServingEstimate:
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, context: int, precision: str, tp: int = 1, layers: int | None = None) -> float:
     """Keys and values: 2 x layers x batch x context x kv_heads x head_dim x bytes. Tensor
-    parallelism splits the KV heads (and keeps one each when there are fewer heads than ranks)."""
-    kv_heads = max(cfg.kv_heads / tp, 1)
+    parallelism splits the KV heads (and keeps one each when there are fewer heads than ranks).
+    Latent attention caches its latent instead: layers x batch x context x latent width x bytes,
+    whole on every rank (every rank's heads read all of it)."""
     layers = cfg.n_layers if layers is None else layers
+    latent = latent_cache_width(cfg)
+    if latent:
+        return layers * batch * context * latent * BYTES[precision]
+    kv_heads = max(cfg.kv_heads / tp, 1)
     return 2 * layers * batch * context * kv_heads * cfg.head_dim * BYTES[precision]
+
+
+def latent_cache_width(cfg: ModelConfig) -> int | None:
+    """What multi-head latent attention (strata/model/latent_attention.py: DeepSeek-V2/V3) caches per
+    token and layer as DeepSeek's inference does (its "absorb" mode): the key/value latent and the
+    rotary key every head shares, kv_lora_rank + qk_rope_head_dim numbers, in place of 2 x heads x
+    head_dim; None for other attention. Read from the family's options (no torch here)."""
+    options = dict(cfg.family_options)
+    return options["kv_lora_rank"] + options["qk_rope_head_dim"] if "kv_lora_rank" in options else None
+
+
+def attention_flops(cfg: ModelConfig, context: int) -> float:
+    """The FLOPs one new token's attention does per layer over `context` cached tokens (all heads):
+    scores and weighted sum, 2 x 2 x context x d_model; latent attention with its up-projections
+    folded into the query and output (DeepSeek's absorb mode) attends every head over the cached
+    latent: 2 x context x heads x (kv_lora_rank + qk_rope_head_dim) for the scores and
+    2 x context x heads x kv_lora_rank for the weighted sum."""
+    latent = latent_cache_width(cfg)
+    if latent:
+        kv_lora_rank = dict(cfg.family_options)["kv_lora_rank"]
+        return 2 * context * cfg.n_heads * (latent + kv_lora_rank)
+    return 4 * context * cfg.d_model
 
 
 def estimate_serving(work: Serving, device: Device, tp: int, pp: int, link_bandwidth: float,
@@ -160,7 +187,7 @@ def estimate_serving(work: Serving, device: Device, tp: int, pp: int, link_bandw
         memory.append((load.params * nbytes / tp, kv))
         read = load.params - (lookup if load.first and not (load.last and cfg.tie_embeddings) else 0)
         memory_s += (read * nbytes / tp + kv * micro / b) / bandwidth  # a micro-batch's share of the cache
-        compute_s += (2 * read / tp + 4 * load.layers * work.context * cfg.d_model / tp) * micro / flops_rate
+        compute_s += (2 * read / tp + load.layers * attention_flops(cfg, work.context) / tp) * micro / flops_rate
         layers_s += load.layers * overheads.per_layer_s
         if tp > 1:  # two all-reduces of micro x d activations per layer
             tp_comm_s += load.layers * 2 * small_all_reduce_s(micro * cfg.d_model * nbytes, tp, link_bandwidth,

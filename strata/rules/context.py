@@ -60,6 +60,10 @@ def check_context(model: ModelConfig, cp: int, cp_mode: str, tp: int, tp_mode: s
     if model.moe:
         raise ConfigError("not with a mixture of experts: the router's load-balancing loss is a product of "
                           "averages over whole sequences", "cp", cp)
+    own = model.own_block()  # a family's own attention the ring cannot compute (families/base.OwnBlock)
+    refusal = own.context_refusal(model) if own is not None and own.context_refusal is not None else None
+    if refusal:
+        raise ConfigError(f"not for a {model.family} model: {refusal}", "cp", cp)
     if cp_mode == "ulysses" and (model.n_heads // tp) % cp:
         raise ConfigError(f"cp {cp} must divide the {model.n_heads // tp} attention heads each tensor-parallel rank "
                           f"holds (ulysses gives each rank heads / cp of them); use cp_mode ring", "cp_mode", cp_mode)

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from strata.errors import ConfigError
-from strata.model.config import ModelConfig
+from strata.model.config import FAMILY_PLACEMENTS, ModelConfig
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 
@@ -74,13 +74,21 @@ def grid_of(mode: str, tp: int, depth: int = 1, field: str = "tp") -> TensorGrid
     return TensorGrid(mode, q, depth)
 
 
+# The placements (model/families/base.PLACEMENTS) the grids cut (parallel/tensor_nd.py's methods;
+# tests/test_tensor_nd.py holds the two alike); a mixture's are refused by rules/experts.py.
+GRID_PLACEMENTS = frozenset({"vocabulary", "column", "kv_column", "row", "input_norm", "head_norm", "replicated"})
+EXPERT_PLACEMENTS = frozenset({"moe", "stacked_experts"})
+
+
 def check_grid(model: ModelConfig, grid: TensorGrid, micro_batch: int) -> None:
     """Can this model be cut over the grid, and a micro-batch split between its sequence groups?"""
     if grid.mode == "1d":
         return
     q, name = grid.q, f"tp_mode {grid.mode}"
-    if model.own_block() is not None:  # the grids cut the shared block's layers; a family's own is placed in 1-D
-        raise ConfigError(f"the {model.family} family's own block is placed by tp_mode 1d only", "tp_mode", grid.mode)
+    uncut = FAMILY_PLACEMENTS.get(model.family, frozenset()) - GRID_PLACEMENTS - EXPERT_PLACEMENTS
+    if uncut:  # (a mixture's experts: rules/experts.py says why not)
+        raise ConfigError(f"the {model.family} family's {', '.join(sorted(uncut))} placement has no cut on a grid; "
+                          f"use tp_mode 1d", "tp_mode", grid.mode)
     if micro_batch % grid.batch_parts:
         raise ConfigError(f"must be a multiple of {grid.batch_parts} with {name} on {grid.size} ranks (each "
                           f"group of ranks holds 1/{grid.batch_parts} of a micro-batch's sequences)",

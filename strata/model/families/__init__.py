@@ -29,7 +29,7 @@ import importlib
 import pkgutil
 
 from strata.errors import ConfigError
-from strata.model.config import OWN_BLOCKS, ModelConfig
+from strata.model.config import FAMILY_PLACEMENTS, OWN_BLOCKS, ModelConfig
 from strata.model.families.base import PLACEMENTS, Family  # noqa: F401 - the description's type, here too
 
 
@@ -45,6 +45,7 @@ def _described() -> dict[str, Family]:
 FAMILIES: dict[str, Family] = _described()
 # ModelConfig counts a family's own block through its description (config.py imports no family)
 OWN_BLOCKS.update({name: family.block for name, family in FAMILIES.items() if family.block is not None})
+FAMILY_PLACEMENTS.update({name: frozenset(family.tensor_parallel.values()) for name, family in FAMILIES.items()})
 
 
 def get_family(name: str) -> Family:

@@ -25,6 +25,19 @@ PLACEMENTS = {
     "head_norm": "whole on every rank, over each head's features (q/k norms): each rank normalises its own "
                  "heads, gradient summed",
     "replicated": "whole on every rank, with a whole gradient (position table, the embedding's norm, a router)",
+    "summed_replica": "whole on every rank after the group's one input conversion, feeding only this rank's "
+                      "heads, so its gradient is a part, summed over the group (MLA's down projections and "
+                      "their norms)",
+    "output_norm": "whole on every rank, over a row-parallel layer's summed output before the residual (Gemma 2's "
+                   "and OLMo 2's norms after a sub-block): no conversion (under sequence parallelism it sees 1/t "
+                   "of the tokens: gradient summed)",
+    "projection_norm": "a norm over a whole column-parallel projection's output (OLMo 2's q norm): its weight "
+                       "split as the features are, the sum of squares summed over the group (so is its gradient)",
+    "kv_projection_norm": "the same over K's whole output (OLMo 2's k norm); where K is whole on every rank "
+                          "(normed_kv_column) the norm is whole too, over every KV head, and keeps this rank's "
+                          "query heads' KV heads after it (gradient summed)",
+    "normed_kv_column": "K under a kv_projection_norm: as kv_column, but when there are fewer KV heads than ranks "
+                        "it computes every KV head (the norm after it needs them all)",
     "moe": "a mixture of experts' layer: its routing weights' gradients summed over the ranks (each holds a "
            "slice of every expert), the routed outputs summed, the router's input gradient counted once",
     "stacked_experts": "a mixture's stacked expert matrices: each expert split as an MLP is (w_gate, w_up by their "
@@ -49,6 +62,11 @@ class OwnBlock:
     parameter_shapes: Callable[[ModelConfig], Shapes]  # one block's, in the order it registers them
     check: Callable[[ModelConfig], None]  # ValueError naming what the block cannot compute
     rope_tables: Callable | None = None  # ModelConfig -> (cos, sin), (max_seq_len, width); None: layers.rope_tables
+    # ModelConfig -> why context parallelism's ring cannot compute its attention (a soft cap, a window on
+    # some layers only), or None when it can; read by rules/context.check_context before processes start
+    context_refusal: Callable[[ModelConfig], str | None] | None = None
+    # ModelConfig -> c, the logits becoming c · tanh(logits / c) (Gemma 2's final_logit_softcapping), or 0
+    final_logit_softcap: Callable[[ModelConfig], float] | None = None
 
 
 @dataclass(frozen=True)

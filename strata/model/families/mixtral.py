@@ -139,9 +139,9 @@ def moe_tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None, layer:
 
 
 def moe_style(name: str, model_types: tuple[str, ...], config_from_hf, config_to_hf, layer: dict,
-              names: ExpertNames, label: str) -> Family:
+              names: ExpertNames, label: str, tensor_parallel: dict = MOE_TENSOR_PARALLEL) -> Family:
     """A family stored under Llama's names with its experts' matrices apart (`names`)."""
-    return Family(name, model_types, MOE_TENSOR_PARALLEL, config_from_hf, config_to_hf,
+    return Family(name, model_types, tensor_parallel, config_from_hf, config_to_hf,
                   partial(moe_tensors_from_hf, layer=layer, names=names, label=label),
                   partial(moe_tensors_to_hf, layer=layer, names=names))
 
