@@ -97,10 +97,15 @@ def grid_configs():
 
 
 def hf_model(case: str):
-    """A random-weight transformers model; every parameter moved off its initial value (norm
-    weights included, so a name swapped between two norms would show)."""
+    """The case's random-weight transformers model (`random_model`)."""
+    return random_model({**hf_configs(), **grid_configs()}[case])
+
+
+def random_model(config):
+    """A random-weight transformers model of `config`; every parameter moved off its initial value
+    (norm weights included, so a name swapped between two norms would show)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config({**hf_configs(), **grid_configs()}[case]).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

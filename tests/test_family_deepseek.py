@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from family_runs import fp64_losses, on_each_rank
-from hf_cases import SMALL, VOCAB, hf_configs, hf_model, sharp_and_converted
+from hf_cases import SMALL, VOCAB, hf_configs, hf_model, random_model, sharp_and_converted
 from safetensors.torch import load_file
 
 from strata.checkpoint.hf import hf_config_from_model, model_config_from_hf
@@ -46,15 +46,6 @@ VARIANTS = {
 def strata_config(config):
     return model_config_from_hf(config.to_dict(), "test")
 
-
-def random_model(config):
-    """A transformers model of `config` with every parameter moved off its initial value."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
 
 
 # --- the rotation against transformers' --------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from family_runs import fp64_losses
-from hf_cases import VOCAB, hf_configs, sharp_and_converted
+from hf_cases import VOCAB, hf_configs, random_model, sharp_and_converted
 from safetensors.torch import load_file
 
 from strata.checkpoint.hf import hf_config_from_model, model_config_from_hf
@@ -48,14 +48,6 @@ def variants():
         "gpt_bigcode-mha": t.GPTBigCodeConfig(**BIGCODE, multi_query=False),
     }
 
-
-def random_model(config):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
 
 
 # --- each layout against transformers, and back -----------------------------------------------------

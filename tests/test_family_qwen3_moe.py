@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import transformers
-from hf_cases import VOCAB, hf_configs, hf_model, sharp_and_converted
+from hf_cases import VOCAB, hf_configs, hf_model, random_model, sharp_and_converted
 from safetensors.torch import load_file
 from test_families import max_relative_difference
 from test_families import test_preset_counts_equal_transformers_on_the_meta_device as preset_counts_equal_transformers
@@ -38,14 +38,6 @@ def converted(root, config=None):
     assert strata_main(["convert", "--from-hf", str(root / "hf"), "--out", str(root / "ck")]) == 0
     return model, str(root / "ck")
 
-
-def random_model(config):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
 
 
 def case_config(**changes):
