@@ -169,7 +169,7 @@ def _hf(root) -> dict[str, str]:
     model_dir("config_missing_heads", {k: v for k, v in LLAMA.items() if k != "num_attention_heads"})
     model_dir("config_zero_heads", {**LLAMA, "num_attention_heads": 0})
     model_dir("config_string_layers", {**LLAMA, "num_hidden_layers": "1"})
-    model_dir("config_unknown_type", {**LLAMA, "model_type": "falcon"})
+    model_dir("config_unknown_type", {**LLAMA, "model_type": "mamba"})
     # Phi-3's older config.json files carry the factor at the top level, not in rope_scaling
     model_dir("config_partial_rope", {**LLAMA, "model_type": "phi3", "partial_rotary_factor": 0.5})
     model_dir("bad_tokenizer", LLAMA)

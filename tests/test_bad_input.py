@@ -184,7 +184,7 @@ CASES = [
     (["convert", "--from-hf", "{hf.config_missing_heads}", "--out", "c6"], "has no 'num_attention_heads'"),
     (["convert", "--from-hf", "{hf.config_zero_heads}", "--out", "c7"], "num_attention_heads=0 must be a whole number >= 1"),
     (["convert", "--from-hf", "{hf.config_string_layers}", "--out", "c8"], "num_hidden_layers='1' must be a whole number"),
-    (["convert", "--from-hf", "{hf.config_unknown_type}", "--out", "c9"], "model_type 'falcon' is not supported"),
+    (["convert", "--from-hf", "{hf.config_unknown_type}", "--out", "c9"], "model_type 'mamba' is not supported"),
     (["convert", "--from-hf", "{hf.config_partial_rope}", "--out", "c12"], "partial_rotary_factor=0.5 is not supported"),
     (["convert", "--to-hf", "{file.a_dir}", "--out", "c10"], "not a complete checkpoint"),
     (["convert", "--to-hf", "{ck.manifest_array}", "--out", "c11"], "holds a JSON list, not an object"),

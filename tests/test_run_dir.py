@@ -47,7 +47,7 @@ def test_a_config_reads_back_exactly(tmp_path):
     values = load_toml(str(path))
     assert make_config(values, {}) == with_settings(cfg, dp=None)
     assert set(setting_fields()) - set(values) == {"vocab_size", "n_heads", "init_from", "run_dir",
-                                                   "capacity_factor", "dp"}  # None, and dp
+                                                   "capacity_factor", "dp_shard", "dp_replicate", "dp"}  # None, and dp
 
 
 def test_a_run_directory_leaves_out_the_paths_it_implies(tmp_path):
