@@ -139,3 +139,14 @@ def test_selective_checkpointing_recomputes_the_own_blocks_core_attention(case):
     (plain_calls, plain), (selective_calls, selective) = step("none"), step("selective")
     assert (plain_calls, selective_calls) == (2, 4)  # 2 blocks
     assert all(torch.equal(a, b) for a, b in zip(plain, selective))
+
+
+def test_own_blocks_count_their_own_attention_in_the_flops():
+    """ModelConfig.attention_products through the block: Gemma 2 9B's 21 local layers attend at most
+    their window of 4,096 (the global 21 the whole 8,192), MLA's scores run over q/k heads of 16 + 8
+    features and its values over 16; a parallel block keeps the shared count (12·L·h·s)."""
+    gemma, mla, pythia = PRESETS["gemma-2-9b"], PRESETS["tiny-mla"], PRESETS["pythia-1.4b"]
+    products = 21 * 16 * 2 * 256 * 4096 + 21 * 16 * 2 * 256 * 8192
+    assert gemma.flops_per_token(8192) == 6 * gemma.matmul_params() + 6 * products
+    assert mla.flops_per_token(64) == 6 * mla.matmul_params() + 6 * 2 * 4 * (16 + 8 + 16) * 64
+    assert pythia.flops_per_token(2048) == 6 * pythia.matmul_params() + 12 * 24 * 2048 * 2048

@@ -41,6 +41,9 @@ class OwnBlock(Protocol):
 
     # ModelConfig -> why context parallelism's ring cannot compute the block's attention, or None (it can)
     context_refusal: Callable[[ModelConfig], str | None] | None
+    # (ModelConfig, sequence length) -> what a token's attention multiplies, summed over the layers:
+    # heads x (query/key width + value width) x the positions it attends; None: the shared block's
+    attention_products: Callable[[ModelConfig, int], int] | None
 
 
 # The families whose description brings a block of its own (GPT-J, GPT-NeoX: Family.block), by
@@ -337,9 +340,20 @@ class ModelConfig:
         12·L·h·s for the attention scores and values (PaLM, Chowdhery et al. 2022, App. B), with h
         the width of the queries (heads x head_dim) and s at most the sliding window. The same
         matmuls the planner times (strata/rules/pipeline_cut.unit_costs), so MFU never counts work
-        that takes no time (an embedding lookup would add 6·V·h per token)."""
-        s = self.attended_positions(seq_len or self.max_seq_len)
-        return 6 * self.matmul_params() + 12 * self.n_layers * self.q_dim * s
+        that takes no time (an embedding lookup would add 6·V·h per token). A family's own block
+        counts its attention itself (`attention_products`: Gemma 2's local layers, MLA's value
+        heads narrower than its keys): 6 per product, as 12·h·s is 6 x heads x 2·head_dim x s."""
+        return 6 * self.matmul_params() + 6 * self.attention_products(seq_len or self.max_seq_len)
+
+    def attention_products(self, seq_len: int) -> int:
+        """What a token's attention multiplies, summed over the layers: heads x (query/key width +
+        value width) x the positions it attends (2·h·s a layer for the shared block, s at most the
+        window); a family's own block counts its own (Gemma 2's local layers, MLA's narrower values).
+        Forward FLOPs are twice this, a training step's six times (with recomputation more)."""
+        own = self.own_block()
+        if own is not None and own.attention_products is not None:
+            return own.attention_products(self, seq_len)
+        return self.n_layers * 2 * self.q_dim * self.attended_positions(seq_len)
 
 
 def infer_family(cfg: ModelConfig) -> str:

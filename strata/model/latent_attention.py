@@ -202,4 +202,10 @@ def described(shape_of, check) -> dict:
         check(cfg)
         check_shape(cfg, shape_of(cfg))
     return dict(make=make, parameter_shapes=lambda cfg: parameter_shapes(cfg, shape_of(cfg)), check=checked,
-                rope_tables=lambda cfg: rotary_tables(cfg, shape_of(cfg)))
+                rope_tables=lambda cfg: rotary_tables(cfg, shape_of(cfg)),
+                attention_products=lambda cfg, seq_len: attention_products(cfg, shape_of(cfg), seq_len))
+
+
+def attention_products(cfg: ModelConfig, shape: LatentShape, seq_len: int) -> int:
+    """Scores over q/k heads qk_nope + qk_rope wide, values v_head_dim wide, over every position."""
+    return cfg.n_layers * cfg.n_heads * (shape.qk_head_dim + shape.v_head_dim) * seq_len

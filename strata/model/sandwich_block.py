@@ -313,4 +313,11 @@ def described(shape_of, check) -> dict:
         check_shape(cfg, shape_of(cfg))
     return dict(make=make, parameter_shapes=lambda cfg: parameter_shapes(cfg, shape_of(cfg)), check=checked,
                 rope_tables=lambda cfg: rotary_tables(cfg, shape_of(cfg)),
-                context_refusal=lambda cfg: context_refusal(shape_of(cfg)))
+                context_refusal=lambda cfg: context_refusal(shape_of(cfg)),
+                attention_products=lambda cfg, seq_len: attention_products(cfg, shape_of(cfg), seq_len))
+
+
+def attention_products(cfg: ModelConfig, shape: SandwichShape, seq_len: int) -> int:
+    """heads x 2·head_dim x the positions each layer attends: a local layer its window at most."""
+    return sum(cfg.n_heads * 2 * cfg.head_dim * (min(seq_len, shape.window) if shape.is_local(layer) else seq_len)
+               for layer in range(cfg.n_layers))

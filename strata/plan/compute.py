@@ -97,9 +97,10 @@ def head_gemm(w: StepWork) -> tuple[float, float, float]:
 
 
 def attention_flops(w: StepWork) -> float:
-    """Forward FLOPs of the scores and the weighted values on one rank, as the model counts them
-    (4·s·h per token, s at most the sliding window)."""
-    return 4 * w.tokens * w.model.attended_positions(w.seq_len) * w.model.q_dim / w.tp
+    """Forward FLOPs of the scores and the weighted values of one layer on one rank, as the model
+    counts them (ModelConfig.attention_products: 4·s·h per token, s at most the sliding window; a
+    family's own block's average over its layers)."""
+    return 2 * w.tokens * w.model.attention_products(w.seq_len) / w.model.n_layers / w.tp
 
 
 # Elements read and written per element of each op's output, as PyTorch's eager kernels run the

@@ -333,7 +333,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         exposed_io += max(0.0, off.optimizer_s - optimizer)
         step += exposed_io
     tokens_per_step = work.global_batch * s
-    params, attention = cfg.matmul_params(), cfg.n_layers * 4 * cfg.attended_positions(s) * cfg.q_dim
+    params, attention = cfg.matmul_params(), 2 * cfg.attention_products(s)
     blocks = cfg.n_layers * cfg.block_matmul_params()  # what full checkpointing runs again: the blocks, not the head
     recomputed = {"none": 0, "selective": attention, "full": 2 * blocks + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)

@@ -42,7 +42,7 @@ def unit_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
     """Forward FLOPs per token of each unit: embedding (a lookup: ~d), each block (its matmuls and
     attention scores), head (the vocabulary projection)."""
     d = cfg.d_model
-    block = 2 * cfg.block_matmul_params() + 4 * cfg.attended_positions(seq_len) * cfg.q_dim
+    block = 2 * cfg.block_matmul_params() + 2 * cfg.attention_products(seq_len) / cfg.n_layers
     return [float(d)] + [float(block)] * cfg.n_layers + [2.0 * d * cfg.vocab_size]
 
 

@@ -65,6 +65,9 @@ class OwnBlock:
     # ModelConfig -> why context parallelism's ring cannot compute its attention (a soft cap, a window on
     # some layers only), or None when it can; read by rules/context.check_context before processes start
     context_refusal: Callable[[ModelConfig], str | None] | None = None
+    # (ModelConfig, sequence length) -> heads x (q/k width + v width) x attended positions, summed over
+    # the layers (ModelConfig.flops_per_token); None: the shared block's count
+    attention_products: Callable[[ModelConfig, int], int] | None = None
     # ModelConfig -> c, the logits becoming c · tanh(logits / c) (Gemma 2's final_logit_softcapping), or 0
     final_logit_softcap: Callable[[ModelConfig], float] | None = None
 
