@@ -46,18 +46,34 @@ def _step_bytes(settings: dict) -> dict:
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_a_shard_group_moves_flat_zeros_bytes_over_its_ranks_and_the_replicas_half_the_gradients(zero):
-    """Each rank runs one micro-batch of one sequence in both runs: a shard group of 2 (of 4 ranks)
+def test_a_shard_group_moves_flat_zeros_bytes_the_replicas_half_the_gradients_and_the_planner_prices_both(zero):
+    """fp32, one micro-batch of one sequence a rank in both runs: a shard group of 2 (of 4 ranks)
     reduce-scatters and gathers exactly what flat ZeRO on 2 ranks does; the replicas (2) all-reduce
-    this rank's gradient shard once, 2 (M - 1) / M x its fp64 bytes."""
-    flat = run_on_ranks(_step_bytes, 2, {"zero": zero, "global_batch": 2})
-    hybrid = run_on_ranks(_step_bytes, 4, {"zero": zero, "global_batch": 4, "dp_shard": 2})
+    this rank's gradient shard once, 2 (M - 1) / M x its bytes; all of it, less the gradient norm's
+    two fp64 squares, is `strata plan`'s data-parallel bytes within the flat buffers' padding, and the
+    states are priced as sharded over 2 ranks, not 4."""
+    from strata.model.presets import get_preset
+    from strata.plan.cost import estimate
+    from strata.plan.inputs import build_cluster, workload
+    from strata.rules.layout import Layout
+    settings = {"zero": zero, "dtype": "fp32", "bucket_mb": 25.0}  # the planner's default buckets
+    flat = run_on_ranks(_step_bytes, 2, {**settings, "global_batch": 2})
+    hybrid = run_on_ranks(_step_bytes, 4, {**settings, "global_batch": 4, "dp_shard": 2})
     for rank, sharded in enumerate(hybrid):
         alone = flat[rank % 2]
         for op in ("reduce_scatter", "all_gather"):
             assert sharded["sent"].get((op, "dp_shard"), 0) == alone["sent"].get((op, "dp"), 0) > 0, op
         assert sharded["shard_elements"] == alone["shard_elements"]
-        assert sharded["sent"][("all_reduce", "dp_replicate")] == 2 * (2 - 1) / 2 * sharded["shard_elements"] * 8
+        assert sharded["sent"][("all_reduce", "dp_replicate")] == 2 * (2 - 1) / 2 * sharded["shard_elements"] * 4
+    sent = hybrid[0]["sent"]
+    moved = sum(sent.get((op, "dp_shard"), 0) for op in ("reduce_scatter", "all_gather", "all_reduce")) - 16 + \
+        sent[("all_reduce", "dp_replicate")]
+    work, cluster = workload(get_preset("tiny"), 4, 16, "fp32"), build_cluster("A100-80G", 1, 4, None, "ib-200")
+    planned = estimate(work, cluster, Layout(dp=4, zero=zero, dp_shard=2, micro_batch=1))
+    flat_planned = estimate(work, cluster, Layout(dp=4, zero=zero, micro_batch=1))
+    assert moved == pytest.approx(planned.comm_bytes["dp"], rel=1e-3)
+    states = planned.memory_breakdown["optimizer_states"]
+    assert states == pytest.approx(2 * flat_planned.memory_breakdown["optimizer_states"], rel=1e-9)
 
 
 def _saved_and_read(directory: str) -> list[float]:
@@ -95,28 +111,6 @@ def test_the_first_replica_writes_the_checkpoint_and_flat_zero_on_2_ranks_resume
 def test_what_hybrid_sharding_does_not_run_with_is_one_line(flags, needle):
     result = run_strata("train", "--model", "tiny", "--steps", "1", "--micro-batch", "1", *flags)
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr, result.stderr
-
-
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_the_planner_prices_the_bytes_a_hybrid_step_moves(zero):
-    """fp32, shard 2 x replicate 2: the shard groups' collectives and the replicas' all-reduce, as
-    counted (less the gradient norm's two fp64 squares), equal `strata plan`'s data-parallel bytes
-    within the flat buffers' padding; and the states are priced as sharded over 2 ranks, not 4."""
-    from strata.model.presets import get_preset
-    from strata.plan.cost import estimate
-    from strata.plan.inputs import build_cluster, workload
-    from strata.rules.layout import Layout
-    counted = run_on_ranks(_step_bytes, 4, {"zero": zero, "global_batch": 4, "dp_shard": 2, "dtype": "fp32",
-                                            "bucket_mb": 25.0})[0]  # the planner's default buckets
-    sent = counted["sent"]
-    moved = sum(sent.get((op, "dp_shard"), 0) for op in ("reduce_scatter", "all_gather", "all_reduce")) - 16 + \
-        sent[("all_reduce", "dp_replicate")]
-    work, cluster = workload(get_preset("tiny"), 4, 16, "fp32"), build_cluster("A100-80G", 1, 4, None, "ib-200")
-    hybrid = estimate(work, cluster, Layout(dp=4, zero=zero, dp_shard=2, micro_batch=1))
-    flat = estimate(work, cluster, Layout(dp=4, zero=zero, micro_batch=1))
-    assert moved == pytest.approx(hybrid.comm_bytes["dp"], rel=1e-3)
-    states = hybrid.memory_breakdown["optimizer_states"]
-    assert states == pytest.approx(2 * flat.memory_breakdown["optimizer_states"], rel=1e-9)
 
 
 def test_the_search_offers_a_nodes_shard_group_and_explain_compares_it_with_flat_zero():
