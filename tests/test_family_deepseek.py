@@ -209,7 +209,8 @@ def test_the_tiny_mla_preset_counts_what_transformers_counts_and_its_flops_count
     attention = d * q_latent + q_latent * heads * (nope + rope) + d * (kv_latent + rope) + \
         kv_latent * heads * (nope + v) + heads * v * d
     assert cfg.block_matmul_params() == attention + 3 * d * 128
-    assert cfg.flops_per_token(32) == 6 * (2 * cfg.block_matmul_params() + d * 256) + 12 * 2 * heads * 24 * 32
+    # the attention: scores over q/k heads nope + rope wide, values v wide, 6 FLOPs a product in training
+    assert cfg.flops_per_token(32) == 6 * (2 * cfg.block_matmul_params() + d * 256) + 6 * 2 * heads * (24 + v) * 32
 
 
 # --- the serving planner ---------------------------------------------------------------------------
