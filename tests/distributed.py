@@ -82,7 +82,19 @@ def _worker(fn, rank, world_size, port, collective_timeout, results, args, kwarg
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, collective_timeout: float = 60.0,
                  **kwargs) -> list:
     """fn(*args, **kwargs) on each of `world_size` ranks; returns the results in rank order.
-    fn must be a module-level function (it is pickled into the workers)."""
+    fn must be a module-level function (it is pickled into the workers). The free port is found
+    before rank 0 binds it, so another test's process may take it between the two (pytest-xdist
+    runs two at once): a launch whose store found its address in use is made again on a new port
+    (nothing of fn ran: the rendezvous comes first)."""
+    for attempt in range(3):
+        try:
+            return _launch(fn, world_size, args, kwargs, timeout, collective_timeout)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def _launch(fn, world_size: int, args: tuple, kwargs: dict, timeout: float, collective_timeout: float) -> list:
     port = free_port()
     results = _CONTEXT.Queue()
     procs = [_CONTEXT.Process(target=_worker, daemon=True,

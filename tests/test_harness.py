@@ -54,3 +54,22 @@ def test_a_hanging_rank_becomes_a_timeout():
 def test_a_skipped_collective_times_out_instead_of_hanging():
     with pytest.raises(RuntimeError, match="rank 0 of 2 failed"):
         run_on_ranks(_skips_a_collective, 2, collective_timeout=3, timeout=25)
+
+
+def test_a_port_taken_between_finding_and_binding_it_is_replaced(monkeypatch):
+    """Another process took the free port before rank 0's store bound it (CI saw EADDRINUSE): the
+    launch is made again on a new port, once fn has not run anywhere."""
+    import socket
+
+    import distributed
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = distributed.free_port
+    monkeypatch.setattr(distributed, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        assert [rank for rank, *_ in run_on_ranks(_sum_of_ranks, 2)] == [0, 1]
+    finally:
+        taken.close()
+    assert not ports  # the taken port was tried first
