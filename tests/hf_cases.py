@@ -124,3 +124,32 @@ def sharp_and_converted(case: str, root):
     model.save_pretrained(root / "hf")
     assert strata_main(["convert", "--from-hf", str(root / "hf"), "--out", str(root / "ck")]) == 0
     return model, load_for_inference(str(root / "ck"))[0]
+
+
+def assert_refused_in_one_line(case: str, change: dict, needle: str, tmp_path, capsys) -> None:
+    """The case's config.json with `change`, read by `strata plan`: exit 2, one line naming it."""
+    import json
+
+    from strata.cli import main as strata_main
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf_configs()[case].to_dict(), **change}))
+    assert strata_main(["plan", "--model", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def assert_greedy_tokens_equal_transformers(case: str, root, new_tokens: int = 40) -> None:
+    """Two prompts of 7 and 20 tokens, left-padded to one batch through strata's KV cache: each
+    row's greedy tokens (its positions read per row, past the padding; every window passed) are
+    transformers' `generate` for that prompt alone. Neither side stops at an end token."""
+    from strata.infer.generate import generate
+    model, ours = sharp_and_converted(case, root)
+    model.generation_config.eos_token_id = None
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (1, length), generator=generator) for length in (7, 20)]
+    produced = torch.stack(list(generate(ours, [p[0].tolist() for p in prompts], max_new_tokens=new_tokens)), dim=1)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                      do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+        assert torch.equal(produced[row], expected), row

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from hf_cases import CASES, VOCAB, hf_configs, hf_model, sharp_and_converted
+from hf_cases import CASES, VOCAB, assert_refused_in_one_line, hf_configs, hf_model, sharp_and_converted
 from safetensors.torch import load_file
 
 from strata.checkpoint.hf import hf_config_from_model
@@ -191,12 +191,7 @@ def test_new_parameters_start_as_identity_norms():
     ("gpt_neox", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
 ])
 def test_unsupported_options_are_one_line_naming_the_key(case, change, needle, tmp_path, capsys):
-    hf = {**hf_configs()[case].to_dict(), **change}
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
-    assert strata_main(["plan", "--model", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert_refused_in_one_line(case, change, needle, tmp_path, capsys)
 
 
 def test_a_model_its_family_cannot_write_is_refused_on_export():

@@ -11,10 +11,9 @@ import json
 
 import pytest
 import torch
-from hf_cases import VOCAB, hf_configs, sharp_and_converted
+from hf_cases import VOCAB, assert_greedy_tokens_equal_transformers, hf_configs
 
 from strata.checkpoint.hf import model_config_from_hf
-from strata.infer.generate import generate
 from strata.memory.checkpointing import apply_checkpointing
 from strata.model.config import ModelConfig
 from strata.model.families import gpt_neox, gptj
@@ -106,22 +105,17 @@ def test_family_options_are_checked_by_their_family(preset, change, needle):
 
 
 # --- what strata reaches through the block's interface ---------------------------------------------
-@pytest.mark.parametrize("case", ["gpt_neox", "gptj"])
+# every block added since issue 55's first part, and StarCoder's multi-query on the shared one
+@pytest.mark.parametrize("case", ["gpt_neox", "gptj", "falcon", "gpt_bigcode", "gemma2", "gemma3", "olmo2",
+                                  "deepseek_v3"])
 def test_greedy_tokens_through_the_kv_cache_equal_transformers_generate(case, tmp_path):
-    """Two prompts of 7 and 20 tokens, left-padded to one batch: each row's 40 greedy tokens (its
-    rotary positions read per row, past the padding) are transformers' for that prompt alone."""
-    model, ours = sharp_and_converted(case, tmp_path)
-    generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (1, length), generator=generator) for length in (7, 20)]
-    produced = torch.stack(list(generate(ours, [p[0].tolist() for p in prompts], max_new_tokens=40)), dim=1)
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            expected = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False,
-                                      pad_token_id=0)[0, prompt.shape[1]:]
-        assert torch.equal(produced[row], expected), row
+    """Rotary positions per row past the padding (partial, interleaved, latent), Gemma's local
+    windows of 8 sliding over the cache (Gemma 3's own RoPE base), OLMo 2's whole-projection
+    norms, MLA's decompressed keys and values: 40 tokens each (hf_cases)."""
+    assert_greedy_tokens_equal_transformers(case, tmp_path)
 
 
-@pytest.mark.parametrize("case", ["gpt_neox", "gptj"])
+@pytest.mark.parametrize("case", ["gpt_neox", "gptj", "gemma2"])
 def test_selective_checkpointing_recomputes_the_own_blocks_core_attention(case):
     """The block's wrap_core_attention hook: each block's core runs twice in a step (the forward and
     backward's recomputation) under selective checkpointing, once without, and the gradients are

@@ -45,10 +45,11 @@ def initial_q(shape: tuple[int, ...], rank: int, seed: int, index: int, like: to
     return orthonormal(draws).to(dtype=like.dtype, device=like.device)
 
 
-def fp32_products(like: torch.Tensor):
-    """The factors' products in the gradients' own dtype (fp32 masters' under bf16): backward's hooks run inside the step's
-    autocast, and a product there would come out bf16 in one bucket and fp32 in another, as each
-    rank's timing retires them (and the ranks' wires would differ in size)."""
+def outside_autocast(like: torch.Tensor):
+    """The factors' products in the gradients' own dtype (the fp32 masters' under bf16). Backward's
+    hooks run inside the step's autocast: a product there would come out bf16 in a bucket a hook
+    launched and fp32 in one retired at the end, as each rank's timing decides (and the ranks'
+    wires would differ in size)."""
     return torch.autocast(device_type=like.device.type, enabled=False)
 
 
@@ -76,7 +77,7 @@ class PowerSGDReplicate(Replicate):
     def _start(self, bucket: Bucket):
         if not self.compressing:
             return super()._start(bucket)
-        with fp32_products(self.grad_buffer):
+        with outside_autocast(self.grad_buffer):
             return self._p_round(bucket)
 
     def _p_round(self, bucket: Bucket):
@@ -99,7 +100,7 @@ class PowerSGDReplicate(Replicate):
         rank's Q = M^T P computed; the Q round waits for every bucket (`_q_round`)."""
         if not self.compressing:
             return super()._finish(bucket)
-        with fp32_products(self.grad_buffer):
+        with outside_autocast(self.grad_buffer):
             self._factor(bucket)
 
     def _factor(self, bucket: Bucket) -> None:
@@ -125,7 +126,7 @@ class PowerSGDReplicate(Replicate):
             return
         q_wire = torch.cat([q.reshape(-1) for _, _, q in factored])
         comm.all_reduce(q_wire, self.group, self.group_name)
-        with fp32_products(self.grad_buffer):
+        with outside_autocast(self.grad_buffer):
             self._decompress(factored, q_wire)
 
     def _decompress(self, factored: list, q_wire: torch.Tensor) -> None:
