@@ -204,3 +204,30 @@ def tied_head_to_hf(out: dict, tensors: dict, cfg: ModelConfig, keys: list | Non
     safetensors refuses two names on one storage)."""
     if cfg.tie_embeddings and keys is not None and name in keys:
         out[name] = tensors["embed.weight"].clone()
+
+
+def default_rope_from_hf(hf: dict, where: str) -> dict:
+    """A config.json's RoPE entry, transformers 5's `rope_parameters` or an older file's
+    `rope_scaling` ({} when neither), refused in one line unless it is the default RoPE."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: config.json: rope_parameters / rope_scaling must be an object, not {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"{where}: config.json: rope_type {kind!r} is not supported; valid: default")
+    return rope
+
+
+def default_rope_theta_from_hf(hf: dict, where: str) -> float:
+    """The default RoPE's base: inside `rope_parameters`, or an older file's `rope_theta`."""
+    return default_rope_from_hf(hf, where).get("rope_theta", hf.get("rope_theta", 10000.0))
+
+
+def default_rope_to_hf(hf: dict, cfg: ModelConfig, original: dict) -> None:
+    """Write the default RoPE's base in the form the original file used (transformers 5's
+    `rope_parameters` when there is no original)."""
+    if "rope_parameters" in hf or not original:
+        hf["rope_parameters"] = {**(hf.get("rope_parameters") or {}), "rope_type": "default",
+                                 "rope_theta": cfg.rope_theta}
+    else:
+        hf["rope_theta"] = cfg.rope_theta

@@ -21,7 +21,17 @@ from functools import partial
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, OwnBlock, check_choice, check_option, in_blocks, read_options, refuse_set
+from strata.model.families.base import (
+    Family,
+    OwnBlock,
+    check_choice,
+    check_option,
+    default_rope_theta_from_hf,
+    default_rope_to_hf,
+    in_blocks,
+    read_options,
+    refuse_set,
+)
 from strata.model.families.llama import LAYER as LLAMA_LAYER
 from strata.model.families.llama import tensors_from_hf, tensors_to_hf
 from strata.model.latent_attention import LatentShape, described
@@ -93,19 +103,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
                        d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
                        d_head=options.qk_nope_head_dim + options.qk_rope_head_dim,
                        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                       rope_theta=rope_theta_from_hf(hf, where), family=NAME, family_options=vars(options))
-
-
-def rope_theta_from_hf(hf: dict, where: str) -> float:
-    """transformers 5's `rope_parameters` (theta inside) or an older file's rope_scaling and
-    rope_theta; the default RoPE only (YaRN, DeepSeek-V3's released scaling, is not computed)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{where}: config.json: rope_parameters / rope_scaling must be an object, not {rope!r}")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(f"{where}: config.json: rope_type {kind!r} is not supported; valid: default")
-    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+                       rope_theta=default_rope_theta_from_hf(hf, where), family=NAME, family_options=vars(options))
 
 
 def config_to_hf(cfg: ModelConfig, original: dict) -> dict:
@@ -123,11 +121,7 @@ def config_to_hf(cfg: ModelConfig, original: dict) -> dict:
               first_k_dense_replace=max(hf.get("first_k_dense_replace") or 0, cfg.n_layers))  # every layer dense
     if model_type == "deepseek_v3":
         hf["rope_interleave"] = options.rope_interleave  # V2 always interleaves: read back, a V2 file says so
-    if "rope_parameters" in hf or not original:  # transformers 5's form
-        hf["rope_parameters"] = {**(hf.get("rope_parameters") or {}), "rope_type": "default",
-                                 "rope_theta": cfg.rope_theta}
-    else:  # the form the original was written in
-        hf["rope_theta"] = cfg.rope_theta
+    default_rope_to_hf(hf, cfg, original)
     return hf
 
 

@@ -29,6 +29,8 @@ from strata.model.families.base import (
     OwnBlock,
     check_choice,
     check_option,
+    default_rope_theta_from_hf,
+    default_rope_to_hf,
     name_from_hf,
     names_to_hf,
     read_options,
@@ -89,7 +91,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
                        max_seq_len=hf.get("max_position_embeddings", DEFAULT_POSITIONS), norm="layernorm",
                        position="rope", mlp="gelu", tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                        bias=False, norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       rope_theta=rope_theta_from_hf(hf, where), family=NAME, family_options=vars(options))
+                       rope_theta=default_rope_theta_from_hf(hf, where), family=NAME, family_options=vars(options))
 
 
 def layout_from_hf(hf: dict, where: str, heads: int) -> tuple[bool, int, int]:
@@ -115,16 +117,6 @@ def layout_from_hf(hf: dict, where: str, heads: int) -> tuple[bool, int, int]:
     return bool(parallel), 1 if hf.get("multi_query", True) else heads, 1 if parallel else 2
 
 
-def rope_theta_from_hf(hf: dict, where: str) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5's, or an older file's
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{where}: config.json: rope_parameters / rope_scaling must be an object, not {rope!r}")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(f"{where}: config.json: rope_type {kind!r} is not supported; valid: default")
-    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-
-
 def config_to_hf(cfg: ModelConfig, original: dict) -> dict:
     options, kv_heads, heads = read_options(cfg, FalconOptions), cfg.kv_heads, cfg.n_heads
     # the original layout when it says so; else the old one when it can hold the model (Falcon-7B's)
@@ -143,11 +135,7 @@ def config_to_hf(cfg: ModelConfig, original: dict) -> dict:
         hf["multi_query"] = kv_heads == 1 and (heads > 1 or bool(original.get("multi_query", True)))
     if "num_key_value_heads" in hf:  # what transformers writes for the K/V heads computed
         hf["num_key_value_heads"] = kv_heads
-    if "rope_parameters" in hf or not original:  # transformers 5's form
-        hf["rope_parameters"] = {**(hf.get("rope_parameters") or {}), "rope_type": "default",
-                                 "rope_theta": cfg.rope_theta}
-    else:  # the form the original was written in
-        hf["rope_theta"] = cfg.rope_theta
+    default_rope_to_hf(hf, cfg, original)
     return hf
 
 

@@ -23,6 +23,7 @@ from strata.model.families.base import (
     OwnBlock,
     check_choice,
     check_option,
+    default_rope_from_hf,
     join_per_head,
     name_from_hf,
     names_to_hf,
@@ -73,12 +74,7 @@ def check(cfg: ModelConfig) -> None:
 # --- config.json ----------------------------------------------------------------------------------
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
     check_choice(hf, where, "hidden_act", tuple(GELU), "gelu")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5's, or an older file's
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{where}: config.json: rope_parameters / rope_scaling must be an object, not {rope!r}")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(f"{where}: config.json: rope_type {kind!r} is not supported; valid: default")
+    rope = default_rope_from_hf(hf, where)
     rotary_pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
     if isinstance(rotary_pct, bool) or not isinstance(rotary_pct, (int, float)) or not 0 <= rotary_pct <= 1:
         raise ConfigError(f"{where}: config.json: rotary_pct={rotary_pct!r} must be a fraction of each head")
