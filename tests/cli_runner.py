@@ -51,3 +51,15 @@ def run_strata(*argv, cwd=None, env=None, timeout: float = 120) -> Result:
             raise TimeoutError(f"strata {' '.join(map(str, argv))} did not finish within {timeout} s")
         with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
             return Result(proc.exitcode, f_out.read(), f_err.read())
+
+
+def generated_lines(checkpoint, prompts: tuple[str, ...], new_tokens: int, *extra) -> list[str]:
+    """What `strata generate --temperature 0` prints for each of `prompts` (comma-separated token
+    ids), a line each: the greedy answers a layout (`extra` flags) must reproduce."""
+    ids = [a for p in prompts for a in ("--prompt-ids", p)]
+    result = run_strata("generate", "--checkpoint", checkpoint, *ids, "--max-new-tokens", new_tokens,
+                        "--temperature", 0, *extra, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(prompts) and all(len(line.split()) >= new_tokens for line in lines), lines
+    return lines

@@ -33,3 +33,14 @@ def on_each_rank(checkpoint: str, layout: dict) -> tuple[list[float], str]:
     return losses, greedy_tokens(checkpoint, layout.get("tp", 1), layout.get("pp", 1)) if generates else ""
 
 
+
+
+def deepseek_run(layout: dict, steps: int = 4, **extra) -> tuple[list[float], dict[str, list[float]], list]:
+    """tiny-deepseek (V3's routing with the balancing bias) trained in fp64 under `layout`: the
+    losses, every expert bias at the end (gathered over the layout), and each step's expert loads."""
+    settings = dict(model="tiny-deepseek", dtype="fp64", steps=steps, micro_batch=2, global_batch=8, seq_len=16,
+                    lr=3e-3, seed=3, progress=False, eval_batches=1, peak_flops=1e10)
+    summary = train(train_config(**{**settings, **layout, **extra}), keep_state=True)
+    biases = {name: value.tolist() for name, value in summary["state"].items()
+              if name.endswith("e_score_correction_bias")}
+    return summary["losses"], biases, [record["expert_load"] for record in summary["records"]]

@@ -74,12 +74,26 @@ def hf_configs():
         "qwen3_moe": t.Qwen3MoeConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                       max_position_embeddings=64, num_experts=6, num_experts_per_tok=2,
                                       moe_intermediate_size=24, norm_topk_prob=True),
+        # ... with the mixture in some layers only (4 layers, every 2nd, but not layer 3): layer 1 routes,
+        # layers 0, 2 and 3 have a dense MLP of intermediate_size
+        "qwen3_moe-sparse": t.Qwen3MoeConfig(**{**SMALL, "num_hidden_layers": 4}, num_attention_heads=4,
+                                             num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                                             num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                                             norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3]),
         # DeepSeek-V3's multi-head latent attention, every layer dense: a query latent of 24 and a
         # key/value latent of 16 for 4 heads, q/k heads 8 + 4 rotary (interleaved) wide, v heads 6
         "deepseek_v3": t.DeepseekV3Config(**SMALL, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                                           first_k_dense_replace=2, max_position_embeddings=64, bos_token_id=1,
                                           eos_token_id=2),
+        # DeepSeek-V3's mixture: the first layer dense, then 8 experts of 16 in 4 groups (2 kept), 2 per
+        # token by sigmoid scores plus the experts' (random) bias, renormalised, times 2.5; 2 shared experts
+        "deepseek_v3-moe": t.DeepseekV3Config(**SMALL, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                              first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2,
+                                              num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
+                                              routed_scaling_factor=2.5, max_position_embeddings=64, bos_token_id=1,
+                                              eos_token_id=2),
     }
 
 
@@ -109,6 +123,9 @@ def random_model(config):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's expert bias: state that steers its routing
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model
 
 

@@ -39,6 +39,13 @@ VARIANTS = {
     # V3 rotating halves, with value heads (16) wider than query/key heads (12)
     "deepseek_v3-halves-wide-v": transformers.DeepseekV3Config(**SMALL, **LATENT, q_lora_rank=24, v_head_dim=16,
                                                                rope_interleave=False),
+    # DeepSeek-V2's mixture after a dense first layer: softmax scores, 2 of 8 experts from the 2 best of
+    # 4 groups (group_limited_greedy), not renormalised, times 1.5; one shared expert
+    "deepseek_v2-moe": transformers.DeepseekV2Config(**SMALL, **{**LATENT, "first_k_dense_replace": 1}, q_lora_rank=None,
+                                                     v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2,
+                                                     n_shared_experts=1, moe_intermediate_size=16, n_group=4,
+                                                     topk_group=2, topk_method="group_limited_greedy",
+                                                     routed_scaling_factor=1.5),
 }
 
 
@@ -147,8 +154,10 @@ def test_context_and_sequence_parallelism_reproduce_one_process(tmp_path):
 
 # --- refusals ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("change,needle", [
-    ({"first_k_dense_replace": 1}, "first_k_dense_replace=1 leaves layers of routed experts (num_hidden_layers=2): "
-                                   "routed experts in DeepSeek layers are not built yet"),
+    ({"first_k_dense_replace": 1, "moe_layer_freq": 2}, "moe_layer_freq=2 is not supported; valid: 1"),
+    ({"first_k_dense_replace": 1, "topk_method": "greedy"}, "topk_method='greedy' is not supported; valid: noaux_tc"),
+    ({"first_k_dense_replace": 1, "model_type": "deepseek_v2", "norm_topk_prob": True},
+     "norm_topk_prob=True is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4, "mscale_all_dim": 1.0}},
      "rope_type 'yarn' is not supported"),
     ({"attention_bias": True}, "attention_bias=True is not supported"),

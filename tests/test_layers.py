@@ -13,7 +13,7 @@ ROOT = os.path.dirname(strata.__file__)
 # the layer of the longest prefix that names it.
 LAYERS = [
     ("errors", ("strata.errors", "strata.files")),
-    ("facts", ("strata.model.config", "strata.model.presets", "strata.plan.hardware")),
+    ("facts", ("strata.model.config", "strata.model.shape_checks", "strata.model.presets", "strata.plan.hardware")),
     ("rules", ("strata.rules", "strata.config", "strata.config_file")),
     ("model", ("strata.model",)),
     ("plan", ("strata.plan",)),

@@ -25,7 +25,7 @@ from strata.infer.session import load_for_inference
 from strata.model.presets import PRESETS
 from strata.train.trainer import train
 
-from cli_runner import run_strata
+from cli_runner import generated_lines
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -38,6 +38,9 @@ CONFIGS = {
     "qwen2_moe-norm_topk": lambda: transformers.Qwen2MoeConfig(**QWEN2_MOE, norm_topk_prob=True, qkv_bias=False),
     "qwen2_moe-window": lambda: transformers.Qwen2MoeConfig(**QWEN2_MOE, use_sliding_window=True, sliding_window=16,
                                                              layer_types=["sliding_attention"] * 2),
+    # the mixture in layer 1 only of 4 (every 2nd, not layer 3); the others a dense MLP of 40
+    "qwen2_moe-sparse": lambda: transformers.Qwen2MoeConfig(**{**QWEN2_MOE, "num_hidden_layers": 4},
+                                                             decoder_sparse_step=2, mlp_only_layers=[3]),
 }
 PROMPT_LENGTHS = (3, 11, 40)  # 40 passes the windows of 16
 
@@ -183,8 +186,8 @@ def refused_in_one_line(args: list[str], needle: str, capsys) -> None:
 
 
 @pytest.mark.parametrize("case,change,needle", [
-    ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported; valid: 1"),
-    ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1] is not supported"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be a whole number >= 1"),
+    ("qwen2_moe", {"mlp_only_layers": [1, 2]}, "mlp_only_layers=[1, 2] must list layers 0..1"),
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8, "layer_types": None},
      "use_sliding_window with max_window_layers=28"),  # transformers windows layer 0 only
     ("qwen2_moe", {"num_experts": 0}, "num_experts=0 must be a whole number >= 1"),
@@ -215,21 +218,13 @@ def test_a_missing_extra_or_misshapen_expert_is_one_line(edit, needle, tmp_path,
     refused_in_one_line(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")], needle, capsys)
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "qwen2_moe-sparse"])
 def test_greedy_tokens_under_ep_2_and_ep_2_x_tp_2_equal_one_process(case, tmp_path):
     """The converted model's greedy answers through `strata generate`: experts split over 2
     processes (tokens travel to their experts and back), and over 2 x 2 with tensor parallelism,
     token for token as in one process (which equals transformers', above)."""
     root = convert(case, tmp_path)
-    prompts = [a for p in ("1,2,3", "4,5,6,7,8,9,10,11,12,13,14", "7") for a in ("--prompt-ids", p)]
-
-    def answers(*extra):
-        result = run_strata("generate", "--checkpoint", root / "ck", *prompts, "--max-new-tokens", 12,
-                            "--temperature", 0, *extra, timeout=300)
-        assert result.returncode == 0, result.stderr
-        return result.stdout.splitlines()
-
-    single = answers()
-    assert len(single) == 3 and all(len(line.split()) >= 12 for line in single)
-    assert answers("--ep", 2) == single
-    assert answers("--ep", 2, "--tp", 2) == single
+    prompts = ("1,2,3", "4,5,6,7,8,9,10,11,12,13,14", "7")
+    single = generated_lines(root / "ck", prompts, 12)
+    assert generated_lines(root / "ck", prompts, 12, "--ep", 2) == single
+    assert generated_lines(root / "ck", prompts, 12, "--ep", 2, "--tp", 2) == single

@@ -62,11 +62,12 @@ def test_every_blocks_parameter_list_is_its_modules_in_order():
     the block strata builds, shared or a family's own, for every preset and every family's case."""
     configs = list(PRESETS.values()) + [strata_config(case) for case in hf_configs()]
     for cfg in configs:
-        cfg = cfg.with_overrides(n_layers=1)
-        block = build_model(cfg, seed=None).blocks["0"]
-        assert [(name, tuple(p.shape)) for name, p in block.named_parameters()] == cfg.block_parameter_shapes()
-        if not cfg.moe:  # a mixture's multiplied weights are its active experts'
-            assert cfg.block_matmul_params() == sum(p.numel() for p in block.parameters() if p.dim() == 2)
+        cfg = cfg.with_overrides(n_layers=1) if cfg.uniform_layers else cfg  # else every layer: they differ
+        for layer, block in build_model(cfg, seed=None).layers().items():
+            shapes = cfg.block_parameter_shapes(layer)
+            assert [(name, tuple(p.shape)) for name, p in block.named_parameters()] == shapes
+            if not cfg.layer_is_moe(layer):  # a mixture's multiplied weights are its active experts'
+                assert cfg.block_matmul_params(layer) == sum(p.numel() for p in block.parameters() if p.dim() == 2)
 
 
 def test_gptj_and_pythia_count_one_norm_and_no_attention_biases_where_they_have_none():
@@ -107,11 +108,11 @@ def test_family_options_are_checked_by_their_family(preset, change, needle):
 # --- what strata reaches through the block's interface ---------------------------------------------
 # every block added since issue 55's first part, and StarCoder's multi-query on the shared one
 @pytest.mark.parametrize("case", ["gpt_neox", "gptj", "falcon", "gpt_bigcode", "gemma2", "gemma3", "olmo2",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "deepseek_v3-moe"])
 def test_greedy_tokens_through_the_kv_cache_equal_transformers_generate(case, tmp_path):
     """Rotary positions per row past the padding (partial, interleaved, latent), Gemma's local
     windows of 8 sliding over the cache (Gemma 3's own RoPE base), OLMo 2's whole-projection
-    norms, MLA's decompressed keys and values: 40 tokens each (hf_cases)."""
+    norms, MLA's decompressed keys and values, DeepSeek's routing by its bias: 40 tokens each (hf_cases)."""
     assert_greedy_tokens_equal_transformers(case, tmp_path)
 
 

@@ -28,7 +28,7 @@ def test_the_planners_parameter_list_is_the_models_own(name):
     cfg = PRESETS[name].with_overrides(n_layers=2)
     model = _model(cfg)
     named = list(model.named_parameters())
-    listed = [(size, False) for size in input_parameters(cfg)] + block_parameters(cfg) * 2 + \
+    listed = [(size, False) for size in input_parameters(cfg)] + block_parameters(cfg, 0) + block_parameters(cfg, 1) + \
         [(size, False) for size in output_parameters(cfg)]
     assert listed == [(p.numel(), _is_expert(n)) for n, p in named]
     assert len(model.units()) == unit_count(cfg.n_layers)

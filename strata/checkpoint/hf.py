@@ -25,7 +25,7 @@ from strata.errors import ConfigError, CorruptError
 from strata.files import check_output_dir, inside, read_json, read_json_object
 from strata.model.config import ModelConfig
 from strata.model.families import converting_family, family_of_model_type
-from strata.model.transformer import build_model
+from strata.model.transformer import build_model, tensor_shapes
 
 HF_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what --to-hf writes
 # Small files transformers reads beside the model (AutoTokenizer's special tokens and chat template,
@@ -216,4 +216,4 @@ def save_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, origin
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in build_model(cfg, seed=None).named_parameters()}
+    return tensor_shapes(build_model(cfg, seed=None))

@@ -13,20 +13,21 @@ when no other rank holds the same one: data-parallel replicas (ZeRO-0), tensor-p
 (norms, replicated K/V) and the last stage's copy of a tied embedding leave it to one owner.
 
 What a piece carries: the parameter's values ("param") and, once the optimizer has stepped,
-Adam's two moments ("exp_avg", "exp_avg_sq"), all with the same region. The data go into one
-safetensors file per rank, the regions and the rank's random streams into a JSON file next to it."""
+Adam's two moments ("exp_avg", "exp_avg_sq"), all with the same region; a persistent buffer
+(DeepSeek-V3's expert bias) its values alone. The data go into one safetensors file per rank, the
+regions, the rank's random streams and what its optimizer keeps for it alone (1-bit Adam's
+errors) into a JSON file next to it."""
 
 from __future__ import annotations
 
 import math
-import random
 import re
 from dataclasses import asdict, dataclass, replace
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from strata.checkpoint.random_streams import rng_problem, rng_state, set_rng_state  # noqa: F401 (set_rng_state: run_state reads it here)
 from strata.checkpoint.records import whole
 from strata.checkpoint.safetensors_file import read_header
 from strata.errors import ConfigError, CorruptError
@@ -35,6 +36,8 @@ from strata.files import inside, read_json_object
 _SHARD_META = re.compile(r"^shard_(\d+)\.json$")
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+BUFFERS = "buffers"  # a rank's JSON: the tensors it wrote that are persistent buffers (a "param" alone, no moments)
+RANK_STATE = "rank_state"  # an optimizer state_dict's entry of tensors kept per rank (1-bit Adam's errors)
 
 
 @dataclass(frozen=True)
@@ -71,14 +74,20 @@ class LocalPiece:
     region: Region
     values: torch.Tensor  # the tensor itself (the parameter, or a view of this rank's ZeRO shard)
     owner: bool  # this rank writes it (it is nobody else's too)
+    trained: bool = True  # an optimizer's (its moments saved with it), or a persistent buffer
 
 
-def local_pieces(model, parallel, tp_rank: int, tp_size: int) -> list[LocalPiece]:
-    """This rank's pieces, in the optimizer's order (its state i belongs to piece i)."""
+def local_pieces(model, parallel, tp_rank: int, tp_size: int, writes_buffers: bool = False) -> list[LocalPiece]:
+    """This rank's pieces, in the optimizer's order (its state i belongs to piece i), then the
+    model's persistent buffers, whole on every rank that holds their layer (written by the one
+    told `writes_buffers`: the first of the ranks holding the same layers)."""
     names = {id(p): name for name, p in model.named_parameters()}
-    return [LocalPiece(names[id(param)], replace(box_region(parallel, param, tp_rank, tp_size), lo=lo, hi=hi),
-                       values, parallel.writes(param, tp_rank))
-            for values, param, lo, hi in parallel.optimizer_pieces()]
+    trained = [LocalPiece(names[id(param)], replace(box_region(parallel, param, tp_rank, tp_size), lo=lo, hi=hi),
+                          values, parallel.writes(param, tp_rank))
+               for values, param, lo, hi in parallel.optimizer_pieces()]
+    persistent = model.state_dict().keys()
+    return trained + [LocalPiece(name, Region.whole(tuple(buf.shape)), buf, writes_buffers, trained=False)
+                      for name, buf in model.named_buffers() if name in persistent]
 
 
 def box_region(parallel, param, tp_rank: int, tp_size: int) -> Region:
@@ -106,9 +115,11 @@ def snapshot(pieces: list[LocalPiece], optimizer, versions: dict[int, dict[str, 
     training may go on changing while it is written. versions: an asynchronous schedule's older
     weights, by age, each whole (this rank's tensor-parallel box), written as the pieces are."""
     versions = versions or {}
-    states = optimizer.state_dict()["state"] if optimizer is not None else {}
-    if states and len(states) != len(pieces):
-        raise AssertionError(f"optimizer has {len(states)} states for {len(pieces)} pieces")
+    saved = optimizer.state_dict() if optimizer is not None else {}
+    states = saved.get("state", {})
+    trained = sum(piece.trained for piece in pieces)
+    if states and len(states) != trained:
+        raise AssertionError(f"optimizer has {len(states)} states for {trained} pieces")
     tensors, regions, step = {}, {}, None
     for i, piece in enumerate(pieces):
         if not piece.owner:
@@ -117,12 +128,15 @@ def snapshot(pieces: list[LocalPiece], optimizer, versions: dict[int, dict[str, 
         if i in states:
             sources.update(exp_avg=states[i]["exp_avg"], exp_avg_sq=states[i]["exp_avg_sq"])
             step = float(states[i]["step"])
-        for age, weights in versions.items():
+        for age, weights in versions.items() if piece.trained else ():
             sources[version_kind(age)] = weights[piece.name].reshape(-1)[piece.region.lo:piece.region.hi]
         for kind, tensor in sources.items():
             tensors[f"{kind}/{piece.name}"] = tensor.detach().reshape(-1).to("cpu", copy=True)
         regions[piece.name] = asdict(piece.region)
-    return tensors, {"regions": regions, "optimizer_step": step, "rng": rng_state(), "versions": sorted(versions)}
+    own = saved.get(RANK_STATE, {})  # kept by this rank alone (1-bit Adam's errors): in its own file only
+    tensors.update({f"{RANK_STATE}/{name}": t.detach().reshape(-1).to("cpu", copy=True) for name, t in own.items()})
+    return tensors, {"regions": regions, "optimizer_step": step, "rng": rng_state(), "versions": sorted(versions),
+                     RANK_STATE: sorted(own), BUFFERS: sorted(p.name for p in pieces if p.owner and not p.trained)}
 
 
 class ShardReader:
@@ -140,7 +154,9 @@ class ShardReader:
         self.index: dict[str, list[tuple[str, Region]]] = {}
         self.steps, self.rngs = set(), {}
         self.version_ages: dict[str, set[int]] = {}  # data file -> the older weight versions it holds
+        self.rank_states: dict[int, tuple[str, list]] = {}  # rank -> (its data file, the names it kept alone)
         self._kinds: dict[str, tuple[str, ...]] = {}  # data file -> the kinds each of its pieces has
+        self._buffers: dict[str, set[str]] = {}  # data file -> its pieces that are buffers: a "param" kind alone
         self._pieces: dict[str, list[tuple[str, Region]]] = {}  # data file -> (tensor, region) of its pieces
         for name in sorted(files):
             found = _SHARD_META.match(name)
@@ -179,6 +195,8 @@ class ShardReader:
         if regions:  # a rank that only held replicas wrote nothing, and no step
             self.steps.add(step)
         self.version_ages[data_file] = set(versions)
+        own, buffers = (_names(meta, key, what) for key in (RANK_STATE, BUFFERS))
+        self.rank_states[rank], self._buffers[data_file] = (data_file, own), set(buffers)
         self._kinds[data_file] = ("param",) + (KINDS[1:] if step is not None else ()) + \
             tuple(version_kind(age) for age in sorted(set(versions)))
         self.rngs[rank] = meta["rng"]
@@ -195,7 +213,7 @@ class ShardReader:
             self.verify(data_file)
             raise
         for tensor_name, region in self._pieces[data_file]:
-            for kind in self._kinds[data_file]:
+            for kind in self._kinds[data_file] if tensor_name not in self._buffers[data_file] else ("param",):
                 key = f"{kind}/{tensor_name}"
                 if key not in header:
                     raise CorruptError(f"{what}: holds no {key!r}, which its {data_file[:-12]}.json lists")
@@ -355,13 +373,21 @@ def _overlap(a, b):
     return [(max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b)]
 
 
+def _names(meta: dict, key: str, what: str) -> list[str]:
+    """A rank JSON's list of tensor names under `key` (none when absent)."""
+    names = meta.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise CorruptError(f"{what}: {key} {names!r} must list the names of tensors")
+    return names
+
+
 def _local(bounds, region: Region) -> tuple[slice, ...]:
     """Logical bounds -> slices of `region`'s box."""
     return tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(bounds, region.bounds()))
 
 
 @torch.no_grad()
-def load_pieces(reader: ShardReader, pieces: list[LocalPiece], optimizer) -> bool:
+def load_pieces(reader: ShardReader, pieces: list[LocalPiece], optimizer, rank: int = 0) -> bool:
     """Fill this rank's pieces (and the optimizer's moments, when the checkpoint has them) from the
     checkpoint. Returns whether the optimizer state was restored."""
     for piece in pieces:
@@ -372,7 +398,10 @@ def load_pieces(reader: ShardReader, pieces: list[LocalPiece], optimizer) -> boo
     step = torch.tensor(reader.optimizer_step)
     saved["state"] = {i: {"step": step.clone(),
                           **{kind: reader.read(kind, piece.name, piece.region).view_as(piece.values)
-                             for kind in KINDS[1:]}} for i, piece in enumerate(pieces)}
+                             for kind in KINDS[1:]}} for i, piece in enumerate(pieces) if piece.trained}
+    if RANK_STATE in saved:  # an optimizer keeping state per rank: what the same rank saved (flat), if any
+        file, own = reader.rank_states.get(rank, ("", []))
+        saved[RANK_STATE] = {name: reader._data(file, f"{RANK_STATE}/{name}") for name in own}
     optimizer.load_state_dict(saved)
     return True
 
@@ -383,46 +412,3 @@ def read_full(reader: ShardReader, names=None) -> dict[str, torch.Tensor]:
     wanted = reader.names() if names is None else [n for n in reader.names() if n in set(names)]
     return {name: reader.read("param", name, Region.whole(reader.shape(name))).view(reader.shape(name))
             for name in wanted}
-
-
-# --- random streams -------------------------------------------------------------------------------
-def rng_state() -> dict:
-    """Every random stream of this process, as JSON."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state = {"torch": torch.get_rng_state().tolist(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-             "python": [version, list(internal), gauss_next]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
-def rng_problem(state: object) -> str | None:
-    """Why `state` (a shard's record of a rank's random streams) cannot be restored, or None: each
-    stream is set on a scratch generator of its kind, so nothing of this process changes."""
-    if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state):
-        return "want the torch, numpy and python streams"
-    try:
-        for name in ("torch", "cuda"):
-            if name in state:
-                values = state[name]
-                if not isinstance(values, list) or not all(whole(v) and v < 256 for v in values):
-                    return f"{name}: want a list of bytes"
-        torch.Generator().set_state(torch.tensor(state["torch"], dtype=torch.uint8))
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        version, internal, gauss_next = state["python"]
-        random.Random().setstate((version, tuple(internal), gauss_next))
-    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError, KeyError) as e:  # each library's complaint
-        return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-    return None

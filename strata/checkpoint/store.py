@@ -37,7 +37,7 @@ from strata.checkpoint.shards import ShardReader
 from strata.errors import ConfigError, CorruptError
 from strata.files import inside, read_json_object
 from strata.model.config import ModelConfig
-from strata.model.transformer import build_model
+from strata.model.transformer import build_model, tensor_shapes
 
 MANIFEST = "manifest.json"
 FORMAT = "strata-sharded-1"
@@ -318,11 +318,11 @@ def checked_model_config(path: str, manifest: dict, reader: ShardReader) -> Mode
     model_config changed to an absurd size is refused before a model is built from it."""
     cfg = model_config(manifest, path)
     held = {name: reader.shape(name) for name in reader.names()}
-    count = sum(math.prod(shape) for shape in held.values())
-    if cfg.num_params() != count:
-        raise CorruptError(f"checkpoint {path}: its model_config describes {cfg.num_params():,} parameters, its "
-                           f"shards hold {count:,} (the manifest or the shards were changed)")
-    wanted = {name: tuple(p.shape) for name, p in build_model(cfg, seed=None).named_parameters()}
+    count, described = sum(math.prod(shape) for shape in held.values()), cfg.num_params() + cfg.buffer_elements()
+    if described != count:
+        raise CorruptError(f"checkpoint {path}: its model_config describes {described:,} parameters (and "
+                           f"buffers), its shards hold {count:,} (the manifest or the shards were changed)")
+    wanted = tensor_shapes(build_model(cfg, seed=None))
     differ = sorted(set(wanted) ^ set(held)) or [n for n in sorted(wanted) if wanted[n] != held[n]]
     if differ:
         name = differ[0]

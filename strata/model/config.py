@@ -5,39 +5,32 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
 from typing import Literal, Protocol
+
+# (SHAPE_LIMITS and infer_family are read from here too)
+from strata.model.shape_checks import SHAPE_LIMITS, check_count, check_limit, check_positive, infer_family  # noqa: F401
 
 ROPE_TYPES = ("default", "llama3")
 # the fields of Llama 3.1's RoPE scaling (rope_type "llama3"); None under the default RoPE
 LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
-# The largest shape strata accepts, field by field: far past every published model, short of what
-# overflows a tensor's size or runs the planner for hours. Read from a config.json or a checkpoint,
-# a shape beyond them is refused before anything is allocated (strata/rules/limits.py lists every
-# ceiling, these included, and docs/cli.md prints them).
-SHAPE_LIMITS: dict[str, tuple[int, str]] = {
-    "vocab_size": (2**24, "the largest vocabularies hold about 256K tokens"),
-    "n_layers": (1024, "the deepest trained transformers have about 1,000 blocks (DeepNet)"),
-    "d_model": (2**17, "the widest models are about 25K wide"),
-    "n_heads": (2**12, "the most heads are about 128"),
-    "n_kv_heads": (2**12, "the most heads are about 128"),
-    "d_head": (2**12, "the widest heads are 256 wide"),
-    "d_ff": (2**20, "the widest MLPs are about 74K wide"),
-    "expert_d_ff": (2**20, "the widest MLPs are about 74K wide"),
-    "shared_d_ff": (2**20, "the widest MLPs are about 74K wide"),
-    "max_seq_len": (2**24, "the longest contexts are about 10M tokens"),
-    "sliding_window": (2**24, "the longest contexts are about 10M tokens"),
-    "rope_original_max_seq_len": (2**24, "the longest contexts are about 10M tokens"),
-    "n_experts": (2**14, "the most experts per layer are a few hundred"),
-}
 Shapes = list[tuple[str, tuple[int, ...]]]  # parameters by their path in a block, in the order it registers them
 
 
 class OwnBlock(Protocol):
     """What ModelConfig reads of a family's own block (strata/model/families/base.OwnBlock)."""
 
-    def parameter_shapes(self, cfg: ModelConfig) -> Shapes: ...
+    def parameter_shapes(self, cfg: ModelConfig, layer: int) -> Shapes: ...
 
     def check(self, cfg: ModelConfig) -> None: ...
+
+    # (ModelConfig, layer index) -> whether that layer's MLP is the mixture of experts (DeepSeek's
+    # first layers keep a dense one); None: every layer's is, when the config has experts
+    moe_layer: Callable[[ModelConfig, int], bool] | None
+    # (ModelConfig, layer index) -> the block's persistent buffers (checkpointed state that is no
+    # parameter: DeepSeek-V3's expert bias); None: none
+    buffer_shapes: Callable[[ModelConfig, int], Shapes] | None
+    optional: bool  # without family_options the shared Block computes the family's models
 
     # ModelConfig -> why context parallelism's ring cannot compute the block's attention, or None (it can)
     context_refusal: Callable[[ModelConfig], str | None] | None
@@ -161,12 +154,12 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len"):
-            _check_count(name, getattr(self, name))
+            check_count(name, getattr(self, name))
         for name in ("n_kv_heads", "d_head", "sliding_window"):
             if getattr(self, name) is not None:
-                _check_count(name, getattr(self, name))
+                check_count(name, getattr(self, name))
         for name in ("norm_eps", "rope_theta"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name, valid in (("norm", ("rmsnorm", "layernorm", "gemma_rmsnorm")), ("position", ("rope", "learned", "alibi")),
                             ("mlp", ("swiglu", "gelu", "geglu")), ("rope_type", ROPE_TYPES)):
             if getattr(self, name) not in valid:
@@ -187,7 +180,7 @@ class ModelConfig:
         for name, value in self.family_options:
             if not isinstance(name, str) or not name.isidentifier() or not isinstance(value, (bool, int, float, str)):
                 raise ValueError(f"family_options: {name!r}={value!r} must be a name and a number, flag or word")
-        if self.family in OWN_BLOCKS and not self.family_options:
+        if self.family in OWN_BLOCKS and not OWN_BLOCKS[self.family].optional and not self.family_options:
             raise ValueError(f"family {self.family!r} computes a block of its own and needs its family_options "
                              f"(a model of this family written before that block existed computed strata's "
                              f"shared block: it is not this family's model)")
@@ -197,19 +190,19 @@ class ModelConfig:
     def _validate_experts(self) -> None:
         if not isinstance(self.n_experts, int) or isinstance(self.n_experts, bool) or self.n_experts < 0:
             raise ValueError(f"n_experts={self.n_experts!r} must be 0 (a dense MLP) or a whole number of experts")
-        _check_limit("n_experts", self.n_experts)
+        check_limit("n_experts", self.n_experts)
         if not self.moe:
             return
-        _check_count("experts_per_token", self.experts_per_token)
+        check_count("experts_per_token", self.experts_per_token)
         if self.experts_per_token > self.n_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}")
         if self.expert_d_ff is not None:
-            _check_count("expert_d_ff", self.expert_d_ff)
+            check_count("expert_d_ff", self.expert_d_ff)
         if self.mlp != "swiglu":
             raise ValueError(f"mlp={self.mlp!r}: experts are SwiGLU MLPs (mlp='swiglu')")
         if not isinstance(self.shared_d_ff, int) or self.shared_d_ff < 0:
             raise ValueError(f"shared_d_ff={self.shared_d_ff!r} must be 0 (no shared expert) or a width")
-        _check_limit("shared_d_ff", self.shared_d_ff)
+        check_limit("shared_d_ff", self.shared_d_ff)
         if self.gated_shared_expert and not self.shared_d_ff:
             raise ValueError("gated_shared_expert needs a shared expert (shared_d_ff > 0)")
         if not isinstance(self.router_aux_coef, (int, float)) or not 0 <= self.router_aux_coef < float("inf"):
@@ -227,7 +220,7 @@ class ModelConfig:
         for name, value in scaling.items():
             if value is None:
                 raise ValueError(f"rope_type='llama3' needs {name}")
-            (_check_count if name == "rope_original_max_seq_len" else _check_positive)(name, value)
+            (check_count if name == "rope_original_max_seq_len" else check_positive)(name, value)
         if self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError(f"rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
                              f"rope_low_freq_factor={self.rope_low_freq_factor}")
@@ -246,19 +239,52 @@ class ModelConfig:
         """A norm over `width` features: a weight, and a bias for LayerNorm."""
         return width * (2 if self.norm == "layernorm" else 1)
 
-    def block_matmul_params(self) -> int:
-        """The weights one token multiplies in a block: q, k, v, o and the MLP's matrices (with
-        experts: the router, the experts_per_token experts a token is sent to, the shared expert
-        and its gate: the active parameters, not all of them)."""
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every block has the same parameters (DeepSeek's first dense layers before its
+        mixtures do not): where they differ, a count of one block names its layer."""
+        return _uniform(self)
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether block `layer`'s MLP is the mixture of experts."""
         own = self.own_block()
-        if own is not None:  # its matrices (norm weights and biases are vectors)
-            return sum(math.prod(shape) for _, shape in own.parameter_shapes(self) if len(shape) == 2)
+        return self.moe and (own is None or own.moe_layer is None or own.moe_layer(self, layer))
+
+    def moe_layer_count(self) -> int:
+        """The blocks whose MLP is the mixture (each adds its router's auxiliary loss)."""
+        return _moe_layer_count(self)
+
+    def _layer(self, layer: int | None) -> int:
+        """The block a per-block count describes: `layer`, or any when every block is the same."""
+        if layer is None:
+            if not self.uniform_layers:
+                raise ValueError(f"the blocks of this {self.family} model differ by layer (dense and mixture "
+                                 f"MLPs): name the layer")
+            return 0
+        return layer
+
+    def block_matmul_params(self, layer: int | None = None) -> int:
+        """The weights one token multiplies in block `layer` (any when all are the same): q, k, v, o
+        and the MLP's matrices (with experts: the router, the experts_per_token experts a token is
+        sent to, the shared expert and its gate: the active parameters, not all of them)."""
+        layer = self._layer(layer)
+        own = self.own_block()
+        if own is not None:  # its matrices (norm weights and biases are vectors); of its experts, k
+            shapes = own.parameter_shapes(self, layer)
+            idle = (self.n_experts - self.experts_per_token) * 3 * self.d_model * self.expert_width \
+                if self.layer_is_moe(layer) else 0
+            return sum(math.prod(shape) for _, shape in shapes if len(shape) == 2) + \
+                sum(math.prod(shape) for _, shape in shapes if len(shape) == 3) - idle
         d, kv_dim = self.d_model, self.kv_heads * self.head_dim
         attn = 2 * d * self.q_dim + 2 * d * kv_dim
         if self.moe:
             return attn + self.router_params() + self.experts_per_token * 3 * d * self.expert_width + \
                 self.shared_params()
         return attn + (3 if self.gated_mlp else 2) * d * self.d_ff
+
+    def blocks_matmul_params(self) -> int:
+        """What every block's tokens multiply, summed over the blocks (block_matmul_params each)."""
+        return _blocks_matmul_params(self)
 
     def router_params(self) -> int:
         return self.d_model * self.n_experts if self.moe else 0
@@ -274,34 +300,49 @@ class ModelConfig:
     def num_params(self) -> int:
         """Exact parameter count, computed from the shapes (the same as summing model.parameters(),
         and as transformers' num_parameters() of the same model)."""
-        inputs, block, outputs = self.unit_params()
-        return inputs + self.n_layers * block + outputs
+        inputs, _, outputs = self.unit_params()
+        return inputs + sum(self.layer_params()) + outputs
 
     def active_params(self) -> int:
         """The parameters one token uses: all of them, less the experts it is not sent to."""
-        idle = self.n_layers * (self.n_experts - self.experts_per_token) * 3 * self.d_model * self.expert_width
-        return self.num_params() - (idle if self.moe else 0)
+        idle = self.moe_layer_count() * (self.n_experts - self.experts_per_token) * 3 * self.d_model * self.expert_width
+        return self.num_params() - idle
+
+    def buffer_elements(self) -> int:
+        """What a checkpoint holds beyond the parameters: the blocks' persistent buffers."""
+        own = self.own_block()
+        if own is None or own.buffer_shapes is None:
+            return 0
+        return sum(math.prod(shape) for i in range(self.n_layers) for _, shape in own.buffer_shapes(self, i))
+
+    def layer_params(self) -> tuple[int, ...]:
+        """Each block's parameters, by layer."""
+        return _layer_params(self)
 
     def unit_params(self) -> tuple[int, int, int]:
         """Parameters of the model's units (Transformer.units: what the pipeline cuts between and
-        ZeRO-3 gathers): (the input layers, one block, the output layers; a tied head counts in
-        the inputs)."""
+        ZeRO-3 gathers): (the input layers, the largest block (every block where all are the same),
+        the output layers; a tied head counts in the inputs)."""
         d, b = self.d_model, int(self.bias)
         norm = self.norm_params(d)
-        block = sum(math.prod(shape) for _, shape in self.block_parameter_shapes())
         inputs = self.vocab_size * d + (self.max_seq_len * d if self.position == "learned" else 0) + \
             (norm if self.embedding_norm else 0)
         outputs = norm + (0 if self.tie_embeddings else self.vocab_size * d + b * self.vocab_size)
-        return inputs, block, outputs
+        return inputs, max(self.layer_params()), outputs
 
-    def block_parameter_shapes(self) -> Shapes:
-        """Each parameter of one block, (its path in the block, its shape), in the order the block
-        registers them: the shared Block's (with experts: all of them), or those its family's own
-        block declares (OwnBlock.parameter_shapes). What unit_params counts, and what the planner's
-        parameter lists (plan/memory.py, plan/buckets.py) can read instead of listing them again."""
+    def block_parameter_shapes(self, layer: int | None = None) -> Shapes:
+        """Each parameter of block `layer` (any when every block is the same), (its path in the
+        block, its shape), in the order the block registers them: the shared Block's (with experts:
+        all of them), or those its family's own block declares (OwnBlock.parameter_shapes). What
+        unit_params counts, and what the planner's parameter lists (plan/memory.py,
+        plan/buckets.py) can read instead of listing them again."""
+        layer = self._layer(layer)
         own = self.own_block()
-        if own is not None:
-            return own.parameter_shapes(self)
+        return own.parameter_shapes(self, layer) if own is not None else self.shared_block_shapes(self.moe)
+
+    def shared_block_shapes(self, moe: bool) -> Shapes:
+        """The shared Block's parameters, its MLP the mixture or the dense one (a family whose layers
+        alternate builds the shared Block either way: families/mixtral.SPARSE_LAYERS)."""
         d, kv_dim, head = self.d_model, self.kv_heads * self.head_dim, self.head_dim
         qkv_bias = self.bias or self.qkv_bias
         shapes = norm_shapes(self, "attn_norm", d) + linear_shapes("attn.wq", d, self.q_dim, qkv_bias) + \
@@ -309,11 +350,13 @@ class ModelConfig:
             linear_shapes("attn.wo", self.q_dim, d, self.bias)
         if self.qk_norm:
             shapes += norm_shapes(self, "attn.q_norm", head) + norm_shapes(self, "attn.k_norm", head)
-        return shapes + norm_shapes(self, "mlp_norm", d) + self._mlp_shapes()
+        return shapes + norm_shapes(self, "mlp_norm", d) + self.mlp_shapes(moe)
 
-    def _mlp_shapes(self) -> Shapes:
+    def mlp_shapes(self, moe: bool) -> Shapes:
+        """The MLP's parameters: the dense one of width d_ff, or the mixture (router, stacked
+        experts, the shared expert and its gate); a family's own block reads them too."""
         d, f, b = self.d_model, self.d_ff, self.bias
-        if not self.moe:
+        if not moe:
             ins = ("mlp.w_gate", "mlp.w_up") if self.gated_mlp else ("mlp.w_in",)
             outs = linear_shapes("mlp.w_down" if self.gated_mlp else "mlp.w_out", f, d, b)
             return [shape for name in ins for shape in linear_shapes(name, d, f, b)] + outs
@@ -333,7 +376,7 @@ class ModelConfig:
         """The weights a token multiplies: every block's q, k, v, o and MLP matrices, and the head
         (the embedding matrix again when tied). Not the input embedding nor learned positions,
         which are looked up, nor norms and biases, which are not multiplied."""
-        return self.n_layers * self.block_matmul_params() + self.d_model * self.vocab_size
+        return self.blocks_matmul_params() + self.d_model * self.vocab_size
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training model FLOPs per token: 6 per multiplied weight (forward 2, backward 4) plus
@@ -356,27 +399,31 @@ class ModelConfig:
         return self.n_layers * 2 * self.q_dim * self.attended_positions(seq_len)
 
 
-def infer_family(cfg: ModelConfig) -> str:
-    """The family a config's options describe: what a manifest written before `family` existed
-    holds (those knew llama, gpt2 and bloom shapes; gptj: the GPT-J preset's shape then, which
-    computed the shared block: without GPT-J's family_options it is refused by validate)."""
-    if cfg.n_experts:
-        return "qwen2_moe" if cfg.qkv_bias else "mixtral"
-    if cfg.position == "alibi" or cfg.embedding_norm:
-        return "bloom"
-    if cfg.position == "learned":
-        return "gpt2"
-    if cfg.norm == "layernorm":
-        return "gptj"
-    if cfg.norm == "gemma_rmsnorm":
-        return "gemma"
-    if cfg.qk_norm:
-        return "qwen3"
-    if cfg.qkv_bias:
-        return "qwen2"
-    if cfg.sliding_window:
-        return "mistral"
-    return "llama"
+# The counts by layer, once per config (the planner's search asks them for every layout it prices).
+@lru_cache(maxsize=256)
+def _uniform(cfg: ModelConfig) -> bool:
+    own = cfg.own_block()
+    return not cfg.moe or own is None or own.moe_layer is None or \
+        len({own.moe_layer(cfg, i) for i in range(cfg.n_layers)}) == 1
+
+
+@lru_cache(maxsize=256)
+def _moe_layer_count(cfg: ModelConfig) -> int:
+    return sum(cfg.layer_is_moe(i) for i in range(cfg.n_layers)) if cfg.moe else 0
+
+
+@lru_cache(maxsize=256)
+def _blocks_matmul_params(cfg: ModelConfig) -> int:
+    if cfg.uniform_layers:
+        return cfg.n_layers * cfg.block_matmul_params()
+    return sum(cfg.block_matmul_params(i) for i in range(cfg.n_layers))
+
+
+@lru_cache(maxsize=256)
+def _layer_params(cfg: ModelConfig) -> tuple[int, ...]:
+    if cfg.uniform_layers:
+        return (sum(math.prod(shape) for _, shape in cfg.block_parameter_shapes()),) * cfg.n_layers
+    return tuple(sum(math.prod(shape) for _, shape in cfg.block_parameter_shapes(i)) for i in range(cfg.n_layers))
 
 
 def linear_shapes(path: str, inputs: int, outputs: int, bias: bool) -> Shapes:
@@ -393,20 +440,3 @@ def _sorted_pairs(options) -> tuple:
     """family_options as given (a dict, or pairs: a manifest's JSON lists) -> (name, value) pairs by name."""
     pairs = options.items() if isinstance(options, dict) else options
     return tuple(sorted((name, value) for name, value in pairs))
-
-
-def _check_count(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a whole number >= 1")
-    _check_limit(name, value)
-
-
-def _check_limit(name: str, value: int) -> None:
-    if name in SHAPE_LIMITS and value > SHAPE_LIMITS[name][0]:
-        limit, why = SHAPE_LIMITS[name]
-        raise ValueError(f"{name}={value!r} must be at most {limit:,} ({why})")
-
-
-def _check_positive(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-        raise ValueError(f"{name}={value!r} must be a positive number")

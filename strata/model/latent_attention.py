@@ -123,12 +123,12 @@ class LatentAttention(nn.Module):
 class LatentBlock(AttentionBlock):
     """Pre-norm residual block: x + mla(norm(x)), then x + swiglu(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, shape: LatentShape):
+    def __init__(self, cfg: ModelConfig, shape: LatentShape, mlp: nn.Module | None = None):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = LatentAttention(cfg, shape)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = mlp if mlp is not None else SwiGLU(cfg)  # a family's mixture in its layers of experts
 
     def forward(self, x, rope=None, bias=None, cache=None):
         x = x + self.attn(self.attn_norm(x), rope, bias, cache)
@@ -149,9 +149,10 @@ class LatentBlock(AttentionBlock):
         super().wrap_core_attention(wrap)
 
 
-def parameter_shapes(cfg: ModelConfig, shape: LatentShape) -> Shapes:
-    """One block's parameters, in the order LatentBlock registers them."""
-    d, heads, f = cfg.d_model, cfg.n_heads, cfg.d_ff
+def parameter_shapes(cfg: ModelConfig, shape: LatentShape, mixture: bool = False) -> Shapes:
+    """One block's parameters, in the order LatentBlock registers them (with `mixture`, its MLP the
+    mixture of experts')."""
+    d, heads = cfg.d_model, cfg.n_heads
     if shape.q_lora_rank:  # the latent norms are RMSNorms: a weight each
         queries = linear_shapes("attn.wq_a", d, shape.q_lora_rank, False) + \
             [("attn.q_a_norm.weight", (shape.q_lora_rank,))] + \
@@ -162,9 +163,7 @@ def parameter_shapes(cfg: ModelConfig, shape: LatentShape) -> Shapes:
         [("attn.kv_a_norm.weight", (shape.kv_lora_rank,))] + \
         linear_shapes("attn.wkv_b", shape.kv_lora_rank, heads * (shape.qk_nope_head_dim + shape.v_head_dim), False) + \
         linear_shapes("attn.wo", heads * shape.v_head_dim, d, False)
-    mlp = linear_shapes("mlp.w_gate", d, f, False) + linear_shapes("mlp.w_up", d, f, False) + \
-        linear_shapes("mlp.w_down", f, d, False)
-    return norm_shapes(cfg, "attn_norm", d) + attention + norm_shapes(cfg, "mlp_norm", d) + mlp
+    return norm_shapes(cfg, "attn_norm", d) + attention + norm_shapes(cfg, "mlp_norm", d) + cfg.mlp_shapes(mixture)
 
 
 def rotary_tables(cfg: ModelConfig, shape: LatentShape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,10 +177,11 @@ def rotary_tables(cfg: ModelConfig, shape: LatentShape) -> tuple[torch.Tensor, t
     return angles.cos(), angles.sin()
 
 
-def check_shape(cfg: ModelConfig, shape: LatentShape) -> None:
-    """What an MLA block cannot compute, refused by the field that asks for it."""
+def check_shape(cfg: ModelConfig, shape: LatentShape, mixtures: bool = False) -> None:
+    """What an MLA block cannot compute, refused by the field that asks for it (experts only where
+    the family brings its mixture)."""
     asked = {"position": cfg.position != "rope", "mlp": cfg.mlp != "swiglu", "norm": cfg.norm != "rmsnorm",
-             "n_experts": cfg.moe, "bias": cfg.bias, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm,
+             "n_experts": cfg.moe and not mixtures, "bias": cfg.bias, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm,
              "sliding_window": cfg.sliding_window is not None, "rope_type": cfg.rope_type != "default"}
     for name, refused in asked.items():
         if refused:
@@ -192,16 +192,20 @@ def check_shape(cfg: ModelConfig, shape: LatentShape) -> None:
         raise ValueError(f"d_head={cfg.d_head} must be qk_nope_head_dim + qk_rope_head_dim = {shape.qk_head_dim}")
 
 
-def described(shape_of, check) -> dict:
+def described(shape_of, check, mixture_of=None, moe_layer=None, buffer_shapes=None) -> dict:
     """The fields of an OwnBlock (families/base.py) for a family whose block is this one, its
-    LatentShape read from a config by shape_of; check: the family's check of its options."""
+    LatentShape read from a config by shape_of; check: the family's check of its options;
+    mixture_of(cfg, router_losses): the MLP of the layers whose moe_layer(cfg, layer) holds, with
+    buffer_shapes(cfg, layer)'s buffers."""
     def make(cfg: ModelConfig, router_losses=None, layer: int = 0) -> nn.Module:
-        return LatentBlock(cfg, shape_of(cfg))
+        mlp = mixture_of(cfg, router_losses) if cfg.layer_is_moe(layer) else None
+        return LatentBlock(cfg, shape_of(cfg), mlp)
 
     def checked(cfg: ModelConfig) -> None:
         check(cfg)
-        check_shape(cfg, shape_of(cfg))
-    return dict(make=make, parameter_shapes=lambda cfg: parameter_shapes(cfg, shape_of(cfg)), check=checked,
+        check_shape(cfg, shape_of(cfg), mixture_of is not None)
+    return dict(make=make, check=checked, moe_layer=moe_layer, buffer_shapes=buffer_shapes,
+                parameter_shapes=lambda cfg, layer: parameter_shapes(cfg, shape_of(cfg), cfg.layer_is_moe(layer)),
                 rope_tables=lambda cfg: rotary_tables(cfg, shape_of(cfg)),
                 attention_products=lambda cfg, seq_len: attention_products(cfg, shape_of(cfg), seq_len))
 

@@ -254,12 +254,13 @@ class AttentionBlock(nn.Module):
 class Block(AttentionBlock):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, router_losses: RouterLosses | None = None):
+    def __init__(self, cfg: ModelConfig, router_losses: RouterLosses | None = None, moe: bool | None = None):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MoE(cfg, router_losses) if cfg.moe else {"swiglu": SwiGLU, "geglu": GeGLU, "gelu": GeluMLP}[cfg.mlp](cfg)
+        mixture = cfg.moe if moe is None else moe  # (a family's layers may alternate: families/mixtral.py)
+        self.mlp = MoE(cfg, router_losses) if mixture else {"swiglu": SwiGLU, "geglu": GeGLU, "gelu": GeluMLP}[cfg.mlp](cfg)
 
     def forward(self, x, rope=None, bias=None, cache=None):
         x = x + self.attn(self.attn_norm(x), rope, bias, cache)

@@ -160,12 +160,10 @@ class MoE(nn.Module):
         tokens = x.shape[0]
         compute = torch.promote_types(x.dtype, torch.float32)  # fp64 training stays fp64
         whole = self.replicated_input(x)
-        probs = F.softmax(self.router(whole).to(compute), dim=-1)
-        weights, chosen = torch.topk(probs, self.k, dim=-1)  # (T, k)
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
+        weights, chosen, probs = self.route(self.router(whole).to(compute))
         flat_expert = chosen.reshape(-1)
         assigned = _per_expert(flat_expert, self.n_experts)
+        self.routed(assigned)
         aux = self.n_experts * (assigned.to(compute) / tokens * probs.mean(0)).sum()
         keep = self._within_capacity(chosen, tokens)
         # Assignments (token, slot) sorted by expert, stable so that each expert sees its tokens in
@@ -195,6 +193,19 @@ class MoE(nn.Module):
         if self.training and self.losses.coef and torch.is_grad_enabled():
             out = _AddAuxGradient.apply(out, aux, self.losses.grad_scale * self.losses.coef / self.losses.n_layers)
         return out.reshape(shape)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the weights of each token's k experts, the experts (T, k), the probabilities the
+        auxiliary loss averages (T, n_experts)) from the router's logits: softmax, top-k (a family's
+        mixture may route otherwise: strata/model/deepseek_moe.py)."""
+        probs = F.softmax(logits, dim=-1)
+        weights, chosen = torch.topk(probs, self.k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen, probs
+
+    def routed(self, assigned: torch.Tensor) -> None:
+        """Told the micro-batch's assignments per expert (a mixture that balances by them keeps them)."""
 
     def _within_capacity(self, chosen: torch.Tensor, tokens: int) -> torch.Tensor | None:
         """Which of the T*k assignments (token-major) fit their expert's capacity; None when dropless."""

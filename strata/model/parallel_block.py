@@ -129,5 +129,5 @@ def described(shape_of, check) -> dict:
     def checked(cfg: ModelConfig) -> None:
         check(cfg)
         check_shape(cfg, shape_of(cfg))
-    return dict(make=make, parameter_shapes=lambda cfg: parameter_shapes(cfg, shape_of(cfg)), check=checked,
+    return dict(make=make, parameter_shapes=lambda cfg, layer: parameter_shapes(cfg, shape_of(cfg)), check=checked,
                 rope_tables=lambda cfg: rotary_tables(cfg, shape_of(cfg)))

@@ -8,6 +8,11 @@ from strata.model.config import ModelConfig
 _GPT = dict(norm="layernorm", position="learned", mlp="gelu", tie_embeddings=True, bias=True, family="gpt2")
 _LLAMA = dict(norm="rmsnorm", position="rope", mlp="swiglu", tie_embeddings=False, bias=False, family="llama")
 # Llama 3.1's RoPE scaling (its config.json's rope_scaling): 8x the 8,192-token pre-training context
+# multi-head latent attention for tests (DeepSeek's: families/deepseek_v3.DeepSeekOptions), and a dense
+# model's routing options (none of its layers routes)
+_TINY_LATENT = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    rope_interleave=True)
+_DENSE_ROUTING = dict(first_dense=0, scoring="softmax", groups=1, groups_kept=1, routed_scale=1.0, balance_rate=0.0)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
                      rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
 
@@ -21,10 +26,16 @@ PRESETS: dict[str, ModelConfig] = {
     # Tests of multi-head latent attention (DeepSeek-V2/V3's, every layer dense: no published model
     # is): tiny's width, 4 heads of 16 + 8 rotary query/key features and 16 value features, latents of 32.
     "tiny-mla": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_head=24, d_ff=128, max_seq_len=64,
-                            norm_eps=1e-6, family_options={"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-                                                           "qk_rope_head_dim": 8, "v_head_dim": 16,
-                                                           "rope_interleave": True},
+                            norm_eps=1e-6, family_options={**_TINY_LATENT, **_DENSE_ROUTING},
                             **{**_LLAMA, "family": "deepseek_v3"}),
+    # Tests of DeepSeek's mixture: tiny-mla's attention, its first layer dense, then 8 experts of 32
+    # in 4 groups (2 kept), 2 per token by V3's sigmoid with the balancing bias, 2 shared experts.
+    "tiny-deepseek": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_head=24, d_ff=128,
+                                 max_seq_len=64, norm_eps=1e-6, n_experts=8, experts_per_token=2, expert_d_ff=32,
+                                 shared_d_ff=64, norm_topk=True, router_aux_coef=0.0,
+                                 family_options={**_TINY_LATENT, "first_dense": 1, "scoring": "sigmoid", "groups": 4,
+                                                 "groups_kept": 2, "routed_scale": 2.5, "balance_rate": 0.001},
+                                 **{**_LLAMA, "family": "deepseek_v3"}),
     "tiny-gpt2": ModelConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256,
                              max_seq_len=64, **_GPT),
     # The demo: about 17M parameters with an 8192-token vocabulary.
@@ -172,6 +183,28 @@ PRESETS: dict[str, ModelConfig] = {
                                  d_ff=6144, max_seq_len=40960, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
                                  n_experts=128, experts_per_token=8, expert_d_ff=768, norm_topk=True,
                                  router_aux_coef=0.001, **{**_LLAMA, "family": "qwen3_moe"}),
+    # DeepSeek-V3's config.json (DeepSeek-AI 2024) before YaRN's extension (4K pretraining): MLA with a
+    # query latent of 1,536 and a key/value latent of 512 over 128 heads, the first 3 of 61 layers
+    # dense, then 256 experts of 2,048 in 8 groups (4 kept), 8 per token by sigmoid scores with the
+    # balancing bias, times 2.5, one shared expert; the MTP module is not counted.
+    "deepseek-v3": ModelConfig(vocab_size=129280, n_layers=61, d_model=7168, n_heads=128, d_head=192, d_ff=18432,
+                               max_seq_len=4096, norm_eps=1e-6, n_experts=256, experts_per_token=8,
+                               expert_d_ff=2048, shared_d_ff=2048, norm_topk=True, router_aux_coef=0.0,
+                               family_options=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                                   qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
+                                                   first_dense=3, scoring="sigmoid", groups=8, groups_kept=4,
+                                                   routed_scale=2.5, balance_rate=0.001),
+                               **{**_LLAMA, "family": "deepseek_v3"}),
+    # DeepSeek-V2-Lite's config.json (model_type deepseek_v2) before YaRN: one q_proj, the first layer
+    # dense, then 64 experts of 1,408, 6 per token by softmax (greedy), 2 shared experts.
+    "deepseek-v2-lite": ModelConfig(vocab_size=102400, n_layers=27, d_model=2048, n_heads=16, d_head=192,
+                                    d_ff=10944, max_seq_len=4096, norm_eps=1e-6, n_experts=64, experts_per_token=6,
+                                    expert_d_ff=1408, shared_d_ff=2816, norm_topk=False, router_aux_coef=0.001,
+                                    family_options=dict(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
+                                                        qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
+                                                        first_dense=1, scoring="softmax", groups=1, groups_kept=1,
+                                                        routed_scale=1.0, balance_rate=0.0),
+                                    **{**_LLAMA, "family": "deepseek_v3"}),
 }
 
 

@@ -311,7 +311,7 @@ def described(shape_of, check) -> dict:
     def checked(cfg: ModelConfig) -> None:
         check(cfg)
         check_shape(cfg, shape_of(cfg))
-    return dict(make=make, parameter_shapes=lambda cfg: parameter_shapes(cfg, shape_of(cfg)), check=checked,
+    return dict(make=make, parameter_shapes=lambda cfg, layer: parameter_shapes(cfg, shape_of(cfg)), check=checked,
                 rope_tables=lambda cfg: rotary_tables(cfg, shape_of(cfg)),
                 context_refusal=lambda cfg: context_refusal(shape_of(cfg)),
                 attention_products=lambda cfg, seq_len: attention_products(cfg, shape_of(cfg), seq_len))

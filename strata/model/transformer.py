@@ -44,10 +44,10 @@ class Transformer(nn.Module):
         # gives the kept tokens' places, and attention masks by them itself.
         self.context = None
         # what the MoE layers route and the scale of their auxiliary loss's gradient (None: dense)
-        self.router_losses = RouterLosses(cfg.n_layers, cfg.router_aux_coef) if cfg.moe else None
+        self.router_losses = RouterLosses(cfg.moe_layer_count(), cfg.router_aux_coef) if cfg.moe else None
         # the shared Block, or the family's own (GPT-J's, GPT-NeoX's: families/base.OwnBlock)
         family = FAMILIES.get(cfg.family)
-        self.own_block = family.block if family is not None else None
+        self.own_block = family.block if family is not None and cfg.own_block() is not None else None
         self.blocks = nn.ModuleDict({str(i): self.own_block.make(cfg, self.router_losses, i)
                                      if self.own_block is not None else Block(cfg, self.router_losses)
                                      for i in range(cfg.n_layers)})
@@ -83,7 +83,17 @@ class Transformer(nn.Module):
         """Initialise every parameter from (seed, its name); rebuild the position tables."""
         for name, param in self.named_parameters():
             param.copy_(initial_value(name, tuple(param.shape), seed, self.cfg.n_layers, self.cfg.norm))
+        self.init_state_buffers(param.device, param.dtype)
         self.reset_buffers()
+
+    @torch.no_grad()
+    def init_state_buffers(self, device, dtype) -> None:
+        """Each persistent buffer (state a checkpoint keeps that no optimizer trains: DeepSeek-V3's
+        expert bias) at its initial value, zero, on `device` (from the meta device too)."""
+        for module in self.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    module._buffers[name] = torch.zeros(buf.shape, device=device, dtype=dtype)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -240,6 +250,11 @@ class Transformer(nn.Module):
         first: its rows are this rank's logits' columns)."""
         tied = self.tied_weight()
         return ([tied] if tied is not None else []) + (list(self.head.parameters()) if self.head is not None else [])
+
+
+def tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of the model holds, by name: its parameters and persistent buffers."""
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype=torch.float32,

@@ -35,11 +35,14 @@ def _norm(cfg: ModelConfig, width: int) -> list[int]:
     return [width] * (2 if cfg.norm == "layernorm" else 1)  # a weight, and LayerNorm's bias
 
 
-def block_parameters(cfg: ModelConfig) -> list[tuple[int, bool]]:
-    """(elements, whether a routed expert's) of one block's parameters, in the model's order: the
+def block_parameters(cfg: ModelConfig, layer: int | None = None) -> list[tuple[int, bool]]:
+    """(elements, whether a routed expert's) of block `layer`'s parameters, in the model's order: the
     model's own list (ModelConfig.block_parameter_shapes: the shared block's, or a family's own); a
-    routed expert's is the only stacked (3-D) tensor of a block."""
-    return [(math.prod(shape), len(shape) == 3) for _, shape in cfg.block_parameter_shapes()]
+    routed expert's is the only stacked (3-D) tensor of a block. Without a layer, the last one's
+    (where blocks differ by layer, DeepSeek's dense first ones, a stage's buckets are scaled to its
+    own parameters after)."""
+    return [(math.prod(shape), len(shape) == 3)
+            for _, shape in cfg.block_parameter_shapes(cfg.n_layers - 1 if layer is None else layer)]
 
 
 def input_parameters(cfg: ModelConfig) -> list[int]:

@@ -169,7 +169,7 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float,
     costs = unit_costs(w.model, w.seq_len)
     embedding, head = (w.tokens * flops / w.tp / rate for flops in (costs[0], costs[-1]))
     attention = attention_flops(w) / rate
-    block = w.tokens * 2 * w.model.block_matmul_params() / w.tp / matmul_rate + attention
+    block = w.tokens * 2 * w.model.blocks_matmul_params() / w.model.n_layers / w.tp / matmul_rate + attention
     return (UnitSeconds(embedding, 2 * embedding, 0.0), UnitSeconds(block, 2 * block, attention),
             UnitSeconds(head, 2 * head, 0.0)), cluster.efficiency * device.kernels.clock_factor
 
@@ -217,7 +217,7 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
 @lru_cache(maxsize=4096)
 def _held_states(cfg: ModelConfig, lay: Layout, load: StageLoad, precision: str, optimizer: str | float) -> ModelStates:
     """The model states of a stage's rank (the same for every rank of equal stages)."""
-    return held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.layers,
+    return held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.moe_layers,
                        precision, optimizer)
 
 
@@ -292,7 +292,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     comm_bytes = {"tp": slowest.tp_bytes * m + sums_bytes, "pp": 2 * v * m * terms.pp_message * (p > 1)}
     comm_seconds = {"tp": slowest.tp_seconds * m + sums_seconds, "pp": 2 * v * m * terms.pp_send_s * (p > 1)}
     held = params_held(cfg, lay, slowest.load.params, slowest.load.layers, slowest.load.first, slowest.load.last)
-    dense, experts = expert_share(cfg, lay, held, slowest.load.layers)
+    dense, experts = expert_share(cfg, lay, held, slowest.load.moe_layers)
     load, split = slowest.load, (False if experts else None)  # the experts' buckets apart from the others'
     comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = data_parallel_seconds(
         cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, bucket_mb_for(work, lay)),
@@ -308,7 +308,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         comm_seconds["edp"], exposed["edp"], comm_bytes["edp"] = data_parallel_seconds(
             cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, True, experts, bucket_mb_for(work, lay)),
             m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]), expert_group(lay))
-    updated = updated_params(cfg, lay, held, slowest.load.layers)  # by this rank's optimizer step
+    updated = updated_params(cfg, lay, held, slowest.load.moe_layers)  # by this rank's optimizer step
     held = dense + experts  # what the rank holds, its experts included
     # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's
     # micro-batch; with unequal ones, the others' (the slowest stage's own is all in m x its time)
@@ -334,7 +334,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         step += exposed_io
     tokens_per_step = work.global_batch * s
     params, attention = cfg.matmul_params(), 2 * cfg.attention_products(s)
-    blocks = cfg.n_layers * cfg.block_matmul_params()  # what full checkpointing runs again: the blocks, not the head
+    blocks = cfg.blocks_matmul_params()  # what full checkpointing runs again: the blocks, not the head
     recomputed = {"none": 0, "selective": attention, "full": 2 * blocks + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
     world = lay.world_size
@@ -380,7 +380,7 @@ def _buffers(cfg: ModelConfig, lay: Layout, t: int, load: StageLoad, bucket_mb: 
     head, for most models); with tied embeddings the embedding stays gathered from its forward to
     the head's backward as well."""
     if lay.zero == 2:
-        dense, experts = expert_share(cfg, lay, load.params / t, load.layers)
+        dense, experts = expert_share(cfg, lay, load.params / t, load.moe_layers)
         split = False if experts else None
         # each bucket as the runtime pads it: aligned, a multiple of its group's shards
         held = staged(collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, bucket_mb))

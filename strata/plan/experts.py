@@ -33,8 +33,9 @@ def expert_group(lay: Layout) -> tuple[int, int]:
 
 def expert_share(cfg: ModelConfig, lay: Layout, held: float, layers: float) -> tuple[float, float]:
     """(dense, expert) parameters one rank holds, of `held` (a stage's parameters after tensor
-    parallelism's 1/tp): the routed experts of its `layers` blocks are n_experts / ep per rank, each
-    cut along d_ff by tp. Without expert parallelism the experts count as dense (one group)."""
+    parallelism's 1/tp): the routed experts of its `layers` blocks with the mixture are n_experts /
+    ep per rank, each cut along d_ff by tp. Without expert parallelism the experts count as dense
+    (one group)."""
     if not cfg.moe or lay.ep == 1:
         return held, 0.0
     experts = layers * cfg.expert_params() / lay.tp

@@ -71,11 +71,11 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     def linear(k: int, n: int, bias: bool) -> list[tuple[int, ...]]:
         return [(n, k)] + ([(n,)] if bias else [])
 
-    block = [shape for _, shape in cfg.block_parameter_shapes()]  # the model's own, a family's block too
+    blocks = [shape for layer in range(cfg.n_layers) for _, shape in cfg.block_parameter_shapes(layer)]  # a family's own too
     inputs = [(cfg.vocab_size, d)] + ([(cfg.max_seq_len, d)] if cfg.position == "learned" else []) + \
         (norm(d) if cfg.embedding_norm else [])
     outputs = norm(d) + ([] if cfg.tie_embeddings else linear(d, cfg.vocab_size, cfg.bias))
-    return inputs + block * cfg.n_layers + outputs
+    return inputs + blocks + outputs
 
 
 @lru_cache(maxsize=256)

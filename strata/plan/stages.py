@@ -20,25 +20,27 @@ class StageLoad:
     layers: int  # transformer blocks
     first: bool  # holds the embedding
     last: bool  # holds the head (and the loss)
+    moe_layers: int = 0  # of its blocks, those with the mixture (DeepSeek's first ones are dense)
 
 
 @lru_cache(maxsize=512)
 def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLoad, ...]:
     """Per pipeline rank, from strata's own cut (balanced by forward FLOPs: the embedding with the
     first chunk, the head with the last), so an uneven stage costs what it costs."""
-    embed, block, head = cfg.unit_params()
+    embed, _, head = cfg.unit_params()
+    per_layer = cfg.layer_params()
     if p == 1:
-        blocks_of_rank = [cfg.n_layers]
+        layers_of_rank = [range(cfg.n_layers)]
     else:
         layout = make_layout(cfg, p, v, seq_len, None)
-        blocks_of_rank = [sum(layout.blocks_per_chunk[c] for c in layout.chunks_of(r)) for r in range(p)]
+        layers_of_rank = [[i for c in layout.chunks_of(r) for i in layout.blocks_of(c)] for r in range(p)]
     loads = []
-    for rank, blocks in enumerate(blocks_of_rank):
-        first, last = rank == 0, rank == p - 1
-        params = blocks * block + (embed if first else 0) + (head if last else 0)
+    for rank, layers in enumerate(layers_of_rank):
+        first, last, blocks = rank == 0, rank == p - 1, len(layers)
+        params = sum(per_layer[i] for i in layers) + (embed if first else 0) + (head if last else 0)
         if last and not first and cfg.tie_embeddings:
             params += cfg.vocab_size * cfg.d_model  # the last stage's copy of the tied embedding
-        loads.append(StageLoad(params, blocks, first, last))
+        loads.append(StageLoad(params, blocks, first, last, sum(cfg.layer_is_moe(i) for i in layers)))
     return tuple(loads)
 
 

@@ -57,9 +57,9 @@ def check_context(model: ModelConfig, cp: int, cp_mode: str, tp: int, tp_mode: s
                           f"of the sequence is split tp ways again)", "seq_len", seq_len)
     if tp_mode != "1d":
         raise ConfigError(f"not with cp {cp}: context parallelism runs with tp_mode 1d", "tp_mode", tp_mode)
-    if model.moe:
-        raise ConfigError("not with a mixture of experts: the router's load-balancing loss is a product of "
-                          "averages over whole sequences", "cp", cp)
+    if model.moe and model.router_aux_coef:  # (routing itself is per token: DeepSeek-V3's, without it, runs)
+        raise ConfigError("not with a mixture of experts whose router has a load-balancing loss (router_aux_coef "
+                          f"{model.router_aux_coef:g}): it is a product of averages over whole sequences", "cp", cp)
     own = model.own_block()  # a family's own attention the ring cannot compute (families/base.OwnBlock)
     refusal = own.context_refusal(model) if own is not None and own.context_refusal is not None else None
     if refusal:

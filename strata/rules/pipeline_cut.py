@@ -41,9 +41,12 @@ class PipelineLayout:
 def unit_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
     """Forward FLOPs per token of each unit: embedding (a lookup: ~d), each block (its matmuls and
     attention scores), head (the vocabulary projection)."""
-    d = cfg.d_model
-    block = 2 * cfg.block_matmul_params() + 2 * cfg.attention_products(seq_len) / cfg.n_layers
-    return [float(d)] + [float(block)] * cfg.n_layers + [2.0 * d * cfg.vocab_size]
+    d, attention = cfg.d_model, 2 * cfg.attention_products(seq_len) / cfg.n_layers
+    if cfg.uniform_layers:
+        blocks = [float(2 * cfg.block_matmul_params() + attention)] * cfg.n_layers
+    else:  # DeepSeek's dense first layers against its mixtures
+        blocks = [float(2 * cfg.block_matmul_params(i) + attention) for i in range(cfg.n_layers)]
+    return [float(d)] + blocks + [2.0 * d * cfg.vocab_size]
 
 
 def balanced_split(costs: list[float], parts: int) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from strata.distributed import comm
 from strata.distributed.timing import synchronize_stream
 from strata.files import cache_dir
+from strata.model.deepseek_moe import balancing_layers, step_loads, update_biases
 from strata.parallel.expert import routed_rows
 from strata.plan.hardware import DEVICES, device_for_cuda_name
 from strata.rules.dtypes import DTYPES, torch_dtype
@@ -208,6 +209,20 @@ def _keep_records_up_to(path: str, step: int) -> None:
     with open(path + ".tmp", "wb") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
+
+
+def balance_experts(run) -> None:
+    """DeepSeek-V3's balancing (strata/model/deepseek_moe.py): each balancing layer's assignments per
+    expert this step, summed over the ranks that routed this stage's tokens (dp x cp; tensor-parallel
+    ranks route the same ones), move its bias one step. One all-reduce, at the same point of every
+    rank's step, so every copy of a bias stays equal."""
+    layers = balancing_layers(run.model)
+    if not layers:
+        return
+    loads = step_loads(layers, run.device)
+    if run.dp_group is not None:
+        comm.all_reduce(loads, run.dp_group, "dp")
+    update_biases(layers, loads)
 
 
 def routed(run, micro_batches: int) -> dict:

@@ -176,6 +176,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, int]]:
     mean_loss = loss_sum / len(micro_batches)
     if model.router_losses is not None:
         run.state.routed = m.routed(run, len(micro_batches))
+        m.balance_experts(run)
     if run.scaler is not None:  # fp16: the loss may overflow with the gradients; the scaler decides
         finite = run.scaler.unscale_and_check(run.parallel.local_grads())
         run.scaler.update(finite)

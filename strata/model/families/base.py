@@ -59,7 +59,7 @@ class OwnBlock:
     under tensor parallelism by the description's `tensor_parallel` paths, so sequence
     parallelism, the pipeline's cuts and ZeRO-3's units (a block each) follow."""
     make: Callable  # (ModelConfig, RouterLosses | None, layer index) -> that layer's block module
-    parameter_shapes: Callable[[ModelConfig], Shapes]  # one block's, in the order it registers them
+    parameter_shapes: Callable[[ModelConfig, int], Shapes]  # a layer's block's, in the order it registers them
     check: Callable[[ModelConfig], None]  # ValueError naming what the block cannot compute
     rope_tables: Callable | None = None  # ModelConfig -> (cos, sin), (max_seq_len, width); None: layers.rope_tables
     # ModelConfig -> why context parallelism's ring cannot compute its attention (a soft cap, a window on
@@ -70,6 +70,15 @@ class OwnBlock:
     attention_products: Callable[[ModelConfig, int], int] | None = None
     # ModelConfig -> c, the logits becoming c · tanh(logits / c) (Gemma 2's final_logit_softcapping), or 0
     final_logit_softcap: Callable[[ModelConfig], float] | None = None
+    # (ModelConfig, layer index) -> whether that layer's MLP is the mixture of experts (DeepSeek's first
+    # layers are dense); None: every layer's, when the config has experts
+    moe_layer: Callable[[ModelConfig, int], bool] | None = None
+    # (ModelConfig, layer index) -> the block's persistent buffers, state a checkpoint keeps that no
+    # optimizer trains (DeepSeek-V3's expert bias); None: none
+    buffer_shapes: Callable[[ModelConfig, int], Shapes] | None = None
+    # without family_options the shared Block computes the family's models (Qwen3-MoE with a mixture in
+    # every layer: a model written before its own block existed reads the same)
+    optional: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,19 +23,22 @@ import torch
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
-from strata.model.families.base import Family, check_choice, in_blocks, refuse_set
+from strata.model.families.base import Family, OwnBlock, check_choice, check_option, in_blocks, read_options, refuse_set
 from strata.model.families.llama import BLOCKS, LAYER, shape_from_hf, shape_to_hf, tensors_from_hf, tensors_to_hf
 from strata.model.families.llama import TENSOR_PARALLEL as LLAMA_TENSOR_PARALLEL
+from strata.model.layers import Block
 
 NAME = "mixtral"
 DEFAULT_THETA = 1000000.0  # transformers' MixtralConfig.default_theta, when config.json gives none
 # the MoE layer's modules in a block: the router and shared gate whole, the experts' stacked matrices
 # split along their d_ff dimension, the shared expert as a dense MLP
-MOE_TENSOR_PARALLEL = {**{k: v for k, v in LLAMA_TENSOR_PARALLEL.items() if not k.startswith("blocks.*.mlp.")},
+# (Llama's MLP placements kept: a family whose layers alternate has dense ones too)
+MOE_TENSOR_PARALLEL = {**LLAMA_TENSOR_PARALLEL,
                        **in_blocks({"mlp": "moe", "mlp.router": "replicated", "mlp.shared_gate": "replicated",
                                     "mlp.experts": "stacked_experts", "mlp.shared.w_gate": "column",
                                     "mlp.shared.w_up": "column", "mlp.shared.w_down": "row"})}
 ATTENTION_LAYER = {k: v for k, v in LAYER.items() if not k.startswith("mlp.")}  # Llama's names, less the MLP's
+DENSE_MLP_LAYER = {k: v for k, v in LAYER.items() if k.startswith("mlp.")}  # a sparse family's dense layers
 
 
 @dataclass(frozen=True)
@@ -139,11 +142,70 @@ def moe_tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None, layer:
 
 
 def moe_style(name: str, model_types: tuple[str, ...], config_from_hf, config_to_hf, layer: dict,
-              names: ExpertNames, label: str, tensor_parallel: dict = MOE_TENSOR_PARALLEL) -> Family:
+              names: ExpertNames, label: str, tensor_parallel: dict = MOE_TENSOR_PARALLEL,
+              block: OwnBlock | None = None) -> Family:
     """A family stored under Llama's names with its experts' matrices apart (`names`)."""
     return Family(name, model_types, tensor_parallel, config_from_hf, config_to_hf,
                   partial(moe_tensors_from_hf, layer=layer, names=names, label=label),
-                  partial(moe_tensors_to_hf, layer=layer, names=names))
+                  partial(moe_tensors_to_hf, layer=layer, names=names), block=block)
+
+
+# --- mixtures in some layers only ------------------------------------------------------------------
+@dataclass(frozen=True)
+class SparseLayers:
+    """Qwen2-MoE's and Qwen3-MoE's decoder_sparse_step and mlp_only_layers, as transformers reads
+    them: layer i has the mixture when (i + 1) % sparse_step == 0 and i is not in dense_layers
+    (comma-separated); the others a dense MLP of d_ff (intermediate_size)."""
+    sparse_step: int
+    dense_layers: str
+
+
+def _sparse(cfg: ModelConfig) -> tuple[int, set[int]]:
+    o = read_options(cfg, SparseLayers)
+    try:
+        dense = {int(i) for i in o.dense_layers.split(",") if i.strip()} if isinstance(o.dense_layers, str) else None
+    except ValueError:
+        dense = None
+    if dense is None or any(not 0 <= i < cfg.n_layers for i in dense):
+        raise ValueError(f"family_options: dense_layers={o.dense_layers!r} must list layers 0..{cfg.n_layers - 1}")
+    return o.sparse_step, dense
+
+
+def _check_sparse(cfg: ModelConfig) -> None:
+    check_option("sparse_step", read_options(cfg, SparseLayers).sparse_step, int, lambda n: n >= 1)
+    _sparse(cfg)
+
+
+def sparse_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    step, dense = _sparse(cfg)
+    return layer not in dense and (layer + 1) % step == 0
+
+
+# the shared Block, its MLP the mixture in some layers: only models whose config.json says so carry the
+# options; the others (a mixture in every layer) are the shared Block's, as before this block existed
+SPARSE_LAYERS = OwnBlock(make=lambda cfg, router_losses=None, layer=0: Block(cfg, router_losses, cfg.layer_is_moe(layer)),
+                         parameter_shapes=lambda cfg, layer: cfg.shared_block_shapes(cfg.layer_is_moe(layer)),
+                         check=_check_sparse, moe_layer=sparse_moe_layer, optional=True)
+
+
+def sparse_layers_from_hf(hf: dict, where: str) -> dict:
+    """ModelConfig's family_options for a config.json's decoder_sparse_step and mlp_only_layers
+    (none when every layer has the mixture)."""
+    step, dense, layers = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or [], hf["num_hidden_layers"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ConfigError(f"{where}: config.json: decoder_sparse_step={step!r} must be a whole number >= 1")
+    if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
+        raise ConfigError(f"{where}: config.json: mlp_only_layers={dense!r} must list layers 0..{layers - 1}")
+    if step == 1 and not dense:
+        return {}
+    return {"sparse_step": step, "dense_layers": ",".join(str(i) for i in sorted(set(dense)))}
+
+
+def sparse_layers_to_hf(cfg: ModelConfig) -> dict:
+    if not cfg.family_options:
+        return {"decoder_sparse_step": 1, "mlp_only_layers": []}
+    step, dense = _sparse(cfg)
+    return {"decoder_sparse_step": step, "mlp_only_layers": sorted(dense)}
 
 
 FAMILY = moe_style(NAME, ("mixtral",), config_from_hf, config_to_hf, MIXTRAL_LAYER, MIXTRAL_EXPERTS, "Mixtral")
