@@ -1,10 +1,14 @@
-"""PowerSGD (--compress powersgd) against the uncompressed all-reduce, in two measurements:
+"""PowerSGD (--compress powersgd) and 1-bit Adam (--compress onebit) against the uncompressed
+all-reduce, in two measurements:
 
   loss  the `small` model on Shakespeare (BPE 8,192), 2 data-parallel processes, bf16, 300 steps of
         8 x 256 tokens: the validation curves as a plot, the final losses and the bytes a step sends
   link  two "nodes" (network namespaces joined by a veth pair, tests/netns.py; needs root) with the
         link limited by tc's token bucket, one process each under `strata launch`: the median step
         time with and without compression, one after the other in the same run
+
+  hpz   the same two nodes, two processes each (4 data-parallel ranks), ZeRO-3 against ZeRO-3 with
+        ZeRO++'s hpZ (--hpz-partition-size 2: the backward's gathers inside a node), in one run
 
   python bench/compression.py loss [--steps 300] [--out docs/img/compression_val_loss.png]
   python bench/compression.py link [--rate 100mbit] [--steps 12]
@@ -24,12 +28,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-RUNS = {"uncompressed": None, "powersgd rank 4": 4, "powersgd rank 1": 1}  # name: the factors' rank
+# name: (--compress, PowerSGD's rank)
+RUNS = {"uncompressed": ("none", None), "powersgd rank 4": ("powersgd", 4), "powersgd rank 1": ("powersgd", 1),
+        "1-bit Adam": ("onebit", None)}
 
 
-def flags(rank: int | None, after: int) -> list[str]:
-    return [] if rank is None else ["--compress", "powersgd", "--compress-rank", str(rank),
-                                    "--compress-after", str(after)]
+def flags(run: tuple[str, int | None], after: int) -> list[str]:
+    compress, rank = run
+    if compress == "none":
+        return []
+    return ["--compress", compress, *(["--compress-rank", str(rank)] if rank is not None else []),
+            "--compress-after", str(after)]
+
+
+def warm_up(run: tuple[str, int | None], steps: int) -> int:
+    """--compress-after for the loss runs: PowerSGD's 10 steps; for 1-bit Adam 15% of the run, long
+    enough for v to settle before it is frozen (frozen after 10 steps, it keeps the first steps' large
+    gradients and every later step is the smaller for it: 5.68 against 5.08 after 300 steps)."""
+    return steps * 15 // 100 if run[0] == "onebit" else 10
+
+
+def dp_bytes(record: dict) -> float:
+    """What a step sent over the data-parallel group, every collective (1-bit Adam's all-to-all and
+    all-gather, the others' all-reduces)."""
+    return sum(nbytes for op, nbytes in record["comm_bytes_by_op"].items() if op.endswith("/dp"))
 
 
 def _records(path: str, kind: str) -> list[dict]:
@@ -42,7 +64,7 @@ def loss(args) -> None:
         subprocess.run([sys.executable, "-m", "strata", "data", "prepare", "--source", "shakespeare",
                         "--tokenizer", "bpe:8192", "--out", data], check=True, env=ENV)
     curves, sent = {}, {}
-    for name, rank in RUNS.items():
+    for name, run in RUNS.items():
         metrics = os.path.join(args.work, f"{name.replace(' ', '_')}.jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)
@@ -50,9 +72,10 @@ def loss(args) -> None:
                         "--seq-len", "256", "--nproc", "2", "--micro-batch", "4", "--global-batch", "8",
                         "--steps", str(args.steps), "--lr", "2e-3", "--min-lr", "2e-4", "--warmup-steps", "10",
                         "--eval-every", str(max(args.steps // 12, 1)), "--eval-batches", "4", "--grad-clip", "0",
-                        "--metrics", metrics, "--no-progress", *flags(rank, 10)], check=True, env=ENV)
+                        "--metrics", metrics, "--no-progress", *flags(run, warm_up(run, args.steps))],
+                       check=True, env=ENV)
         curves[name] = [(r["step"] * 8 * 256, r["val_loss"]) for r in _records(metrics, "eval")]
-        sent[name] = _records(metrics, "train")[-1]["comm_bytes_by_op"].get("all_reduce/dp", 0.0)
+        sent[name] = dp_bytes(_records(metrics, "train")[-1])
 
     import matplotlib
     matplotlib.use("Agg")
@@ -68,7 +91,7 @@ def loss(args) -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=120)
     base = curves["uncompressed"][-1][1]
-    print("| run | validation loss at the start | at the end | against uncompressed | all-reduce bytes per step (rank 0) |")
+    print("| run | validation loss at the start | at the end | against uncompressed | dp bytes per step (rank 0) |")
     print("|---|---|---|---|---|")
     for name, points in curves.items():
         print(f"| {name} | {points[0][1]:.3f} | {points[-1][1]:.3f} | {points[-1][1] / base - 1:+.2%} | "
@@ -87,10 +110,49 @@ def link(args) -> None:
         hostfile = os.path.join(tmp, "hosts")
         with open(hostfile, "w") as f:
             f.write("".join(f"{ip} slots=1\n" for _, ip, _ in nodes))
-        for name, rank in RUNS.items():
+        for name, run in RUNS.items():
             port = str(free_port())
             train = ["train", "--model", "small", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "4",
-                     "--steps", str(args.steps), "--no-progress", "--eval-batches", "1", *flags(rank, 0)]
+                     "--steps", str(args.steps), "--no-progress", "--eval-batches", "1", *flags(run, 2)]
+            jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch",
+                                      "--hostfile", hostfile, "--master-port", port, "--", *train,
+                                      "--metrics", f"{tmp}/{i}.jsonl"], env=ENV,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for i, (ns, _, _) in enumerate(nodes)]
+            for i, job in enumerate(jobs):
+                if job.wait(timeout=1800):
+                    sys.exit(f"{name}: node {i}'s `strata launch` exited {job.returncode}")
+            steps = _records(f"{tmp}/0.jsonl", "train")[2:]  # past the first steps' warm-up (and --compress-after)
+            results[name] = (statistics.median(r["step_time_s"] for r in steps),
+                             statistics.median(dp_bytes(r) for r in steps))
+    base = results["uncompressed"][0]
+    print(f"| run ({args.rate} link, small, 2 x 2 x 64 tokens a step) | median step | speed-up | "
+          f"dp bytes per step |")
+    print("|---|---|---|---|")
+    for name, (seconds, nbytes) in results.items():
+        print(f"| {name} | {seconds:.3f} s | {base / seconds:.2f}x | {nbytes / 1e6:.2f} MB |")
+
+
+HPZ_RUNS = {"ZeRO-3": [], "ZeRO-3 + hpZ (K=2)": ["--hpz-partition-size", "2"]}
+
+
+def hpz(args) -> None:
+    """Two nodes of two ranks (ranks 0, 1 on the first: hpZ's node groups are the nodes): the median
+    step time and the bytes a rank sends over the dp group (crossing the link) and over the node group."""
+    import netns
+    from timing_checks import free_port
+    if not netns.available():
+        sys.exit("hpz: needs root and `ip netns` (two network namespaces joined by a veth pair)")
+    results = {}
+    with netns.two_nodes("h", "10.233.10") as nodes, tempfile.TemporaryDirectory() as tmp:
+        netns.shape(nodes, args.rate, "512kb")
+        hostfile = os.path.join(tmp, "hosts")
+        with open(hostfile, "w") as f:
+            f.write("".join(f"{ip} slots=2\n" for _, ip, _ in nodes))
+        for name, extra in HPZ_RUNS.items():
+            port = str(free_port())
+            train = ["train", "--model", "small", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "8",
+                     "--zero", "3", "--steps", str(args.steps), "--no-progress", "--eval-batches", "1", *extra]
             jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch",
                                       "--hostfile", hostfile, "--master-port", port, "--", *train,
                                       "--metrics", f"{tmp}/{i}.jsonl"], env=ENV,
@@ -100,19 +162,22 @@ def link(args) -> None:
                 if job.wait(timeout=1800):
                     sys.exit(f"{name}: node {i}'s `strata launch` exited {job.returncode}")
             steps = _records(f"{tmp}/0.jsonl", "train")[2:]  # past the first steps' warm-up
-            results[name] = (statistics.median(r["step_time_s"] for r in steps),
-                             statistics.median(r["comm_bytes_by_op"].get("all_reduce/dp", 0.0) for r in steps))
-    base = results["uncompressed"][0]
-    print(f"| run ({args.rate} link, small, 2 x 2 x 64 tokens a step) | median step | speed-up | "
-          f"all-reduce bytes per step |")
-    print("|---|---|---|---|")
-    for name, (seconds, nbytes) in results.items():
-        print(f"| {name} | {seconds:.3f} s | {base / seconds:.2f}x | {nbytes / 1e6:.2f} MB |")
+
+            def sent(group: str) -> float:
+                return statistics.median(sum(b for op, b in r["comm_bytes_by_op"].items() if op.endswith(f"/{group}"))
+                                         for r in steps)
+            results[name] = (statistics.median(r["step_time_s"] for r in steps), sent("dp"), sent("dp_node"))
+    base = results["ZeRO-3"][0]
+    print(f"| run ({args.rate} link between 2 nodes of 2 ranks, small, fp32, 4 x 2 x 64 tokens a step) | median step "
+          f"| speed-up | dp bytes per step (rank 0) | node-group bytes |")
+    print("|---|---|---|---|---|")
+    for name, (seconds, dp, node) in results.items():
+        print(f"| {name} | {seconds:.3f} s | {base / seconds:.2f}x | {dp / 1e6:.1f} MB | {node / 1e6:.1f} MB |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["loss", "link"])
+    parser.add_argument("what", choices=["loss", "link", "hpz"])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out", default="docs/img/compression_val_loss.png")
     parser.add_argument("--work", default="/tmp/strata-compression")
@@ -122,6 +187,9 @@ def main() -> None:
     if args.what == "loss":
         args.steps = args.steps or 300
         loss(args)
+    elif args.what == "hpz":
+        args.steps = args.steps or 8
+        hpz(args)
     else:
         args.steps = args.steps or 12
         link(args)

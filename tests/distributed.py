@@ -168,3 +168,17 @@ def assert_states_close(state: dict, reference: dict, dtype: str, lr: float) -> 
         off = (state[name] - value).abs() > 1e-4 + 1e-3 * value.abs()
         assert int(off.sum()) <= max(1, value.numel() // 1000), (name, int(off.sum()), value.numel())
         torch.testing.assert_close(state[name], value, rtol=0, atol=lr)
+
+
+def assert_compressed_runs_follow_the_rule(compressed: list, reference: list[float], plain: list[float],
+                                           uncompressed_steps: int) -> None:
+    """Every rank's losses of a compressed run equal the single-process rule's in fp64 (1e-10), and
+    the rule changed the run after its uncompressed steps (a compression that did nothing would pass
+    the first check): equal to the plain run's losses through the first compressed step's, apart at
+    the end."""
+    import pytest
+    import torch
+    for losses in compressed:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=0)
+        assert losses[:uncompressed_steps + 1] == pytest.approx(plain[:uncompressed_steps + 1], rel=1e-12)
+        assert abs(losses[-1] - plain[-1]) > 1e-8

@@ -19,7 +19,7 @@ from strata.train import trainer
 from strata.train.optim import lr_at
 
 from cli_runner import run_strata
-from distributed import run_on_ranks
+from distributed import assert_compressed_runs_follow_the_rule, run_on_ranks
 
 RANKS, RANK, AFTER, STEPS = 2, 2, 2, 6
 BASE = dict(model="tiny", seq_len=16, micro_batch=1, global_batch=4, steps=STEPS, progress=False, eval_batches=1,
@@ -91,11 +91,7 @@ def test_two_ranks_equal_the_single_process_rule_in_fp64():
     reference = single_process_rule()
     plain = run_on_ranks(_two_ranks, RANKS, {})[0]
     compressed = run_on_ranks(_two_ranks, RANKS, COMPRESSED)
-    for losses in compressed:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=0)
-    # the rule changed the run after its uncompressed steps (a compression doing nothing would pass above)
-    assert losses[:AFTER + 1] == pytest.approx(plain[:AFTER + 1], rel=1e-12)
-    assert abs(losses[-1] - plain[-1]) > 1e-8
+    assert_compressed_runs_follow_the_rule(compressed, reference, plain, AFTER)
 
 
 def _step_bytes(settings: dict) -> dict:
@@ -127,7 +123,7 @@ def test_a_compressed_step_all_reduces_the_formulas_elements():
 @pytest.mark.parametrize("flags,needle", [
     (["--compress", "powersgd"], "--compress powersgd: compresses the data-parallel reduction, and dp is 1"),
     (["--nproc", "2", "--compress", "powersgd", "--zero", "1"], "replaces ZeRO-0's all-reduce; zero is 1"),
-    (["--nproc", "2", "--compress", "topk"], "--compress topk: valid: none, powersgd"),
+    (["--nproc", "2", "--compress", "topk"], "--compress topk: valid: none, powersgd, onebit"),
     (["--nproc", "2", "--compress-rank", "8"], "--compress-rank 8: only with --compress powersgd"),
     (["--nproc", "2", "--compress", "powersgd", "--compress-rank", "0"], "--compress-rank 0: must be >= 1"),
     (["--nproc", "4", "--tp", "2", "--compress", "powersgd"], "runs with data parallelism alone for now"),
@@ -164,6 +160,23 @@ def test_the_planners_shares_are_the_runtimes_and_its_bytes_fall_by_them():
     p_share, q_share, _ = powersgd_fractions(cfg, 4)
     assert b.comm_bytes["dp"] == pytest.approx(a.comm_bytes["dp"] * (p_share + q_share), rel=1e-3)
     assert b.fits and b.step_time_s < a.step_time_s
+
+
+def test_the_search_proposes_compression_where_it_pays_and_auto_leaves_it_to_the_user():
+    """1B on 64 A100s over 10 GbE: data parallelism's compressed twins are searched, PowerSGD wins and
+    --explain says what the best uncompressed layout loses; --parallel auto's search (compress=False)
+    offers none, since it keeps the user's --compress."""
+    from strata.model.presets import get_preset
+    from strata.plan.inputs import build_cluster, workload
+    from strata.plan.search import explain, search
+    work, cluster = workload(get_preset("llama-1b"), 512, 2048, "bf16"), build_cluster("A100-80G", 8, 8, None, "10gbe")
+    ranked, rejected = search(work, cluster, offload=False)
+    assert ranked[0].layout.compress == "powersgd" and ranked[0].layout.tp == ranked[0].layout.pp == 1
+    assert {e.layout.compress for e in ranked} == {"none", "powersgd", "onebit"}
+    lines = explain(ranked[0], ranked, rejected, cluster)
+    assert any(line.startswith("without compressed gradients: best is") and "slower" in line for line in lines)
+    auto, _ = search(work, cluster, offload=False, compress=False)
+    assert {e.layout.compress for e in auto} == {"none"}
 
 
 def _wire_dtypes() -> set:

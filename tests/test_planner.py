@@ -73,7 +73,8 @@ def test_zero3_moves_3_psi_and_on_10_gbe_the_planner_refuses_it():
     assert elements == pytest.approx(195e9, rel=0.03)  # "65B: 195 G elements"
     assert e.comm_seconds["dp"] > 120  # minutes per step on 10 Gb/s
     ranked, rejected = search(work, cluster)
-    assert all(r.layout.zero != 3 for r in ranked)
+    # (ZeRO-3 within a pipeline stage moves a stage's share, over a few ranks: it may rank)
+    assert all(r.layout.zero != 3 or r.layout.pp > 1 for r in ranked)
     assert any(n.startswith("refused: communication alone takes") for r in rejected if r.layout.zero == 3 for n in r.notes)
 
 

@@ -79,6 +79,14 @@ class ParallelDims:
             made.append(mine)
         return made[0], made[1]
 
+    def node_group(self, size: int, timeout_s: float):
+        """The `size` adjacent dp ranks at this rank's (pp, tp) place (cp 1), inside a node as hybrid
+        sharding's shard group is: ZeRO++'s hpZ group. Every rank creates every such group; this rank's."""
+        everywhere = [[self.rank_at(pp, start + s, tp) for s in range(size)] for pp in range(self.pp)
+                      for tp in range(self.tp) for start in range(0, self.dp, size)]
+        mine, _ = dist.new_subgroups_by_enumeration(everywhere, timeout=timedelta(seconds=timeout_s))
+        return mine
+
     def replica_group(self, mesh: DeviceMesh, timeout_s: float):
         """The process group of the ranks that average their gradients: the mesh's dp group, or with
         context parallelism the dp x cp ranks at this rank's (pp, tp) place (torchtitan's
@@ -195,6 +203,12 @@ class Mesh:
 
     def embedding_group(self):
         return embedding_group(self.dims, self.rank, self.timeout_s)
+
+    def node_axis(self, size: int) -> Axis | None:
+        """ZeRO++'s hpZ group ("dp_node": `size` adjacent dp ranks, ParallelDims.node_group); None for size 1."""
+        if size == 1:
+            return None
+        return Axis(self.dims.node_group(size, self.timeout_s), "dp_node", size, self.coordinate("dp") % size)
 
     def side_group(self):
         """A gloo group of every rank, apart from the training's own groups: checkpoint saves

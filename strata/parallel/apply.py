@@ -27,6 +27,7 @@ from strata.parallel.context import apply_context_parallel
 from strata.parallel.data import DataParallel, DataParallelSettings
 from strata.parallel.expert import ExpertAxes, ExpertSplit, apply_expert_parallel, set_capacity
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
+from strata.parallel.onebit_adam import OnebitReplicate
 from strata.parallel.pipeline.stage import keep_stage, tied_copy
 from strata.parallel.powersgd import PowerSGDReplicate
 from strata.parallel.sharding import ShardingStrategy
@@ -44,7 +45,7 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                 dp_group=None, tp_group=None, stage: tuple[PipelineLayout, int, object] | None = None,
                 offload_dir: str | None = None, rank: int = 0, grid: GridGroups | None = None,
                 experts: ExpertAxes | None = None, context=None,
-                hybrid: tuple[object, object] | None = None) -> tuple[Transformer, DataParallel]:
+                hybrid: tuple[object, object] | None = None, node=None) -> tuple[Transformer, DataParallel]:
     """stage: (the pipeline layout, this rank's stage, the pipeline process group), or None.
     offload_dir, rank: where and under which rank's name offloaded parameters and activations go.
     grid: this rank's place and sub-groups under 2-D, 2.5-D or 3-D tensor parallelism.
@@ -52,7 +53,8 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
     context: this rank's context-parallel group (an Axis, with --cp > 1); dp_group is then the
     dp x cp ranks, over which the gradients are averaged.
     hybrid: hybrid sharding's (shard group, replica group): ZeRO shards over the first, and the
-    gradient shards are all-reduced over the second."""
+    gradient shards are all-reduced over the second.
+    node: ZeRO++'s hpZ group (a mesh Axis, --hpz-partition-size), which ZeRO-3's backward gathers over."""
     lay = cfg.layout
     model = build_model(model_cfg, seed=None)  # meta device: nothing allocated yet
     if grid is not None:
@@ -81,11 +83,14 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                                     **on_wire)
     if hybrid is not None:
         settings = replace(settings, dp_group=hybrid[0], replica_group=hybrid[1], group_name="dp_shard")
-    if lay.zero == 3:  # (without pipeline stages: no tied copy to leave out)
+    if lay.zero == 3:
         # Materialised one unit at a time, shard by shard: the full model never exists on a rank.
         offload = OffloadedShards(Tier(lay.offload_params, "params", offload_dir, rank)) \
             if lay.offload_params != "none" else None
-        sharding: ShardingStrategy = ShardParameters(model, settings, init, device, dtype, offload)
+        settings = replace(settings, keep_gathered=not lay.reshard_after_forward)
+        sharding: ShardingStrategy = ShardParameters(model, settings, init, device, dtype, offload, node)
+        tied = tied_copy(model, stage[0], stage[1]) if stage is not None else None  # the unit's parameter now
+        settings = replace(settings, counted_elsewhere=frozenset({id(tied)} if tied is not None else ()))
     else:
         model = model.to_empty(device=device).to(dtype)
         with torch.no_grad():
@@ -107,10 +112,13 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         elif lay.compress == "powersgd":
             sharding = PowerSGDReplicate([p for _, p in trainable], settings, lay.compress_rank, lay.compress_after,
                                          cfg.seed)
+        elif lay.compress == "onebit":
+            sharding = OnebitReplicate([p for _, p in trainable], settings, lay.compress_after)
         else:
             sharding = BUCKET_STAGES[lay.zero]([p for _, p in trainable], settings)
         if SCHEDULES[lay.schedule].asynchronous and lay.zero == 0:  # weight stashing swaps the parameters' storage
             sharding.separate_optimizer_targets()
+    model.init_state_buffers(device, dtype)
     model.reset_buffers()
     return model, DataParallel(model, sharding, settings, activations)
 

@@ -44,6 +44,9 @@ class DataParallelSettings:
     # hybrid sharding: dp_group is then the shard group, and this the ranks holding the same shard
     # (the gradient shards are all-reduced over it after the reduce-scatters; None: flat ZeRO)
     replica_group: object = None
+    # ZeRO-3 under a pipeline (pp_group set): keep the stage's units gathered through the step's
+    # micro-batches and reduce-scatter once (Layout.reshard_after_forward off); else per micro-batch
+    keep_gathered: bool = False
 
     @property
     def replica_size(self) -> int:
@@ -100,11 +103,24 @@ class DataParallel:
             self._sum_partial_grads_over_tp()
             self._sum_over_replicas()
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, embedding_group=None) -> None:
         """After a pipeline schedule, which ran every backward inside `backward(False)`: reduce
         the accumulated gradients now, every bucket at once (the schedule's last backwards are
-        spread over chunks and ranks, so there is no one backward to overlap with)."""
+        spread over chunks and ranks, so there is no one backward to overlap with).
+        embedding_group: the first and last stage, whose copies of a tied embedding get the sum of
+        their gradients: ZeRO-0/1/2 sum the whole gradient before the data-parallel reduction (ZeRO-2
+        accumulates it whole under a pipeline); ZeRO-3 sums the reduced shards after it, the matrix
+        being a unit of its own on both stages, sharded alike (1/dp of the bytes)."""
+        tied = self.model.tied_weight() if embedding_group is not None else None
+        if tied is not None and self.stage < 3:
+            comm.all_reduce(tied.grad, embedding_group, "embedding")
         self.sharding.reduce_all()
+        if tied is not None and self.stage == 3:
+            shards = [g for g, p in self.sharding.grad_pairs() if p is tied]
+            flat = torch.cat([g.reshape(-1) for g in shards])
+            comm.all_reduce(flat, embedding_group, "embedding")
+            for g, piece in zip(shards, flat.split([g.numel() for g in shards])):
+                g.copy_(piece.view_as(g))
         self._sum_partial_grads_over_tp()
         self._sum_over_replicas()
 

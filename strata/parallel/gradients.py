@@ -22,6 +22,7 @@ param_and_grad_buffer; Rajbhandari et al., "ZeRO", SC 2020):
 - ZeRO-2 (`ShardGradients`): no full gradient buffer: a bucket is staged while backward fills it,
   reduce-scattered, added into this rank's gradient shard and freed; with gradient accumulation
   this runs every micro-batch (as in DeepSpeed), since no full gradient survives between them.
+  Under a pipeline autograd accumulates them whole; one reduce-scatter follows the schedule.
 Per step and rank each moves 2Ψ(N-1)/N: an all-reduce, or a reduce-scatter plus an all-gather.
 Gradients travel in the reduce dtype, ZeRO-1/2's parameters in the gather dtype (bf16: the
 weights are bf16 copies of fp32 master shards, `_ShardedBuckets`). Each stage is a
@@ -130,6 +131,7 @@ class _Buckets:
 
     def reduce_all(self) -> None:
         if self.group is not None:
+            self.reductions.sync = True  # ZeRO-2 collects (from autograd's accumulated gradients) now
             self.reductions.complete()  # collects every bucket first: none was launched
 
     def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
@@ -351,10 +353,10 @@ class ShardGradients(_ShardedBuckets):
     (plan/cost.py: _buffers)."""
 
     stage = 2
-    reduce_every_micro_batch = True
 
     def __init__(self, params: list[nn.Parameter], settings):
         super().__init__(params, settings)
+        self.reduce_every_micro_batch = settings.pp_group is None  # a pipeline's: once, in reduce_all
         self.shard_grad_buffer = torch.zeros(self.total // self.dp_size, dtype=self.master_dtype,
                                              device=params[0].device)
         self._staging: dict[int, torch.Tensor] = {}  # bucket index -> the buffer its gradient is staged in
@@ -382,8 +384,8 @@ class ShardGradients(_ShardedBuckets):
         return self._staging[bucket.index][:bucket.size]
 
     def _collect(self, bucket: Bucket, param: nn.Parameter) -> None:
-        if param.grad is None:  # collected already, or no gradient reached it: the staging holds zeros
-            return
+        if param.grad is None or not self.reductions.sync:  # collected, or none came (zeros staged); or
+            return  # accumulating in autograd's gradient until reduce_all (a pipeline's)
         offset = self._offset_of[id(param)] - bucket.start
         self._staging_for(bucket)[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None  # the full gradient is not kept: that is ZeRO-2

@@ -40,7 +40,7 @@ class ShardingStrategy(Protocol):
     metrics use it."""
 
     stage: int  # the ZeRO stage, 0 to 3
-    reduce_every_micro_batch: bool  # no full gradient survives a micro-batch (ZeRO-2/3)
+    reduce_every_micro_batch: bool  # no full gradient survives a micro-batch (ZeRO-2/3; ZeRO-2 not under a pipeline)
     # ZeRO-Infinity: gradient shards leave memory as they are reduced, and the strategy sums the
     # tensor-parallel partial gradients then (DataParallel does it for every other one)
     offloaded: bool

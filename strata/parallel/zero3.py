@@ -14,6 +14,15 @@ gathered from its forward until the head's backward has used it (the head reads 
 A unit's full parameters are views into one flat tensor whose storage is resized to zero when the
 unit is freed and back when it is gathered, so autograd's saved references stay valid.
 
+Under a pipeline (`stage_units`) a stage shards its own units over its dp group, and the backward
+context wraps the whole schedule. With reshard_after_forward (FSDP's name; the default) each
+micro-batch gathers and reduce-scatters as above: m x 3Ψ_stage(N-1)/N, no full gradient kept.
+Without it (torchtitan's choice with pipelining) the stage's units are gathered once, kept
+through its micro-batches, their gradients summed whole and reduce-scattered once after the
+schedule: 2Ψ_stage(N-1)/N, for holding the stage's parameters and gradients whole. A tied
+embedding is a unit of its own on the first and the last stage, so the copies' gradient shards are
+summed over the two stages (parallel/data.py), 1/N of the matrix each.
+
 The shards are the fp32 masters the optimizer updates. With a gather dtype (`--gather-dtype bf16`,
 FSDP2's param_dtype; ZeRO-1/2 use it alike, strata/parallel/gradients.py) each gather sends the
 shard cast to it, so the full parameters, and the layers computing with them, are in that dtype,
@@ -29,6 +38,13 @@ an earlier micro-batch of the step left one), with the per-piece norms of the fi
 then, so that clipping needs no second pass. The optimizer runs a unit at a time (`stream_units`),
 the shard and gradient read, the clip applied, the updated shard written back. One process
 (dp 1) runs the same code with copies for collectives, as ZeRO-Infinity does on one device.
+
+ZeRO++'s hpZ (Wang et al. 2023, section 3.2; `--hpz-partition-size K`, DeepSpeed's
+zero_hpz_partition_size): the shards, the optimizer and the reduce-scatters stay over all N ranks;
+a unit freed after its forward leaves each rank 1/K of it (the gather dtype's), and its backward
+gathers it from the K adjacent ranks of the node group ("dp_node") alone. Per micro-batch:
+Ψ(N-1)/N gathered forward and Ψ(N-1)/N reduce-scattered over dp, Ψ(K-1)/K gathered backward over the
+node; Ψ/K more held from the forward to the backward (zero3_units.py).
 
 Here: the strategy (`ShardParameters`, what data parallelism calls) and where a reduced gradient
 shard goes; zero3_units.py: the units, their layout and the gathers; zero3_hooks.py: the forward,
@@ -63,21 +79,21 @@ class ShardParameters:
 
     def __init__(self, model: nn.Module, settings, init_fn: Callable[..., torch.Tensor] | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 offload: OffloadedShards | None = None):
+                 offload: OffloadedShards | None = None, node=None):
         """model may be on the meta device: then init_fn(name, (start, end)) gives the elements
         [start, end) of each parameter's initial value (of this rank's tensor-parallel slice,
         flattened): a rank makes only its shard. offload: the tier the shards and their gradients
-        live in (None: in memory)."""
+        live in (None: in memory). node: hpZ's group (a mesh Axis), or None."""
         self.model, self.settings, self.group, self.offload = model, settings, settings.dp_group, offload
         self.offloaded = offload is not None
         self.dp_size, self.dp_rank = settings.dp_size, settings.dp_rank
         self.final = True  # this backward is the step's last micro-batch (its gradients are final)
         self.clip: tuple[float, torch.Tensor] | None = None  # offloaded: applied as the optimizer reads
         names = {id(p): n for n, p in model.named_parameters()}
-        tied = model.tied_weight() is not None  # the head reads the first unit's matrix last: keep it
-        self.units = [Unit(i, mods, keep_after_forward=(i == 0 and tied)) for i, mods in enumerate(model.units())]
-        assert len(self.units) == unit_count(len(model.layers())), "the planner prices rules/units.py's units"
-        self.gathers = UnitGathers(self.units, settings, offload)
+        self.units = stage_units(model, settings.pp_group is not None, settings.keep_gathered)
+        if settings.pp_group is None:
+            assert len(self.units) == unit_count(len(model.layers())), "the planner prices rules/units.py's units"
+        self.gathers = UnitGathers(self.units, settings, offload, node)
         for unit in self.units:
             self.gathers.materialise(unit, names, init_fn, device, dtype)
         self.pieces, self.shard_params = self.gathers.pieces, self.gathers.shard_params
@@ -136,7 +152,7 @@ class ShardParameters:
         self.hooks.finish_backward()
 
     def reduce_all(self) -> None:
-        raise NotImplementedError("ZeRO-3 runs without pipeline stages (strata/rules/layout.py refuses it)")
+        """Nothing: under a pipeline the backward context around the schedule reduced every unit."""
 
     def grad_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         return [(s.grad, pc.param) for pc, s in zip(self.pieces, self.shard_params)]
@@ -175,7 +191,7 @@ class ShardParameters:
 
     def separate_optimizer_targets(self) -> None:
         """Nothing: the optimizer updates this rank's shards, never the parameter objects (and
-        ZeRO-3 runs without the pipeline schedules that ask for it)."""
+        ZeRO-3 runs without the asynchronous schedules that ask for it)."""
 
     @contextmanager
     def in_memory(self):
@@ -210,7 +226,8 @@ class ShardParameters:
         return sharded_optimizer_pieces(self.pieces, self.shard_params)
 
     def after_step(self) -> None:
-        """Nothing: the updated shards are what the next forward gathers."""
+        """The updated shards are what the next forward gathers; hpZ's copies (of the old values) go."""
+        self.gathers.drop_secondaries()
 
     def overlap_gathers(self, units) -> None:
         """Nothing: the units' hooks gather (zero3_hooks.py)."""
@@ -243,3 +260,26 @@ class ShardParameters:
             if name in self.model.state_dict():
                 state[name] = buf.detach().clone()
         return state
+
+
+def stage_units(model: nn.Module, pipelined: bool, keep_gathered: bool) -> list[Unit]:
+    """The units of the model this rank holds. Alone, the model's own (a tied embedding's unit kept
+    from its forward to the head's backward). A pipeline stage holds some of them: the others are
+    left out; a tied matrix is a unit of its own on the first stage and on the last (where the head
+    reads it, its unit kept gathered through the schedule, read by the outputs' unit), so that the
+    two copies are sharded alike and their gradients summed shard by shard; with keep_gathered,
+    every unit stays gathered through the step's micro-batches."""
+    groups = [modules for modules in model.units() if modules]
+    tied = model.tied_weight()
+    if not pipelined:
+        return [Unit(i, mods, keep_after_forward=(i == 0 and tied is not None)) for i, mods in enumerate(groups)]
+    if tied is not None:
+        owner = next(m for m in groups[0] if any(p is tied for p in m.parameters(recurse=False)))
+        rest = [m for m in groups[0] if m is not owner]
+        groups = [[owner], *([rest] if rest else []), *groups[1:]]
+    reads_tied = tied is not None and bool(model.output_layers())  # the last stage: its head reads the matrix
+    units = [Unit(i, mods, keep_after_forward=keep_gathered or (reads_tied and i == 0),
+                  keep_through_step=keep_gathered or (reads_tied and i == 0)) for i, mods in enumerate(groups)]
+    if reads_tied:
+        units[-1].reads.append(units[0])
+    return units

@@ -3,7 +3,7 @@
 
   forward:  a unit's pre-hook gathers it (prefetched while the unit before ran) and prefetches the
             next; its last module's hook frees it (a tied embedding's unit is kept: the head reads
-            its matrix last)
+            its matrix last), under hpZ keeping this rank's 1/K of it for the backward's gather
   backward: a unit's pre-hook gathers it again and prefetches the previous one; each parameter's
             post-accumulate-grad hook stages its gradient in the unit's flat staging buffer, and
             the last one reduce-scatters the buffer and frees the unit
@@ -11,7 +11,13 @@
 At most MAX_IN_FLIGHT reduce-scatters are outstanding, which bounds the full gradients alive at
 once; those already done are retired first, so backward waits only while more are still running
 (the buckets' queue, bucket_reductions.InFlight); a completed one hands this rank's reduced shard to `receive` (the strategy: added to the
-gradient shard in memory, or sent to ZeRO-Infinity's tier)."""
+gradient shard in memory, or sent to ZeRO-Infinity's tier).
+
+Under a pipeline the schedule interleaves micro-batches and chunks: with reshard_after_forward (the
+default) a unit is gathered and reduce-scattered as above for each micro-batch, its arrivals counted
+afresh after each reduce-scatter; without it (keep_gathered) every unit stays gathered from its first
+use to the schedule's end, each micro-batch's gradients are added into its staging, and
+`finish_backward` reduce-scatters each unit once."""
 
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ class UnitHooks:
         self.gathers, self.units, self.settings, self.receive = gathers, gathers.units, settings, receive
         self.group, self.dp_size, self.dp_rank = settings.dp_group, settings.dp_size, settings.dp_rank
         self.offload = gathers.offload
+        self.keep_gathered = settings.keep_gathered and settings.pp_group is not None
         # (unit, its reduce-scatter or None on one process), oldest first
         self.in_flight = InFlight(self._received, MAX_IN_FLIGHT)
         # held by the parameters' C++ side: removed at remove() (see BucketReductions)
@@ -78,12 +85,14 @@ class UnitHooks:
 
     # --- forward ----------------------------------------------------------------------------------
     def _before_forward(self, unit: Unit, module, args) -> None:
+        for read in unit.reads:
+            self.gathers.ensure_gathered(read)
         self.gathers.ensure_gathered(unit)
         self._prefetch(unit.index + 1, 1)
 
     def _after_forward(self, unit: Unit, module, args, output) -> None:
         if not unit.keep_after_forward:
-            self.gathers.free(unit)
+            self.gathers.free(unit, keep_secondary=torch.is_grad_enabled())  # hpZ: a backward will follow
 
     def _after_model_forward(self, module, args, output) -> None:
         if not torch.is_grad_enabled():  # no backward will come to free the kept units
@@ -93,6 +102,8 @@ class UnitHooks:
 
     # --- backward ---------------------------------------------------------------------------------
     def _before_backward(self, unit: Unit, module, grad_output) -> None:
+        for read in unit.reads:
+            self.gathers.ensure_gathered(read)
         self.gathers.ensure_gathered(unit)
         self._prefetch(unit.index - 1, -1)
 
@@ -105,35 +116,46 @@ class UnitHooks:
             unit.staging = self._new_staging(unit)
             self.gathers.count_buffers()
         offset = unit.offset_of[id(param)]
-        unit.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        target = unit.staging[offset:offset + param.numel()]
+        if self.keep_gathered:  # every micro-batch's gradient added up, reduced once by finish_backward
+            target.add_(param.grad.reshape(-1))
+            param.grad = None
+            return
+        target.copy_(param.grad.reshape(-1))
         param.grad = None
         unit.ready += 1
         if unit.ready == len(unit.bucket.params):
             self._reduce(unit)
-            self.gathers.free(unit)
+            if not unit.keep_through_step:
+                self.gathers.free(unit)
 
     def _reduce(self, unit: Unit) -> None:
-        if unit.staging is None:  # no gradient reached this unit: reduce zeros
-            unit.staging = self._new_staging(unit)
+        # no gradient reached this unit: reduce zeros
+        staging = unit.staging if unit.staging is not None else self._new_staging(unit)
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
-        work = None if self.group is None else comm.reduce_scatter(unit.staging[lo:hi], unit.staging, self.group,
+        work = None if self.group is None else comm.reduce_scatter(staging[lo:hi], staging, self.group,
                                                                     self.settings.group_name, async_op=True)
-        unit.ready = -1  # reduced for this backward
-        self.in_flight.add(unit, work)  # bounds the full gradients alive at once
+        # the next micro-batch of a pipeline stages into a new buffer while this one is reduced
+        unit.staging, unit.ready, unit.reduced = None, 0, True
+        unit.reducing.append(staging)
+        self.in_flight.add((unit, staging), work)  # bounds the full gradients alive at once
 
-    def _received(self, unit: Unit) -> None:
+    def _received(self, key: tuple[Unit, torch.Tensor]) -> None:
+        unit, staging = key
         lo, hi = unit.bucket.shard(self.dp_rank, self.dp_size)
-        reduced, unit.staging = unit.staging[lo:hi], None
-        self.receive(unit, reduced)
+        unit.reducing = [s for s in unit.reducing if s is not staging]
+        self.receive(unit, staging[lo:hi])
 
     def finish_backward(self) -> None:
-        """After a micro-batch's backward: reduce the units no gradient completed, wait for every
-        reduce-scatter, free what is still gathered."""
+        """After a micro-batch's backward (or a pipeline's schedule): reduce the units no gradient
+        completed (with keep_gathered, every unit, once), wait for every reduce-scatter, free what
+        is still gathered."""
         for unit in self.units:
-            if unit.ready != -1:
+            if not unit.reduced or unit.staging is not None:
                 self._reduce(unit)
         self.in_flight.complete_all()
         for unit in self.units:
-            unit.ready = 0
+            unit.reduced = False
             if unit.gathered:
                 self.gathers.free(unit)
+        self.gathers.drop_secondaries()  # hpZ: those no backward gathered

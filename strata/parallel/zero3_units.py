@@ -7,6 +7,12 @@ is freed and back when it is gathered, so autograd's saved references stay valid
 its shard of the fp32 masters (`shard`) always. With a gather dtype (FSDP2's param_dtype) `full`
 is in that dtype and each gather sends the shard cast to it.
 
+ZeRO++'s hpZ (Wang et al. 2023, section 3.2; `--hpz-partition-size K`): a unit freed after a forward
+that backward will follow leaves this rank its slice of the gathered unit (`secondary`: 1/K of it,
+in the gather dtype), and the unit's next gather assembles it from the K ranks of its node group
+(intra-node) instead of the N ranks' shards; the copy goes once gathered, or when the parameters
+change (the optimizer step).
+
 An offloaded shard (ZeRO-Infinity, strata/memory/offloaded_shards.py) is read in before its
 gather and dropped once gathered."""
 
@@ -26,8 +32,12 @@ from strata.parallel.sharding import gather_shards, tensor_bytes
 class Unit:
     """Modules whose parameters are gathered and freed together; one shard of them per rank."""
 
-    def __init__(self, index: int, modules: list[nn.Module], keep_after_forward: bool):
+    def __init__(self, index: int, modules: list[nn.Module], keep_after_forward: bool, keep_through_step: bool = False):
         self.index, self.modules, self.keep_after_forward = index, modules, keep_after_forward
+        # under a pipeline: gathered until the schedule ends, not freed by its reduce-scatters (every
+        # unit with reshard_after_forward off; a last stage's tied matrix, which the head reads first)
+        self.keep_through_step = keep_through_step
+        self.reads: list[Unit] = []  # units this one's forward and backward read too (a head: the tied matrix)
         self.slots: list[tuple[nn.Module, str, str]] = []  # (owning module, attribute, full name)
         self.full: torch.Tensor | None = None  # flat, all parameters of the unit (when gathered)
         self.shard: torch.Tensor | None = None  # this rank's slice, always held
@@ -36,8 +46,11 @@ class Unit:
         self.offset_of: dict[int, int] = {}  # id(parameter) -> its offset in `full`
         self.gathered, self.pending_gather = False, None
         self.gather_source: torch.Tensor | None = None  # the shard in the gather dtype, while it is sent
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/K of the gathered unit, forward to backward
         self.staging: torch.Tensor | None = None  # the full gradient, during backward
-        self.ready = 0  # gradients arrived this backward (-1: the unit is reduced)
+        self.reducing: list[torch.Tensor] = []  # earlier stagings whose reduce-scatter is in flight
+        self.ready = 0  # gradients arrived since its last reduce-scatter
+        self.reduced = False  # reduce-scattered in this backward (or schedule)
         self.pieces: list[int] = []  # indices of its pieces in UnitGathers.pieces
         self.grad_norms: list[torch.Tensor] = []  # offloaded: per piece, of the final gradient
 
@@ -45,8 +58,9 @@ class Unit:
 class UnitGathers:
     """Every unit's layout and shards, and the all-gathers that assemble a unit and the frees."""
 
-    def __init__(self, units: list[Unit], settings, offload: OffloadedShards | None):
-        self.units, self.settings, self.offload = units, settings, offload
+    def __init__(self, units: list[Unit], settings, offload: OffloadedShards | None, node=None):
+        """node: hpZ's group (a mesh Axis, "dp_node"), or None."""
+        self.units, self.settings, self.offload, self.node = units, settings, offload, node
         self.group, self.dp_size, self.dp_rank = settings.dp_group, settings.dp_size, settings.dp_rank
         self.pieces: list[Piece] = []  # this rank's part of each parameter, unit by unit
         self.shard_params: list[torch.Tensor] = []  # the pieces' views of the shards, each with its .grad
@@ -105,8 +119,14 @@ class UnitGathers:
         """Start the all-gather of a unit's parameters (no wait; an offloaded shard is read first)."""
         if unit.gathered or unit.pending_gather is not None:
             return
-        self.load_shard(unit)
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        if unit.secondary is not None:  # hpZ: from the node's copies (no offload with it: rules/layout.py)
+            unit.gather_source = unit.secondary
+            unit.pending_gather = comm.all_gather(unit.full, unit.secondary, self.node.group, self.node.name,
+                                                  async_op=True)
+            self.count_buffers()
+            return
+        self.load_shard(unit)
         unit.gather_source = unit.shard.to(unit.full.dtype)  # the shard itself without a gather dtype
         if self.group is None:  # one process: the shard is the whole unit
             unit.full.copy_(unit.gather_source)
@@ -121,17 +141,29 @@ class UnitGathers:
         self.gather(unit)
         if unit.pending_gather is not None:
             unit.pending_gather.wait()
-            unit.pending_gather = unit.gather_source = None
+            unit.pending_gather = unit.gather_source = unit.secondary = None
             unit.gathered = True
             self.drop_shard(unit)
 
-    def free(self, unit: Unit) -> None:
+    def free(self, unit: Unit, keep_secondary: bool = False) -> None:
+        """keep_secondary: under hpZ, keep this rank's slice of the unit for its backward's gather."""
+        if keep_secondary and self.node is not None and unit.secondary is None:
+            size = unit.full.numel() // self.node.size  # the unit is padded to a multiple of dp, which K divides
+            unit.secondary = unit.full[self.node.rank * size:(self.node.rank + 1) * size].clone()
         unit.full.untyped_storage().resize_(0)
         unit.gathered = False
+        if keep_secondary:
+            self.count_buffers()
+
+    def drop_secondaries(self) -> None:
+        """The parameters changed (or the backward is over): hpZ's copies are stale."""
+        for unit in self.units:
+            unit.secondary = None
 
     def count_buffers(self) -> None:
-        """Track the peak of gathered units and staged gradients alive at once."""
+        """Track the peak of gathered units, staged gradients (and hpZ's copies) alive at once."""
         alive = sum(u.full.untyped_storage().nbytes() + (tensor_bytes([u.staging]) if u.staging is not None else 0)
+                    + tensor_bytes(u.reducing) + (tensor_bytes([u.secondary]) if u.secondary is not None else 0)
                     for u in self.units)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, alive)
 

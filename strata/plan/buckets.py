@@ -92,10 +92,11 @@ def bucket_parts(cfg: ModelConfig, layers: int, first: bool, last: bool, experts
     return Parts(tuple(Counter(fills).items()), fills[-1])
 
 
-def unit_parts(layers: float, params: float) -> Parts:
-    """ZeRO-3's collectives: one per unit (a rank holds every block: no pipeline with ZeRO-3),
-    each priced at an equal share of the parameters."""
-    units = unit_count(max(1, round(layers)))
+def unit_parts(layers: float, params: float, first: bool = True, last: bool = True) -> Parts:
+    """ZeRO-3's collectives: one per unit a rank holds (its blocks, and the embedding's and the
+    head's units on a pipeline's first and last stage), each priced at an equal share of the
+    parameters."""
+    units = unit_count(max(1, round(layers))) - (not first) - (not last)
     return Parts(((params / units, units),), params / units)
 
 
@@ -103,7 +104,7 @@ def collective_parts(cfg: ModelConfig, lay: Layout, layers: int, first: bool, la
                      params: float, bucket_mb: float) -> Parts:
     """What each of a rank's data-parallel collectives carries under its ZeRO stage."""
     if lay.zero == 3:
-        return unit_parts(layers, params)
+        return unit_parts(layers, params, first, last)
     group = expert_group(lay)[0] if experts else lay.shards  # the ranks a bucket is sharded over
     parts = bucket_parts(cfg, layers, first, last, experts, params, bucket_mb, group)
     if lay.compress == "powersgd":

@@ -37,8 +37,10 @@ from strata.plan.memory import (
     activation_bytes_per_layer,
     device_overhead,
     head_bytes,
+    hpz_bytes,
     optimizer_rate,
     overhead_note,
+    pipelined_zero_bytes,
 )
 from strata.plan.offload import offload_cost, offloads
 from strata.plan.stages import StageLoad, bubble_seconds, micro_batches_in_flight, stage_loads
@@ -196,7 +198,9 @@ def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: St
         (head_bytes(cfg, lay, work.seq_len, terms.act_bytes, work.logits_chunk_bytes) if load.last else 0)
     memory = {"weights": states.weights, "gradients": states.grads,
               "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
-              "activations": activations, "buffers": _buffers(cfg, lay, t, load, bucket_mb_for(work, lay))}
+              "activations": activations, "buffers": _buffers(cfg, lay, t, load, bucket_mb_for(work, lay))
+              + pipelined_zero_bytes(lay.zero, lay.pp, lay.reshard_after_forward, load.params / t, lay.gather_dtype,
+                                     lay.reduce_dtype) + hpz_bytes(lay, load.params / t)}
     if lay.tp_mode != "1d":
         memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from strata.plan.buckets import Parts
 from strata.plan.links import Cluster, collective_seconds
+from strata.rules.compression import onebit_wire_bytes
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 
@@ -38,7 +39,8 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
     reduce dtype, parameters (ZeRO-3's gathers, ZeRO-1/2's of the updated shards) in the gather
     dtype, each bucket at its padded size (what the runtime moves). Every rank runs these at the
     same point of its step, so they are priced `together`: no process computes through another's
-    wait."""
+    wait. ZeRO++'s hpZ (--hpz-partition-size K) gathers for backward over K adjacent dp ranks alone
+    (inside a node where K x tp fit in one: its fast links), Ψ(K-1)/K instead of Ψ(N-1)/N."""
     d, stride = group or (lay.shards, lay.tp)
     if d == 1:
         return 0.0, 0.0, 0.0
@@ -49,22 +51,32 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
     grad_bytes = params_local * BYTES[lay.reduce_dtype]
     gather_bytes = params_local * BYTES[lay.gather_dtype]
 
-    def one_by_one(op: str, dtype: str) -> tuple[float, float]:
-        """(all of them, the last one's) seconds of `op` over the parts in `dtype`."""
+    def one_by_one(op: str, dtype: str, ranks: int = d) -> tuple[float, float]:
+        """(all of them, the last one's) seconds of `op` over the parts in `dtype`, on `ranks` of the group."""
         def seconds(size: float) -> float:
-            return collective_seconds(cluster, op, size * BYTES[dtype], d, stride, together=True)
+            return collective_seconds(cluster, op, size * BYTES[dtype], ranks, stride, together=True)
         return sum(n * seconds(size) for size, n in parts.sizes), seconds(parts.last)
 
     if lay.zero == 3:  # all-gather forward, all-gather backward, reduce-scatter: every micro-batch,
         # one collective per unit (plan/buckets.unit_parts)
         (gathers, gather), (per_mb_scatter, scatter) = one_by_one("all_gather", lay.gather_dtype), \
             one_by_one("reduce_scatter", lay.reduce_dtype)
-        per_mb = 2 * gathers + per_mb_scatter
+        if lay.pp > 1 and not lay.reshard_after_forward:
+            # a stage's units gathered once, as the first micro-batch's forward reaches them (all but
+            # the first behind its compute), kept; one reduce-scatter each after the schedule, exposed
+            exposed = gather + max(0.0, gathers - gather - t_fwd) + per_mb_scatter
+            return gathers + per_mb_scatter, exposed, ring * (gather_bytes + grad_bytes)
+        k = lay.hpz_partition_size if group is None else 1  # hpZ: the backward's gathers over its node group
+        backward_gathers = one_by_one("all_gather", lay.gather_dtype, k)[0] if k > 1 else gathers
+        per_mb = gathers + backward_gathers + per_mb_scatter
         # prefetch hides the rest behind compute, but the first unit's gather comes before any
         # compute and the last unit's reduce-scatter after it
         ends = gather + scatter
         exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
-        return per_mb * m, exposed, ring * (2 * gather_bytes + grad_bytes) * m
+        backward_bytes = ((k - 1) / k if k > 1 else ring) * gather_bytes
+        return per_mb * m, exposed, (ring * (gather_bytes + grad_bytes) + backward_bytes) * m
+    if lay.compress == "onebit":
+        return _onebit_seconds(cluster, parts, d, stride)
     if parts.compressed is not None:
         return _powersgd_seconds(cluster, lay, parts, d, stride, t_bwd, grad_bytes)
     if lay.zero == 0:  # one all-reduce per bucket
@@ -74,13 +86,14 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
         exposed = total if lay.pp > 1 else max(last, total - t_bwd)
         return total, exposed, 2 * ring * grad_bytes
     # ZeRO-1: one reduce-scatter per bucket a step (overlapping the last backward unless a pipeline
-    # schedule ran), ZeRO-2: every micro-batch, the last bucket of each exposed; then an all-gather
+    # schedule ran), ZeRO-2: every micro-batch, the last bucket of each exposed (under a pipeline,
+    # once after the schedule, as ZeRO-1: parallel/gradients.py); then an all-gather
     # of each bucket's updated shards, the buffer's last bucket (the first layers') first, each
     # waited for by the next forward as it reaches the bucket: all but the first hide behind the
     # first micro-batch's forward (parallel/gradients.py `after_step`)
-    reductions = m if lay.zero == 2 else 1
+    reductions = m if lay.zero == 2 and lay.pp == 1 else 1
     (rs, last), (ag, first) = one_by_one("reduce_scatter", lay.reduce_dtype), one_by_one("all_gather", lay.gather_dtype)
-    hidden = 0.0 if lay.zero == 1 and lay.pp > 1 else t_bwd
+    hidden = 0.0 if lay.pp > 1 else t_bwd
     exposed = max(last if hidden else rs, rs - hidden) * reductions + first + max(0.0, ag - first - t_fwd)
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
 
@@ -108,6 +121,27 @@ def _powersgd_seconds(cluster: Cluster, lay: Layout, parts: Parts, d: int, strid
     return p_total + q_total + work, exposed, 2 * (d - 1) / d * grad_bytes * (p_share + q_share)
 
 
+# 1-bit Adam's work per step, in passes over the fp32 model (parallel/onebit_adam.py): the worker's
+# c = m + e_w (two reads, a write), its scales and signs (two reads), its error (a read, a write);
+# the server's decoding of the dp chunks it receives and their sum (a write, a read); the decoded
+# average written into m (a write). The server's own chunk (1/dp) is left out.
+ONEBIT_PASSES = 10
+
+
+def _onebit_seconds(cluster: Cluster, parts: Parts, d: int, stride: int) -> tuple[float, float, float]:
+    """--compress onebit (ZeRO-0, parallel/onebit_adam.py), after its warm-up: no gradient
+    reduction; in the optimizer step, after backward, an all-to-all and an all-gather, each of
+    rules/compression.onebit_wire_bytes (the momentum's signs, 8 a byte, and a fp32 scale per
+    chunk): exposed, as is the compression's work. The all-to-all is priced as an all-gather of the
+    same buffer: each rank sends and receives (N-1)/N of it, over N-1 steps (pairwise exchange).
+    The warm-up's steps cost what ZeRO-0's do; the planner prices the steps after it."""
+    params = sum(size * n for size, n in parts.sizes)
+    wire = onebit_wire_bytes(round(params), d, BYTES["fp32"])
+    rounds = 2 * collective_seconds(cluster, "all_gather", wire, d, stride, together=True)
+    work = ONEBIT_PASSES * params * BYTES["fp32"] / cluster.device.memory_bandwidth
+    return rounds + work, rounds + work, 2 * (d - 1) / d * wire
+
+
 def gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m: int, fused: bool) -> float:
     """What a step does to its gradients outside the GEMMs, in passes over fp32 memory at the
     memory's bandwidth (as the optimizer step): ZeRO-0/1 add each micro-batch's gradients after the
@@ -116,7 +150,8 @@ def gradient_pass_seconds(cluster: Cluster, lay: Layout, params_local: float, m:
     micro-batch's full gradients for its reduce-scatter (a zeroed buffer, the copy into it) and
     add the reduced shard to the accumulated one."""
     full = 3 * params_local * 4
-    if lay.zero >= 2:
+    # under a pipeline ZeRO-2, and ZeRO-3 with its units kept gathered, accumulate as ZeRO-1 does
+    if lay.zero >= 2 and not (lay.pp > 1 and (lay.zero == 2 or not lay.reshard_after_forward)):
         passes = m * full + max(0, m - 1) * full / lay.shards
     else:
         passes = 0.0 if fused else max(0, m - 1) * full

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from strata.model.config import ModelConfig
 from strata.plan.links import Cluster, all_to_all_seconds, group_link
 from strata.plan.links import members_per_node as members_on_a_node
-from strata.plan.memory import ModelStates, held_state_bytes, powersgd_fractions
+from strata.plan.memory import ModelStates, held_state_bytes, onebit_error_bytes, powersgd_fractions
 from strata.rules.experts import COUNT_BYTES, uniform_all_to_all_bytes
 from strata.rules.layout import Layout
 
@@ -57,6 +57,8 @@ def held_states(cfg: ModelConfig, lay: Layout, held: float, layers: float, preci
     states = held_state_bytes(dense, lay.zero, lay.shards, precision, optimizer, lay.gather_dtype)
     if lay.compress == "powersgd":  # each compressed matrix's error, kept beside its fp32 gradient
         states = replace(states, grads=states.grads + powersgd_fractions(cfg, lay.compress_rank)[2] * dense * 4)
+    if lay.compress == "onebit":  # the worker's and the server's error buffers
+        states = replace(states, grads=states.grads + onebit_error_bytes(dense, lay.shards))
     if not experts:
         return states
     edp, _ = expert_group(lay)

@@ -90,6 +90,12 @@ def powersgd_fractions(cfg: ModelConfig, rank: int) -> tuple[float, float, float
     return first / total, second / total, factored / total
 
 
+def onebit_error_bytes(params: float, dp: int) -> float:
+    """1-bit Adam's two fp32 error buffers on a rank (parallel/onebit_adam.py): the worker's, of the
+    whole model, and the server's, of its chunk (1/dp); the padding to 8 dp elements left out."""
+    return 4 * params * (1 + 1 / dp)
+
+
 def model_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str = "mixed",
                       optimizer: str | float = "adamw") -> ModelStates:
     """Bytes per device of the model states under ZeRO stage `zero` over `dp` ranks:
@@ -118,6 +124,30 @@ def held_state_bytes(params: float, zero: int = 0, dp: int = 1, precision: str =
     if gather_dtype == "bf16" and zero in (1, 2):
         return ModelStates(2 * params + sharded, (2 * params if zero == 1 else 0) + sharded, moments)
     return ModelStates(sharded if zero >= 3 else 4 * params, sharded if zero >= 2 else 4 * params, moments)
+
+
+def pipelined_zero_bytes(zero: int, pp: int, reshard_after_forward: bool, params: float, gather_dtype: str,
+                         reduce_dtype: str) -> float:
+    """What ZeRO-2/3 hold under a pipeline besides their shards, through the schedule, for a stage's
+    `params` (parallel/gradients.py, parallel/zero3_hooks.py): ZeRO-2 the stage's gradient whole,
+    accumulated by autograd in the weights' dtype (the gather dtype's bf16 copies, else the masters');
+    ZeRO-3 with reshard_after_forward off the stage's gathered parameters (gather dtype) and their
+    gradients staged whole (reduce dtype, else the masters'). Nothing else (ZeRO-3's per-unit
+    buffers are priced apart)."""
+    if pp == 1 or zero < 2 or (zero == 3 and reshard_after_forward):
+        return 0.0
+    weights = 2 if gather_dtype == "bf16" else 4  # else the fp32 masters
+    if zero == 2:
+        return params * weights
+    return params * (weights + (2 if reduce_dtype == "bf16" else 4))
+
+
+def hpz_bytes(lay: Layout, params: float) -> float:
+    """ZeRO++'s hpZ (--hpz-partition-size K; parallel/zero3_units.py): each rank's 1/K of every unit
+    its forward freed, in the gather dtype, held from the forward to the backward's gather: Ψ/K."""
+    if lay.zero != 3 or lay.hpz_partition_size == 1:
+        return 0.0
+    return params / lay.hpz_partition_size * (2 if lay.gather_dtype == "bf16" else 4)
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
@@ -188,9 +218,10 @@ def device_overhead(device: Device, lay: Layout, tensor_bytes: float) -> dict[st
     """What a device's memory holds beside the layout's tensors (hardware.py's figures): the CUDA
     context, NCCL's buffers for each process group of more than one rank this rank joins (tensor,
     data (with context) parallel, pipeline, context, expert; hybrid sharding's shard and replica
-    groups besides), and the caching allocator's reserve
+    groups, hpZ's node group besides), and the caching allocator's reserve
     as a fraction of the tensors. Nothing on cpu-local (its figures are 0)."""
-    groups = sum(size > 1 for size in (lay.tp, lay.replicas, lay.pp, lay.cp, lay.ep)) + 2 * (lay.shards < lay.replicas)
+    groups = sum(size > 1 for size in (lay.tp, lay.replicas, lay.pp, lay.cp, lay.ep)) + 2 * (lay.shards < lay.replicas) \
+        + (lay.hpz_partition_size > 1)
     overhead = {"cuda_context": device.context_bytes, "nccl_buffers": groups * device.group_bytes,
                 "allocator_reserve": device.allocator_reserve * tensor_bytes}
     return {kind: nbytes for kind, nbytes in overhead.items() if nbytes}

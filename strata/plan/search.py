@@ -26,7 +26,8 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
-            allow_async: bool = False, params_offload: bool = False, per_node: int | None = None) -> Iterator[Layout]:
+            allow_async: bool = False, params_offload: bool = False, per_node: int | None = None,
+            compress: bool = True) -> Iterator[Layout]:
     """Every layout of `world` devices strata runs for this model and batch: the candidates below,
     each passed through the trainer's own layout check. transfers: the (reduce, gather) dtypes the
     run asked for; a layout they do not apply to (bf16 reductions without dp, bf16 gathers
@@ -34,9 +35,11 @@ def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[s
     which change the optimisation (stale weights), so only when asked. params_offload: instead,
     the ZeRO-Infinity layouts (ZeRO-3 with its shards in host memory or on disk), which `search`
     tries only when nothing else fits. per_node: devices a node holds, to offer hybrid sharding
-    (ZeRO over a node's dp ranks, replicated across nodes) where dp crosses nodes."""
+    (ZeRO over a node's dp ranks, replicated across nodes) where dp crosses nodes. compress: offer
+    data parallelism's compressed twins too (`strata plan` does; `--parallel auto` keeps the user's
+    --compress, so it is not offered there)."""
     candidates = _infinity_candidates(work, world, offload, transfers) if params_offload else \
-        _candidates(work, world, offload, transfers, allow_async, per_node)
+        _candidates(work, world, offload, transfers, allow_async, per_node, compress)
     for layout in candidates:
         try:
             check_layout(work.model, layout, world, work.seq_len, work.global_batch)
@@ -46,7 +49,7 @@ def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[s
 
 
 def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str],
-                allow_async: bool, per_node: int | None = None) -> Iterator[Layout]:
+                allow_async: bool, per_node: int | None = None, compress: bool = True) -> Iterator[Layout]:
     """The search space: every split of the world into tp x pp x cp x dp (cp: plan/context.py's
     degrees, ring and Ulysses, with micro-batches of 1), the schedules worth trying for each
     pipeline depth, ZeRO stages, micro-batches, checkpointing, optimizer offload, SP, and for a
@@ -68,9 +71,22 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                                                           sequence_parallel=sp, schedule=schedule, reduce_dtype=transfers[0], gather_dtype=transfers[1],
                                                           tp_mode=mode, tp_depth=depth, ep=ep, cp=c, cp_mode=cp_mode)
                                             yield flat
+                                            if compress and zero == 0 and d > 1 and t == p == c == ep == 1:  # dp alone
+                                                yield from _compressed(flat)
+                                            if zero == 3 and p > 1:  # a stage's units kept gathered through its micro-batches
+                                                yield replace(flat, reshard_after_forward=False)
                                             shard = node_shards(flat, per_node)
                                             if shard:
                                                 yield replace(flat, dp_shard=shard)
+                                            if shard and zero == 3:  # ZeRO++'s hpZ: backward gathers in the node
+                                                yield replace(flat, hpz_partition_size=shard)
+
+
+def _compressed(lay: Layout) -> Iterator[Layout]:
+    """ZeRO-0's compressed twins, for slow networks: PowerSGD at rank 4 (the issue's and Vogels et al.'s
+    choice), 1-bit Adam after a warm-up step (the planner prices the steps after it)."""
+    yield replace(lay, compress="powersgd", compress_rank=4)
+    yield replace(lay, compress="onebit", compress_after=1)
 
 
 def node_shards(lay: Layout, per_node: int | None) -> int | None:
@@ -105,7 +121,7 @@ def _tensor_modes(t: int) -> list[tuple[bool, str, int]]:
 
 
 def _infinity_candidates(work: Workload, world: int, offload: bool, transfers: tuple[str, str]) -> Iterator[Layout]:
-    """ZeRO-3 over tp x dp (no pipeline: ZeRO-3 runs without stages) with its shards in host
+    """ZeRO-3 over tp x dp (no pipeline: ZeRO-Infinity runs without stages) with its shards in host
     memory or on disk, Adam's moments beside them or in device memory, checkpointed activations
     kept or offloaded too."""
     if not offload:
@@ -141,12 +157,12 @@ def refusal(e: Estimate) -> str | None:
 
 
 def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
-           allow_async: bool = False) -> tuple[list[Estimate], list[Estimate]]:
+           allow_async: bool = False, compress: bool = True) -> tuple[list[Estimate], list[Estimate]]:
     """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first).
     Parameter offload (ZeRO-Infinity) is offered only when nothing else fits, as a last resort: it
     trades device memory for transfers over PCIe or from disk on every step."""
     ranked, rejected = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers, allow_async,
-                                                         per_node=cluster.devices_per_node))
+                                                         per_node=cluster.devices_per_node, compress=compress))
     if not ranked and offload:
         last_resort, still = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers,
                                                                params_offload=True))
@@ -190,7 +206,7 @@ def distinct(estimates: list[Estimate]) -> list[Estimate]:
     for e in estimates:
         lay = e.layout
         key = (lay.dp, lay.shards, lay.tp, lay.pp, lay.virtual_stages, lay.zero, lay.schedule, lay.tp_mode, lay.tp_depth, lay.ep,
-               lay.cp, lay.cp_mode)
+               lay.cp, lay.cp_mode, lay.reshard_after_forward, lay.hpz_partition_size, lay.compress)
         if key not in seen:
             seen.add(key)
             kept.append(e)
@@ -224,6 +240,11 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         "with hybrid sharding (ZeRO inside a node, replicas across nodes: dp_shard)":
             lambda lay: lay.shards < lay.replicas,
         "with ZeRO over every dp rank (flat, zero>0)": lambda lay: lay.zero > 0 and lay.shards == lay.replicas,
+        f"with ZeRO++'s hpZ (ZeRO-3's backward gathers over a node's {link}: hpz)": lambda lay: lay.hpz_partition_size > 1,
+        "with ZeRO-3 gathering over every dp rank twice (no hpZ)": lambda lay: lay.zero == 3 and lay.hpz_partition_size == 1,
+        "with compressed gradients (PowerSGD or 1-bit Adam: compress, data parallelism alone)":
+            lambda lay: lay.compress != "none",
+        "without compressed gradients": lambda lay: lay.compress == "none",
     }
     if best.total_params != best.active_params:  # a mixture of experts: where its experts live, and why
         lines += moe_lines(best, ranked, cluster)

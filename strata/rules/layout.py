@@ -76,6 +76,10 @@ class Layout:
                                          "(default: every dp rank, flat ZeRO)", key="shard")
     dp_replicate: int | None = setting(None, "hybrid sharding: the replicas instead (dp / dp_replicate ranks shard "
                                              "each)", key="replicate")
+    hpz_partition_size: int = setting(1, "ZeRO++'s hpZ (DeepSpeed's zero_hpz_partition_size) with zero 3: after "
+                                         "the forward each rank keeps 1/K of every unit gathered, and the backward "
+                                         "gathers it from those K adjacent dp ranks (a node's) alone; K divides dp, "
+                                         "1 < K < dp (default 1: off)", key="hpz", auto="planned")
     micro_batch: int = setting(1, "sequences per forward/backward on one rank", key="mb", auto="replaced",
                                show="always")
     schedule: str = setting("1f1b", "pipeline schedule: gpipe | 1f1b | interleaved | zb (zero-bubble ZB-H1) | "
@@ -101,6 +105,13 @@ class Layout:
                                         "masters) or, with --dtype bf16, bf16 (half the bytes; the layers then compute "
                                         "with bf16 weights, as DeepSpeed's bf16 mode and FSDP2's param_dtype do)",
                                 key="gather")
+    reshard_after_forward: bool = setting(True, "with zero 3 and pp > 1 (FSDP's reshard_after_forward): each unit is "
+                                                "gathered for every micro-batch's forward and backward and its "
+                                                "gradient reduce-scattered after each backward (least memory, m x the "
+                                                "traffic); off: a stage's units stay gathered through its "
+                                                "micro-batches, gradients accumulated whole, one gather and one "
+                                                "reduce-scatter a step (torchtitan's choice with a pipeline)",
+                                          key="reshard", auto="planned")
     pp_split: str | None = setting(None, "blocks per pipeline chunk, e.g. 3,5 (default: balanced by FLOPs)", key="",
                                    auto="planned")  # its commas are the --layout grammar's separator
     capacity_factor: float | None = setting(None, "mixture of experts: each expert takes at most factor x tokens x k "
@@ -108,11 +119,14 @@ class Layout:
                                                   "dropless)")
     compress: str = setting("none", "gradient compression for slow networks (zero 0): none | powersgd (each gradient "
                                     "matrix all-reduced as two rank --compress-rank factors, with error feedback and "
-                                    "a warm start; Vogels et al. 2019)")
+                                    "a warm start; Vogels et al. 2019) | onebit (1-bit Adam: after --compress-after "
+                                    "steps of AdamW, v frozen and the momentum averaged as one sign bit per element, "
+                                    "with error feedback; Tang et al. 2021)")
     compress_rank: int = setting(4, "with --compress powersgd: the rank r of the factors (a matrix n x m is "
                                     "compressed where 2r(n + m) < nm)", key="crank")
     compress_after: int = setting(0, "with --compress: steps all-reduced uncompressed first (PyTorch's "
-                                     "start_powerSGD_iter)", key="cafter")
+                                     "start_powerSGD_iter; 1-bit Adam's warm-up, after which v is frozen: 1 or more)",
+                                  key="cafter")
 
     @property
     def grid(self) -> TensorGrid:
@@ -202,16 +216,22 @@ def check_schedule(layout: Layout) -> None:
 
 
 def check_pipeline(model: ModelConfig, layout: Layout, seq_len: int) -> PipelineLayout | None:
-    """The schedule and the cut into pp x virtual-stages chunks; the cut, when pp > 1."""
+    """The schedule and the cut into pp x virtual-stages chunks; the cut, when pp > 1. ZeRO-2 under a
+    pipeline reduce-scatters once a step, after the schedule; ZeRO-3 gathers per micro-batch or keeps
+    a stage's units gathered through the step (reshard_after_forward)."""
     check_schedule(layout)
+    if not layout.reshard_after_forward and not (layout.zero == 3 and layout.pp > 1):
+        raise ConfigError(f"only with zero 3 and pp 2 or more (zero is {layout.zero}, pp {layout.pp}): it keeps "
+                          f"a pipeline stage's units gathered through its micro-batches", "reshard_after_forward",
+                          False)
     if layout.pp == 1:
         if layout.pp_split:
             raise ConfigError("only with pp 2 or more", "pp_split", layout.pp_split)
         return None
-    if layout.zero >= 2:
-        raise ConfigError(f"with pp {layout.pp}: ZeRO-2/3 would reduce-scatter gradients (ZeRO-3 also gather "
-                          f"parameters) on every micro-batch, m times the traffic; use zero 1 (as DeepSpeed and "
-                          f"Megatron-LM do with pipelines) or zero 0", "zero", layout.zero)
+    if layout.zero == 3 and SCHEDULES[layout.schedule].splits_backward:
+        raise ConfigError(f"not with zero 3: ZeRO-3 gathers a unit for its backward and reduce-scatters its gradient "
+                          f"when backward completes it, and {layout.schedule} computes the weight gradients later "
+                          f"(W); use 1f1b, gpipe or interleaved, or zero 1 or 2", "schedule", layout.schedule)
     return make_layout(model, layout.pp, layout.virtual_stages, seq_len, layout.pp_split)
 
 
@@ -261,7 +281,23 @@ def check_layout(model: ModelConfig, layout: Layout, world_size: int, seq_len: i
     check_asynchronous(model, layout, global_batch)
     check_compression(layout)
     check_hybrid_sharding(layout)
+    check_hpz(layout)
     return check_pipeline(model, layout, seq_len)
+
+
+def check_hpz(layout: Layout) -> None:
+    """--hpz-partition-size K: ZeRO-3 with a secondary copy over K adjacent dp ranks (dp and tp alone)."""
+    k = layout.hpz_partition_size
+    if k == 1:
+        return
+    refusals = [(k < 1 or layout.dp % k or not 1 < k < layout.dp, f"must divide dp {layout.dp} and lie between 2 and "
+                 f"dp - 1 (1: off)"), (layout.zero != 3, f"keeps a copy of ZeRO-3's parameters; zero is {layout.zero}"),
+                (layout.cp > 1 or layout.pp > 1 or layout.ep > 1, "runs with data and tensor parallelism for now "
+                 "(cp, pp and ep 1)"), (layout.offload_params != "none", "not with offload_params"),
+                (layout.shards < layout.replicas, "not with hybrid sharding (its shard group is a node's already)")]
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(reason, "hpz_partition_size", k)
 
 
 def check_hybrid_sharding(layout: Layout) -> None:
@@ -287,14 +323,20 @@ def check_hybrid_sharding(layout: Layout) -> None:
 
 
 def check_compression(layout: Layout) -> None:
-    """PowerSGD replaces ZeRO-0's all-reduce of fp32 gradients (strata/parallel/powersgd.py)."""
+    """PowerSGD (strata/parallel/powersgd.py) and 1-bit Adam (strata/parallel/onebit_adam.py)
+    replace ZeRO-0's all-reduce of fp32 gradients."""
     if layout.compress not in COMPRESSIONS:
         raise ConfigError(f"valid: {', '.join(COMPRESSIONS)}", "compress", layout.compress)
+    if layout.compress != "powersgd" and layout.compress_rank != 4:
+        raise ConfigError("only with --compress powersgd", "compress_rank", layout.compress_rank)
     if layout.compress == "none":
-        for field, default in (("compress_rank", 4), ("compress_after", 0)):
-            if getattr(layout, field) != default:
-                raise ConfigError("only with --compress powersgd", field, getattr(layout, field))
+        if layout.compress_after != 0:
+            raise ConfigError("only with --compress powersgd or onebit", "compress_after", layout.compress_after)
         return
+    if layout.compress == "onebit" and layout.compress_after < 1:
+        raise ConfigError("1-bit Adam freezes Adam's second moment after a warm-up of plain AdamW: 1 step or more "
+                          "(DeepSpeed's freeze_step: a few per cent of the run)", "compress_after",
+                          layout.compress_after)
     check_ceiling("compress_rank", layout.compress_rank)
     check_ceiling("compress_after", layout.compress_after)
     if layout.compress_rank < 1:
@@ -309,6 +351,11 @@ def check_compression(layout: Layout) -> None:
                 # stage's copy of a tied matrix from another start (pp): rules not built nor tested yet
                 (layout.tp > 1 or layout.cp > 1 or layout.pp > 1,
                  "runs with data parallelism alone for now (tp, cp and pp 1)")]
+    if layout.compress == "onebit":  # an optimizer of its own, which holds the moments on the device
+        refusals += [(layout.offload != "none", f"runs its own optimizer on the device; not with offload "
+                                                f"{layout.offload}"),
+                     (SCHEDULES[layout.schedule].asynchronous, f"not with schedule {layout.schedule} (the "
+                                                               f"weight versions it stashes are not built for it)")]
     for refused, reason in refusals:
         if refused:
             raise ConfigError(reason, "compress", layout.compress)
@@ -330,7 +377,7 @@ def check_grid_layout(layout: Layout) -> None:
 
 def check_offload(layout: Layout) -> None:
     """Where states and activations may go: the optimizer's (any stage), ZeRO-3's shards (ZeRO-
-    Infinity: with zero 3, not with pipeline stages, which ZeRO-3 runs without), checkpointed
+    Infinity: with zero 3, not with pipeline stages, whose schedules interleave micro-batches), checkpointed
     activations (there must be checkpointing)."""
     for field, valid in (("offload", OFFLOAD_TARGETS), ("offload_params", PARAM_OFFLOAD_TARGETS),
                          ("offload_activations", ACTIVATION_OFFLOAD_TARGETS)):
@@ -341,8 +388,9 @@ def check_offload(layout: Layout) -> None:
             raise ConfigError(f"streams ZeRO-3's parameter shards: needs zero 3 (zero is {layout.zero}; leave it "
                               f"at 0 and offload_params implies 3)", "offload_params", layout.offload_params)
         if layout.pp > 1:
-            raise ConfigError(f"not with pp {layout.pp}: it streams ZeRO-3's shards, and ZeRO-3 runs without "
-                              f"pipeline stages", "offload_params", layout.offload_params)
+            raise ConfigError(f"not with pp {layout.pp}: it streams ZeRO-3's shards a unit at a time for one "
+                              f"micro-batch, and a pipeline's schedule interleaves them", "offload_params",
+                              layout.offload_params)
     if layout.offload_activations != "none":
         if layout.checkpointing in ("none", "selective"):
             raise ConfigError(f"moves the block inputs that activation checkpointing keeps; needs checkpointing full "

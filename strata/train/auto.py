@@ -57,7 +57,7 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
     cluster = local_cluster(world_size)
     transfers = (cfg.layout.reduce_dtype, cfg.layout.gather_dtype)
     ranked, rejected = search(work, cluster, offload=False, transfers=transfers,
-                              allow_async=cfg.allow_async)
+                              allow_async=cfg.allow_async, compress=False)  # --compress is the user's (kept)
     for e in ranked:
         chosen = replace(cfg, parallel="manual", global_batch=global_batch,
                          layout=replace(e.layout, **{name: getattr(cfg.layout, name) for name in KEPT}))

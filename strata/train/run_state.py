@@ -39,7 +39,7 @@ def load_checkpoint(run: Run, source: str, resume: bool) -> dict:
     path, manifest, reader = store.open_checkpoint(source)
     check_same_model(store.model_config(manifest, path), run.model_cfg, path)
     with reader, run.parallel.in_memory():
-        restored = shards.load_pieces(reader, run.pieces, run.optimizer if resume else None)
+        restored = shards.load_pieces(reader, run.pieces, run.optimizer if resume else None, run.rank)
         if resume and not restored:
             raise ConfigError(f"--resume {source}: the checkpoint holds no optimizer state "
                               f"(a converted model?); use --init-from to start training from its weights")

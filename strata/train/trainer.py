@@ -77,15 +77,18 @@ def setup(run_input: TrainConfig | RunSpec, checked: bool = False) -> Run:
     model, parallel = parallelize(model_cfg, cfg, device, parameter_dtype(cfg.dtype), groups["dp"], groups["tp"],
                                   (stage_layout, pp_rank, groups["pp"]) if stage_layout is not None else None,
                                   offload_dir(cfg), rank, grid_groups, experts, mesh.context_axis(),
-                                  (groups["dp_shard"], groups["dp_replicate"]) if groups["dp_shard"] else None)
+                                  (groups["dp_shard"], groups["dp_replicate"]) if groups["dp_shard"] else None,
+                                  mesh.node_axis(lay.hpz_partition_size))
     optimizer = build_optimizer(*parallel.optimizer_param_groups(), cfg, rank,
-                                parallel.sharding.stream_units if lay.offload_params != "none" else None)
+                                parallel.sharding.stream_units if lay.offload_params != "none" else None,
+                                parallel.sharding)
     versions = _weight_versions(cfg, model, model_cfg, stage_layout, pp_rank, seq_len) \
         if SCHEDULES[lay.schedule].asynchronous else None
     run = Run(cfg, model_cfg, device, rank, world_size, dims, dp_rank, groups["dp"], groups["tp"], model, parallel,
               optimizer, BatchLoader(train_source, seq_len, cfg.global_batch, cfg.seed, "train", dp_rank, dims.dp, device),
               BatchLoader(val_source, seq_len, cfg.global_batch, cfg.seed, "val", dp_rank, dims.dp, device),
-              shards.local_pieces(model, parallel, tp_rank, dims.tp), owns_process_group, groups_before,
+              shards.local_pieces(model, parallel, tp_rank, dims.tp, dp_rank == tp_rank == mesh.coordinate("cp") == 0),
+              owns_process_group, groups_before,
               scaler=LossScaler(cfg.loss_scale, cfg.loss_scale_window, device, min_scale=cfg.min_loss_scale)
               if cfg.dtype == "fp16" else None,
               checkpointer=store.Checkpointer(cfg.save, rank, world_size, mesh.side_group(), cfg.keep, cfg.async_save)
@@ -307,9 +310,7 @@ def pipeline_forward_backward(run: Run, micro_batches) -> torch.Tensor:
     get the sum of their gradients and data parallelism reduces. Returns the loss sum on every rank."""
     with run.parallel.backward(is_last_micro_batch=False):
         loss_sum = run.pipeline.step(micro_batches)
-    if run.embedding_group is not None:  # before the dp reduction, while every rank's gradient is whole
-        comm.all_reduce(run.model.tied_weight().grad, run.embedding_group, "embedding")
-    run.parallel.reduce_gradients()
+    run.parallel.reduce_gradients(run.embedding_group)  # with the tied embedding's sum (parallel/data.py)
     comm.all_reduce(loss_sum, run.pp_group, "pp")  # only the last stage had it
     return loss_sum
 

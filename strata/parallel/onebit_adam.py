@@ -1,0 +1,242 @@
+"""1-bit Adam (--compress onebit): ZeRO-0's gradient all-reduce replaced, after --compress-after
+warm-up steps of plain AdamW, by a 1-bit compressed average of Adam's momentum with error
+feedback (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+Convergence Speed", ICML 2021, as DeepSpeed's OnebitAdam runs it); the bytes:
+strata/rules/compression.py `onebit_wire_bytes`.
+
+Warm-up (steps 0 .. after-1): every rank's gradients all-reduced, then AdamW as torch computes it.
+From step `after` on, Adam's second moment v is frozen (DeepSpeed's freeze_step) and per step:
+  1. no gradient reduction: each rank's momentum takes its own gradient, m_r = b1 m + (1 - b1) g_r
+     (g_r: this rank's gradient of its own rows' loss, dp times what backward left, which carries
+     1/dp of the loss so that a plain reduction would sum to the average)
+  2. worker side, on the flat momentum (the parameters end to end, padded to 8 dp elements) cut in
+     dp chunks: c = m_r + e_w; per chunk j, its signs and scale s_j = ||c_j||_1 / n_j; the error
+     e_w = c - s sign(c). The chunks go to their owners in one all-to-all (8 signs a byte, the
+     scale's bytes after them).
+  3. server side, chunk j on rank j: the dp decoded chunks averaged, x = average + e_s, compressed
+     again (sign, scale ||x||_1 / n_j), e_s = x - s sign(x); the compressed chunks all-gathered.
+  4. every rank decodes the same averaged momentum m, and updates with the frozen v, as AdamW
+     does: p <- p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^after) + eps): the
+     first moment's bias correction goes on with the step t, the second's stays at the step v
+     was frozen.
+The scale ||c||_1 / n (DeepSpeed: ||c||_2 / sqrt(n)) is the s that minimises ||c - s sign(c)||_2:
+what error feedback carries to the next step is the least it can be. One bit has no zero: the
+sign bit decides (copysign's rule: +0 is +1, -0 is -1); the padding is zero in m and both errors,
+and n_j counts a chunk's real elements.
+
+Both collectives run at one point of every rank's step, inside the optimizer step (after
+clipping), in a fixed order. Clipping and the reported gradient norm are each rank's own: the
+norm of g_r (DeepSpeed clips the local gradients too). The momentum, v and the step are the
+optimizer's state and go into checkpoints as AdamW's do; the two error buffers are this rank's
+(`errors`, `load_errors`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.adamw import adamw
+
+from strata.checkpoint.shards import RANK_STATE
+from strata.distributed import comm
+from strata.parallel.buckets import Bucket
+from strata.parallel.gradients import Replicate
+from strata.rules.compression import onebit_padded
+
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def pack_signs(values: torch.Tensor) -> torch.Tensor:
+    """8k values -> k bytes of their signs, the first value in the high bit; a bit is 1 where the
+    sign bit is clear (+0 is positive)."""
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=values.device)
+    return ((~torch.signbit(values)).view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+
+
+def sign_table(like: torch.Tensor) -> torch.Tensor:
+    """Byte -> its 8 signs as +-1 in `like`'s dtype: decoding is one gather, not 8 bit tests."""
+    codes = torch.arange(256, device=like.device).unsqueeze(1)
+    bits = codes.bitwise_and(torch.tensor(_BIT_WEIGHTS, device=like.device)).ne(0)
+    return bits.to(like.dtype) * 2 - 1
+
+
+def signed_scales(values: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (chunks) -> (their scales ||x||_1 / real elements, as a column; each value as +-its
+    row's scale, by its sign bit)."""
+    scales = (torch.linalg.vector_norm(values, ord=1, dim=1) / real).unsqueeze(1)
+    return scales, torch.copysign(scales.expand_as(values), values)
+
+
+class OnebitReplicate(Replicate):
+    """ZeRO-0 for 1-bit Adam: gradients all-reduced during the warm-up only; after it, each rank
+    keeps its own, and `average_momentum` is the step's communication. Holds the flat momentum
+    (the optimizer's exp_avg are views of it) and the two error buffers."""
+
+    def __init__(self, params: list[nn.Parameter], settings, after: int):
+        super().__init__(params, settings)
+        self.after, self.steps = after, 0  # steps: set by the optimizer, the one counter of the run's steps
+        self.elements = sum(p.numel() for p in params)
+        padded = onebit_padded(self.elements, self.dp_size)
+        self.chunk = padded // self.dp_size
+        sample = params[0]
+        self.momentum = torch.zeros(padded, dtype=sample.dtype, device=sample.device)
+        self.offsets, at = {}, 0
+        for p in params:
+            self.offsets[p] = at
+            at += p.numel()
+        # each chunk's real elements (the last ones hold the padding), as the scales' divisor
+        real = [min(max(self.elements - j * self.chunk, 0), self.chunk) for j in range(self.dp_size)]
+        self.real = torch.tensor([max(n, 1) for n in real], dtype=sample.dtype, device=sample.device)
+        self.worker_error = torch.zeros_like(self.momentum)
+        self.server_error = torch.zeros(self.chunk, dtype=sample.dtype, device=sample.device)
+        self.table = sign_table(self.momentum)
+
+    @property
+    def compressing(self) -> bool:
+        return self.group is not None and self.steps >= self.after
+
+    def momentum_of(self, param: nn.Parameter) -> torch.Tensor:
+        at = self.offsets[param]
+        return self.momentum[at:at + param.numel()].view_as(param)
+
+    # --- backward: after the warm-up, nothing to reduce ---------------------------------------------
+    def _start(self, bucket: Bucket):
+        if self.compressing:
+            return None  # the gradient stays this rank's; the momentum travels in the optimizer step
+        return super()._start(bucket)
+
+    def _finish(self, bucket: Bucket) -> None:
+        if not self.compressing:
+            super()._finish(bucket)
+
+    def grad_norm_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """After the warm-up, the norms of this rank's own gradient g_r (dp x what backward left)."""
+        pairs = super().grad_norm_pairs()
+        return [(norm * self.dp_size, p) for norm, p in pairs] if self.compressing else pairs
+
+    # --- the compressed average ---------------------------------------------------------------------
+    @torch.no_grad()
+    def average_momentum(self) -> None:
+        """Every rank's `momentum` -> their compressed average, the same on every rank."""
+        dp, chunk = self.dp_size, self.chunk
+        corrected = self.worker_error.add_(self.momentum).view(dp, chunk)  # c = m + e_w, in e_w's buffer
+        scales, compressed = signed_scales(corrected, self.real)
+        received = self._exchange(comm.all_to_all, corrected, scales)
+        corrected.sub_(compressed)  # e_w = c - s sign(c)
+        self.worker_error[self.elements:] = 0
+        served = self._decode(received, torch.empty(dp, chunk, dtype=self.momentum.dtype,
+                                                    device=self.momentum.device)).sum(0).div_(dp)
+        served.add_(self.server_error)
+        lo = self.dp_rank * chunk  # the padding of this rank's chunk stays zero
+        served[max(self.elements - lo, 0):] = 0
+        served = served.view(1, chunk)
+        server_scale, compressed = signed_scales(served, self.real[self.dp_rank:self.dp_rank + 1])
+        gathered = self._exchange(comm.all_gather, served, server_scale)
+        self.server_error.copy_((served - compressed).view(-1))
+        self._decode(gathered, self.momentum.view(dp, chunk))
+        self.momentum[self.elements:] = 0
+
+    def _exchange(self, collective, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Rows' signs packed 8 a byte, each row's scale's bytes after them, through `collective`:
+        dp such rows out."""
+        wire = torch.cat([pack_signs(rows).view(rows.shape[0], -1), scales.view(torch.uint8)], dim=1)
+        out = torch.empty(self.dp_size, wire.shape[1], dtype=torch.uint8, device=wire.device)
+        collective(out, wire, self.group, self.group_name)
+        return out
+
+    def _decode(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """dp rows of (packed signs, scale bytes) -> `out`'s dp rows of +-scale."""
+        packed = rows[:, :self.chunk // 8].reshape(-1).int()
+        torch.index_select(self.table, 0, packed, out=out.view(-1, 8))
+        return out.mul_(rows[:, self.chunk // 8:].contiguous().view(self.momentum.dtype))
+
+    # --- the state beside the optimizer's -----------------------------------------------------------
+    def errors(self) -> dict[str, torch.Tensor]:
+        return {"worker_error": self.worker_error, "server_error": self.server_error}
+
+    def load_errors(self, saved: dict[str, torch.Tensor]) -> None:
+        for name, tensor in self.errors().items():
+            tensor.copy_(saved[name].view_as(tensor))
+
+    def _grads_bytes(self) -> int:
+        return super()._grads_bytes() + sum(t.numel() * t.element_size() for t in self.errors().values())
+
+
+class OnebitAdam(torch.optim.Optimizer):
+    """AdamW for the warm-up, then 1-bit Adam (the module's rule) over `strategy`'s compressed
+    average. Its state per parameter is AdamW's: step, exp_avg (a view of the strategy's flat
+    momentum), exp_avg_sq (v, frozen after the warm-up)."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], strategy: OnebitReplicate,
+                 eps: float = 1e-8):
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.strategy = strategy
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        strategy = self.strategy
+        compressing, t = strategy.compressing, strategy.steps + 1
+        groups = [(group, list(group["params"])) for group in self.param_groups]
+        for group, params in groups:
+            for p in params:
+                self._state(p)
+        if not compressing:  # the warm-up: torch's AdamW (fused), on the all-reduced gradients
+            for group, params in groups:
+                (b1, b2), states = group["betas"], [self.state[p] for p in params]
+                adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                      [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True, amsgrad=False,
+                      beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                      maximize=False)
+            strategy.steps = t
+            return
+        for group, params in groups:  # 1: each rank's momentum takes its own gradient
+            b1, momenta = group["betas"][0], [self.state[p]["exp_avg"] for p in params]
+            torch._foreach_mul_(momenta, b1)
+            torch._foreach_add_(momenta, [p.grad for p in params], alpha=(1 - b1) * strategy.dp_size)
+        strategy.average_momentum()  # 2, 3
+        for group, params in groups:  # 4: AdamW's update with v frozen
+            lr, (b1, b2), eps, states = group["lr"], group["betas"], group["eps"], [self.state[p] for p in params]
+            root = math.sqrt(1 - b2 ** strategy.after)  # v's bias correction stops where v does
+            # m / (sqrt(v) / root + eps) = m root / (sqrt(v) + eps root)
+            denominators = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+            torch._foreach_add_(denominators, eps * root)
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denominators,
+                                    value=-lr / (1 - b1 ** t) * root)
+            for state in states:
+                state["step"].fill_(t)
+        strategy.steps = t
+
+    def _state(self, p: nn.Parameter) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)  # on it: the fused kernel's
+            state["exp_avg"] = self.strategy.momentum_of(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        return state
+
+    def state_dict(self) -> dict:
+        """AdamW's state, and this rank's own: its two error buffers (checkpoints write them in
+        this rank's file: strata/checkpoint/shards.py RANK_STATE)."""
+        return {**super().state_dict(), RANK_STATE: self.strategy.errors()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """AdamW's state, with exp_avg put back into the strategy's flat momentum, and the step
+        count (which says whether the warm-up is over) handed to the strategy; the errors this rank
+        saved, when they fit (the same dp: else they start at zero, as after the warm-up)."""
+        state_dict = dict(state_dict)
+        errors = state_dict.pop(RANK_STATE, {})
+        sizes = {name: t.numel() for name, t in self.strategy.errors().items()}
+        if {name: t.numel() for name, t in errors.items()} == sizes:
+            self.strategy.load_errors(errors)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if state:
+                    view = self.strategy.momentum_of(p)
+                    view.copy_(state["exp_avg"])
+                    state["exp_avg"] = view
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+                    self.strategy.steps = int(state["step"])
