@@ -99,21 +99,23 @@ def loss(args) -> None:
     print(f"plot: {args.out}")
 
 
-def link(args) -> None:
+def _on_two_nodes(args, prefix: str, subnet: str, slots: int, runs: dict[str, list[str]]):
+    """Each run's `small` training (its own flags) under `strata launch` on two network namespaces
+    joined by a veth pair shaped to --rate, `slots` processes each; yields (name, the first node's
+    train records past the first two steps: their warm-up and --compress-after's)."""
     import netns
     from timing_checks import free_port
     if not netns.available():
-        sys.exit("link: needs root and `ip netns` (two network namespaces joined by a veth pair)")
-    results = {}
-    with netns.two_nodes("c", "10.233.9") as nodes, tempfile.TemporaryDirectory() as tmp:
+        sys.exit(f"{args.what}: needs root and `ip netns` (two network namespaces joined by a veth pair)")
+    with netns.two_nodes(prefix, subnet) as nodes, tempfile.TemporaryDirectory() as tmp:
         netns.shape(nodes, args.rate, "512kb")
         hostfile = os.path.join(tmp, "hosts")
         with open(hostfile, "w") as f:
-            f.write("".join(f"{ip} slots=1\n" for _, ip, _ in nodes))
-        for name, run in RUNS.items():
+            f.write("".join(f"{ip} slots={slots}\n" for _, ip, _ in nodes))
+        for name, extra in runs.items():
             port = str(free_port())
-            train = ["train", "--model", "small", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "4",
-                     "--steps", str(args.steps), "--no-progress", "--eval-batches", "1", *flags(run, 2)]
+            train = ["train", "--model", "small", "--seq-len", "64", "--steps", str(args.steps), "--no-progress",
+                     "--eval-batches", "1", *extra]
             jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch",
                                       "--hostfile", hostfile, "--master-port", port, "--", *train,
                                       "--metrics", f"{tmp}/{i}.jsonl"], env=ENV,
@@ -122,9 +124,15 @@ def link(args) -> None:
             for i, job in enumerate(jobs):
                 if job.wait(timeout=1800):
                     sys.exit(f"{name}: node {i}'s `strata launch` exited {job.returncode}")
-            steps = _records(f"{tmp}/0.jsonl", "train")[2:]  # past the first steps' warm-up (and --compress-after)
-            results[name] = (statistics.median(r["step_time_s"] for r in steps),
-                             statistics.median(dp_bytes(r) for r in steps))
+            yield name, _records(f"{tmp}/0.jsonl", "train")[2:]
+
+
+def link(args) -> None:
+    results = {}
+    for name, steps in _on_two_nodes(args, "c", "10.233.9", 1, {
+            name: ["--micro-batch", "2", "--global-batch", "4", *flags(run, 2)] for name, run in RUNS.items()}):
+        results[name] = (statistics.median(r["step_time_s"] for r in steps),
+                         statistics.median(dp_bytes(r) for r in steps))
     base = results["uncompressed"][0]
     print(f"| run ({args.rate} link, small, 2 x 2 x 64 tokens a step) | median step | speed-up | "
           f"dp bytes per step |")
@@ -139,34 +147,14 @@ HPZ_RUNS = {"ZeRO-3": [], "ZeRO-3 + hpZ (K=2)": ["--hpz-partition-size", "2"]}
 def hpz(args) -> None:
     """Two nodes of two ranks (ranks 0, 1 on the first: hpZ's node groups are the nodes): the median
     step time and the bytes a rank sends over the dp group (crossing the link) and over the node group."""
-    import netns
-    from timing_checks import free_port
-    if not netns.available():
-        sys.exit("hpz: needs root and `ip netns` (two network namespaces joined by a veth pair)")
     results = {}
-    with netns.two_nodes("h", "10.233.10") as nodes, tempfile.TemporaryDirectory() as tmp:
-        netns.shape(nodes, args.rate, "512kb")
-        hostfile = os.path.join(tmp, "hosts")
-        with open(hostfile, "w") as f:
-            f.write("".join(f"{ip} slots=2\n" for _, ip, _ in nodes))
-        for name, extra in HPZ_RUNS.items():
-            port = str(free_port())
-            train = ["train", "--model", "small", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "8",
-                     "--zero", "3", "--steps", str(args.steps), "--no-progress", "--eval-batches", "1", *extra]
-            jobs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "strata", "launch",
-                                      "--hostfile", hostfile, "--master-port", port, "--", *train,
-                                      "--metrics", f"{tmp}/{i}.jsonl"], env=ENV,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    for i, (ns, _, _) in enumerate(nodes)]
-            for i, job in enumerate(jobs):
-                if job.wait(timeout=1800):
-                    sys.exit(f"{name}: node {i}'s `strata launch` exited {job.returncode}")
-            steps = _records(f"{tmp}/0.jsonl", "train")[2:]  # past the first steps' warm-up
+    for name, steps in _on_two_nodes(args, "h", "10.233.10", 2, {
+            name: ["--micro-batch", "2", "--global-batch", "8", "--zero", "3", *extra] for name, extra in HPZ_RUNS.items()}):
 
-            def sent(group: str) -> float:
-                return statistics.median(sum(b for op, b in r["comm_bytes_by_op"].items() if op.endswith(f"/{group}"))
-                                         for r in steps)
-            results[name] = (statistics.median(r["step_time_s"] for r in steps), sent("dp"), sent("dp_node"))
+        def sent(group: str) -> float:
+            return statistics.median(sum(b for op, b in r["comm_bytes_by_op"].items() if op.endswith(f"/{group}"))
+                                     for r in steps)
+        results[name] = (statistics.median(r["step_time_s"] for r in steps), sent("dp"), sent("dp_node"))
     base = results["ZeRO-3"][0]
     print(f"| run ({args.rate} link between 2 nodes of 2 ranks, small, fp32, 4 x 2 x 64 tokens a step) | median step "
           f"| speed-up | dp bytes per step (rank 0) | node-group bytes |")
