@@ -14,7 +14,7 @@ import torch
 from strata.config import train_config
 from strata.data.loader import BatchLoader
 from strata.distributed import comm
-from strata.rules.compression import powersgd_elements
+from strata.rules.compression import powersgd_elements, q_seed
 from strata.train import trainer
 from strata.train.optim import lr_at
 
@@ -50,9 +50,10 @@ def _rank_gradients(run, loader: BatchLoader, step: int) -> dict[str, torch.Tens
     return {name: p.grad.clone() for name, p in model.named_parameters()}, losses
 
 
-def single_process_rule() -> list[float]:
-    """The losses of PowerSGD's rule over RANKS ranks' rows, every rank simulated in this process."""
-    run = trainer.setup(train_config(**{**BASE, "nproc": 1}))
+def single_process_rule(**settings) -> list[float]:
+    """The losses of PowerSGD's rule over RANKS ranks' rows, every rank simulated in this process
+    (each matrix's first Q drawn from --seed and its name: rules/compression.q_seed)."""
+    run = trainer.setup(train_config(**{**BASE, **settings, "nproc": 1}))
     data = run.train_data
     loaders = [BatchLoader(data.source, data.seq_len, data.global_batch, data.seed, dp_rank=r, dp_size=RANKS)
                for r in range(RANKS)]
@@ -64,14 +65,14 @@ def single_process_rule() -> list[float]:
         per_rank = [_rank_gradients(run, loader, step) for loader in loaders]
         losses.append(sum(sum(rank_losses) for _, rank_losses in per_rank) / (RANKS * len(per_rank[0][1])))
         grads = [g for g, _ in per_rank]
-        for index, (name, param) in enumerate(named):
+        for name, param in named:
             if step < AFTER or not _compressed(tuple(param.shape), RANK):
                 param.grad = sum(g[name] for g in grads)
                 continue
             shape = (param.shape[0], math.prod(param.shape[1:]))
             ms = [g[name].reshape(shape) + errors.get((name, r), 0) for r, g in enumerate(grads)]
             if name not in qs:
-                generator = torch.Generator().manual_seed(BASE["seed"] * 1_000_003 + index)
+                generator = torch.Generator().manual_seed(q_seed(BASE["seed"], name))
                 qs[name] = _orthonormal(torch.randn(shape[1], RANK, generator=generator, dtype=torch.float64))
             p = _orthonormal(sum(m @ qs[name] for m in ms))
             qs[name] = sum(m.t() @ p for m in ms)

@@ -111,7 +111,7 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                 expert_names)
         elif lay.compress == "powersgd":
             sharding = PowerSGDReplicate([p for _, p in trainable], settings, lay.compress_rank, lay.compress_after,
-                                         cfg.seed)
+                                         cfg.seed, [name for name, _ in trainable])
         elif lay.compress == "onebit":
             sharding = OnebitReplicate([p for _, p in trainable], settings, lay.compress_after)
         else:

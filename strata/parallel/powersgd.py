@@ -14,8 +14,13 @@ then per matrix:
   4. the gradient becomes P Q^T; the error keeps M - P Q^T / N, so that the ranks' errors sum to
      what the approximation missed; Q is kept for the next step (the warm start)
 Q starts as standard normal draws, one generator per parameter seeded with (--seed, the
-parameter's index among the model's trainable parameters), orthonormalised: the same on every
-rank. The first --compress-after steps all-reduce uncompressed (PyTorch's start_powerSGD_iter).
+parameter's name: rules/compression.q_seed), orthonormalised: the same on every rank, and on every
+pipeline stage for the same matrix (a stage holds some of the model's parameters, under their
+model-wide names; a tied embedding's two copies, on the first and last stage, share its name).
+Under a pipeline (ZeRO-0), each stage compresses its own parameters' gradients over its dp group
+after the schedule (`reduce_all`), a tied embedding's copies after their gradients were summed
+over the embedding group: per matrix the rule is the dp-only one, so both copies keep the same Q
+and the same error. The first --compress-after steps all-reduce uncompressed (PyTorch's start_powerSGD_iter).
 The factors and errors live on the rank and are not written to checkpoints: a resumed run starts
 them afresh (Q drawn again, errors zero)."""
 
@@ -29,7 +34,7 @@ from torch import nn
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket
 from strata.parallel.gradients import Replicate
-from strata.rules.compression import compressible, matrix_shape
+from strata.rules.compression import compressible, matrix_shape, q_seed
 
 
 def orthonormal(p: torch.Tensor) -> torch.Tensor:
@@ -38,9 +43,9 @@ def orthonormal(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(wide, mode="reduced").Q.to(p.dtype)
 
 
-def initial_q(shape: tuple[int, ...], rank: int, seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
-    """The first Q of the parameter at `index`: (m, r) standard normal draws, orthonormalised."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+def initial_q(shape: tuple[int, ...], rank: int, seed: int, name: str, like: torch.Tensor) -> torch.Tensor:
+    """The first Q of the parameter named `name`: (m, r) standard normal draws, orthonormalised."""
+    generator = torch.Generator().manual_seed(q_seed(seed, name))
     draws = torch.randn(matrix_shape(shape)[1], rank, generator=generator, dtype=torch.float64)
     return orthonormal(draws).to(dtype=like.dtype, device=like.device)
 
@@ -57,10 +62,11 @@ class PowerSGDReplicate(Replicate):
     """ZeRO-0 with PowerSGD: every rank holds the whole model; the gradient matrices travel as
     rank-`rank` factors from step `after` on."""
 
-    def __init__(self, params: list[nn.Parameter], settings, rank: int, after: int, seed: int):
+    def __init__(self, params: list[nn.Parameter], settings, rank: int, after: int, seed: int, names: list[str]):
+        """names: the parameters' names in the whole model, in the order of `params` (their Q's seeds)."""
         super().__init__(params, settings)
         self.rank, self.after, self.steps = rank, after, 0
-        self.index = {p: i for i, p in enumerate(params)}
+        self.names = dict(zip(params, names, strict=True))
         self.compressed = {p for p in params if compressible(tuple(p.shape), rank)}
         self.seed = seed
         self.qs: dict[nn.Parameter, torch.Tensor] = {}  # the warm start: last step's summed Q
@@ -90,7 +96,7 @@ class PowerSGDReplicate(Replicate):
             if param in self.errors:
                 m.add_(self.errors[param])
             if param not in self.qs:
-                self.qs[param] = initial_q(tuple(param.shape), self.rank, self.seed, self.index[param], m)
+                self.qs[param] = initial_q(tuple(param.shape), self.rank, self.seed, self.names[param], m)
             parts.append((m @ self.qs[param]).reshape(-1))
         self._wires[bucket.index] = wire = torch.cat(parts)
         return comm.all_reduce(wire, self.group, self.group_name, async_op=True)

@@ -108,7 +108,10 @@ def _powersgd_seconds(cluster: Cluster, lay: Layout, parts: Parts, d: int, strid
                       grad_bytes: float) -> tuple[float, float, float]:
     """--compress powersgd (ZeRO-0, parallel/powersgd.py): per bucket an all-reduce of the P factors
     (with the tensors left whole) as backward completes it, hidden behind backward as ZeRO-0's are;
-    then one all-reduce of every Q factor after backward: exposed, as is the compression's work."""
+    then one all-reduce of every Q factor after backward: exposed, as is the compression's work.
+    Under a pipeline a stage compresses its buckets after the schedule (as ZeRO-0 reduces them
+    there): both rounds exposed. `parts` are the stage's buckets; the P and Q shares the whole
+    model's (plan/memory.powersgd_fractions) applied to them."""
     p_share, q_share, factored = parts.compressed
 
     def seconds(elements: float) -> float:
@@ -117,7 +120,7 @@ def _powersgd_seconds(cluster: Cluster, lay: Layout, parts: Parts, d: int, strid
     p_total, p_last = sum(n * seconds(size * p_share) for size, n in parts.sizes), seconds(parts.last * p_share)
     q_total = seconds(params * q_share)
     work = POWERSGD_PASSES * factored * params * BYTES["fp32"] / cluster.device.memory_bandwidth
-    exposed = max(p_last, p_total - t_bwd) + q_total + work
+    exposed = (p_total if lay.pp > 1 else max(p_last, p_total - t_bwd)) + q_total + work
     return p_total + q_total + work, exposed, 2 * (d - 1) / d * grad_bytes * (p_share + q_share)
 
 

@@ -81,8 +81,9 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
 @lru_cache(maxsize=256)
 def powersgd_fractions(cfg: ModelConfig, rank: int) -> tuple[float, float, float]:
     """PowerSGD's two rounds per element of the model's gradients, and the share of the elements
-    in the matrices it compresses (rules/compression.py), over the model's own parameter shapes
-    (the runtime compresses the whole model's: data parallelism alone)."""
+    in the matrices it compresses (rules/compression.py), over the model's own parameter shapes;
+    under a pipeline the planner applies them to a stage's parameters (each stage compresses its
+    own: a stage's blocks share the model's shapes, its embedding or head shifts the shares a little)."""
     shapes = parameter_shapes(cfg)
     total = sum(math.prod(shape) for shape in shapes)
     first, second = powersgd_elements(shapes, rank)

@@ -71,7 +71,7 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                                                           sequence_parallel=sp, schedule=schedule, reduce_dtype=transfers[0], gather_dtype=transfers[1],
                                                           tp_mode=mode, tp_depth=depth, ep=ep, cp=c, cp_mode=cp_mode)
                                             yield flat
-                                            if compress and zero == 0 and d > 1 and t == p == c == ep == 1:  # dp alone
+                                            if compress and zero == 0 and d > 1 and t == c == ep == 1:  # dp (and pp)
                                                 yield from _compressed(flat)
                                             if zero == 3 and p > 1:  # a stage's units kept gathered through its micro-batches
                                                 yield replace(flat, reshard_after_forward=False)
@@ -84,9 +84,12 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
 
 def _compressed(lay: Layout) -> Iterator[Layout]:
     """ZeRO-0's compressed twins, for slow networks: PowerSGD at rank 4 (the issue's and Vogels et al.'s
-    choice), 1-bit Adam after a warm-up step (the planner prices the steps after it)."""
-    yield replace(lay, compress="powersgd", compress_rank=4)
-    yield replace(lay, compress="onebit", compress_after=1)
+    choice), also beside a synchronous pipeline (each stage compresses its own matrices), 1-bit Adam
+    after a warm-up step (the planner prices the steps after it), data parallelism alone."""
+    if lay.pp == 1 or not SCHEDULES[lay.schedule].asynchronous:
+        yield replace(lay, compress="powersgd", compress_rank=4)
+    if lay.pp == 1:
+        yield replace(lay, compress="onebit", compress_after=1)
 
 
 def node_shards(lay: Layout, per_node: int | None) -> int | None:
@@ -242,7 +245,8 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         "with ZeRO over every dp rank (flat, zero>0)": lambda lay: lay.zero > 0 and lay.shards == lay.replicas,
         f"with ZeRO++'s hpZ (ZeRO-3's backward gathers over a node's {link}: hpz)": lambda lay: lay.hpz_partition_size > 1,
         "with ZeRO-3 gathering over every dp rank twice (no hpZ)": lambda lay: lay.zero == 3 and lay.hpz_partition_size == 1,
-        "with compressed gradients (PowerSGD or 1-bit Adam: compress, data parallelism alone)":
+        "with compressed gradients (compress: PowerSGD beside data parallelism and pipelines, 1-bit Adam beside "
+        "data parallelism alone)":
             lambda lay: lay.compress != "none",
         "without compressed gradients": lambda lay: lay.compress == "none",
     }

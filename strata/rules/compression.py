@@ -16,6 +16,7 @@ averaged by its owner, and an all-gather of the averages compressed again (`oneb
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable, Sequence
 
 COMPRESSIONS = ("none", "powersgd", "onebit")
@@ -33,6 +34,13 @@ def compressible(shape: Sequence[int], rank: int) -> bool:
         return False
     n, m = matrix_shape(shape)
     return MIN_COMPRESSION_RATE * rank * (n + m) < n * m
+
+
+def q_seed(seed: int, name: str) -> int:
+    """The seed of the generator a parameter's first PowerSGD Q is drawn from: --seed and the
+    parameter's name in the whole model (CRC-32: the same in every process, unlike hash()), so
+    that a pipeline stage draws the same Q for a matrix as one process holding the whole model."""
+    return seed * 1_000_003 + zlib.crc32(name.encode())
 
 
 def powersgd_elements(shapes: Iterable[Sequence[int]], rank: int) -> tuple[int, int]:

@@ -347,10 +347,14 @@ def check_compression(layout: Layout) -> None:
                 (layout.zero != 0, f"replaces ZeRO-0's all-reduce; zero is {layout.zero} (use zero 0)"),
                 (layout.reduce_dtype != "fp32", "compresses fp32 gradients; leave --reduce-dtype at fp32"),
                 (layout.ep > 1, "not with expert parallelism (the experts' reduction is apart)"),
-                # each rank would factor its own slice (tp), a partial gradient of its chunks (cp), or a
-                # stage's copy of a tied matrix from another start (pp): rules not built nor tested yet
-                (layout.tp > 1 or layout.cp > 1 or layout.pp > 1,
-                 "runs with data parallelism alone for now (tp, cp and pp 1)")]
+                # each rank would factor its own slice (tp) or a partial gradient of its chunks (cp):
+                # rules not built nor tested yet. PowerSGD acts per matrix, so a pipeline stage
+                # compresses its own (seeded by name, a tied embedding's copies alike): pp is built
+                (layout.tp > 1 or layout.cp > 1, "runs with data parallelism alone for now (tp and cp 1; powersgd "
+                                                 "also beside a pipeline)"),
+                (layout.compress == "onebit" and layout.pp > 1, "runs with data parallelism alone for now (pp 1)"),
+                (layout.pp > 1 and SCHEDULES[layout.schedule].asynchronous,
+                 f"not with schedule {layout.schedule} (the weight versions it stashes are not built for it)")]
     if layout.compress == "onebit":  # an optimizer of its own, which holds the moments on the device
         refusals += [(layout.offload != "none", f"runs its own optimizer on the device; not with offload "
                                                 f"{layout.offload}"),
