@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compression import AFTER, BASE, COMPRESSED, RANK, RANKS, single_process_rule
+from test_compression import AFTER, BASE, COMPRESSED, RANK, RANKS, _step_bytes, single_process_rule
 
 from strata.config import train_config
-from strata.distributed import comm
 from strata.rules.compression import powersgd_elements
 from strata.train import trainer
 
@@ -63,20 +62,6 @@ def test_a_tied_embeddings_copies_stay_identical_and_equal_the_dp_run():
     assert len(firsts) == len(lasts) == RANKS
     for first, last in zip(firsts, lasts):
         assert torch.equal(first, last)
-
-
-def _step_bytes(settings: dict) -> dict:
-    run = trainer.setup(train_config(**{**BASE, **settings}))
-    sent = []
-    for step in range(AFTER + 1):
-        comm.counter.reset()
-        trainer.train_step(run, step)
-        sent.append(comm.counter.bytes_sent[("all_reduce", "dp")])
-    shapes = [tuple(p.shape) for p in run.parallel.sharding.params]
-    total = run.parallel.sharding.total
-    run.parallel.close()
-    comm.close_streams()
-    return {"sent": sent, "shapes": shapes, "total": total}
 
 
 def test_a_stages_compressed_step_all_reduces_the_formulas_elements_over_its_parameters():
