@@ -215,6 +215,15 @@ def tied_head_to_hf(out: dict, tensors: dict, cfg: ModelConfig, keys: list | Non
         out[name] = tensors["embed.weight"].clone()
 
 
+def head_to_hf(out: dict, tensors: dict, cfg: ModelConfig, keys: list | None, name: str) -> None:
+    """The head under the file's `name`: strata's own when untied, else the tied copy where the file
+    stored one (for a family that writes its blocks by hand, not through names_to_hf)."""
+    if cfg.tie_embeddings:
+        tied_head_to_hf(out, tensors, cfg, keys, name)
+    else:
+        out[name] = tensors["head.weight"]
+
+
 def default_rope_from_hf(hf: dict, where: str) -> dict:
     """A config.json's RoPE entry, transformers 5's `rope_parameters` or an older file's
     `rope_scaling` ({} when neither), refused in one line unless it is the default RoPE."""

@@ -31,11 +31,11 @@ from strata.model.families.base import (
     check_option,
     default_rope_theta_from_hf,
     default_rope_to_hf,
+    head_to_hf,
     name_from_hf,
     names_to_hf,
     read_options,
     refuse_set,
-    tied_head_to_hf,
 )
 from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, BLOCKS, strip_prefix, written_prefix
 from strata.model.families.gpt_neox import GELU
@@ -201,10 +201,7 @@ def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
         for leaf in ("weight", "bias") if read_options(cfg, FalconOptions).bias else ("weight",):
             q, k, v = (tensors[f"blocks.{block}.attn.{p}.{leaf}"] for p in ("wq", "wk", "wv"))
             out[f"{prefix}{BLOCKS}{block}.{FUSED}.{leaf}"] = join_per_group(q, k, v, cfg.kv_heads, cfg.head_dim)
-    if cfg.tie_embeddings:
-        tied_head_to_hf(out, tensors, cfg, keys, HEAD)
-    else:
-        out[HEAD] = tensors["head.weight"]
+    head_to_hf(out, tensors, cfg, keys, HEAD)
     return out
 
 

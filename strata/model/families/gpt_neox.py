@@ -24,12 +24,12 @@ from strata.model.families.base import (
     check_choice,
     check_option,
     default_rope_from_hf,
+    head_to_hf,
     join_per_head,
     name_from_hf,
     names_to_hf,
     put_fused_qkv,
     read_options,
-    tied_head_to_hf,
 )
 from strata.model.families.gpt2 import BLOCK_TENSOR_PARALLEL, strip_prefix, written_prefix
 from strata.model.parallel_block import ParallelShape, described
@@ -137,10 +137,7 @@ def tensors_to_hf(tensors: dict, cfg: ModelConfig, keys: list | None) -> dict:
             q, k, v = (tensors[f"blocks.{block}.attn.{p}.{leaf}"] for p in ("wq", "wk", "wv"))
             out[f"{prefix}{BLOCKS}{block}.{FUSED}.{leaf}"] = join_per_head(q, k, v, cfg.n_heads, cfg.head_dim)
     head = next((name for name in HEADS if keys is not None and name in keys), HEADS[0])
-    if cfg.tie_embeddings:
-        tied_head_to_hf(out, tensors, cfg, keys, head)
-    else:
-        out[head] = tensors["head.weight"]
+    head_to_hf(out, tensors, cfg, keys, head)
     return out
 
 
