@@ -45,10 +45,14 @@ def summary(name: str, runs) -> str:
     return f"{name}: {len(errors)} runs, median error {statistics.median(errors):.1%}, worst {max(errors):.1%}"
 
 
-def squared_error(runs) -> float:
-    """The fit's objective: the sum of the squared errors (least squares), so every row counts
-    and no one miss the profiles do not explain drags the defaults after it alone."""
-    return sum(r.error() ** 2 for r in runs)
+def objective(runs) -> tuple[float, float]:
+    """The fit's objective: the half's median plus its worst absolute error, the two figures the
+    table is judged by (issue 54: at most 10% and 20%), ties broken by the sum of the squared
+    errors. Least squares alone trades the worst row for many small gains: at its best the
+    Megatron-DeepSpeed MT-NLG rows, which no profile switch explains (docs/cost-model.md,
+    "Remaining misses"), reach 22-25%."""
+    errors = sorted(abs(r.error()) for r in runs)
+    return statistics.median(errors) + errors[-1], sum(e * e for e in errors)
 
 
 def with_defaults(share: float, bandwidth: float, overhead: float) -> None:
@@ -65,12 +69,12 @@ GRID = (tuple(0.75 + 0.025 * i for i in range(9)), (0.5, 0.6, 0.7, 0.8, 0.9, 1.0
 
 
 def fit() -> tuple[float, float, float]:
-    """The defaults with the least squared error on the fit half (ties: the first on the grid)."""
+    """The defaults with the least `objective` on the fit half (ties: the first on the grid)."""
     fit_half, _ = halves()
     best = None
     for share, bandwidth, overhead in itertools.product(*GRID):
         with_defaults(share, bandwidth, overhead)
-        score = squared_error(fit_half)
+        score = objective(fit_half)
         if best is None or score < best[0]:
             best = (score, share, bandwidth, overhead)
     return best[1:]

@@ -14,7 +14,7 @@ from strata.errors import ConfigError
 from strata.model.presets import get_preset
 from strata.plan.compute import StepWork, block_gemm_seconds, unit_seconds
 from strata.plan.cost import estimate
-from strata.plan.hardware import DEVICES, GB, LINKS, device_for_cuda_name, power_clock_factor
+from strata.plan.hardware import DEVICES, GB, LINKS, SUSTAINED_CLOCK_GH100, device_for_cuda_name, power_clock_factor
 from strata.plan.inputs import build_cluster, check_fp8, workload
 from strata.plan.report import parse_layout
 
@@ -132,8 +132,21 @@ def test_a_power_cap_is_a_cube_root_clock_factor():
     assert power_clock_factor(h100, 700) == 1.0
     assert power_clock_factor(h100, 350) == pytest.approx(0.5 ** (1 / 3), rel=1e-12)
     capped = build_cluster("H100-80G", 1, 8, None, "ib-400", power_cap=350).device
-    assert capped.kernels.clock_factor == pytest.approx(0.5 ** (1 / 3), rel=1e-12)
+    # below the clock the H100 holds at its 700 W limit (its sustained clock), not the boost clock
+    assert capped.kernels.clock_factor == pytest.approx(SUSTAINED_CLOCK_GH100 * 0.5 ** (1 / 3), rel=1e-12)
     assert dataclasses.replace(capped, kernels=h100.kernels) == h100  # nothing else changes
+
+
+def test_a_gh100_runs_at_its_sustained_clock_and_an_a100_at_its_own():
+    """The H100, H800 and H200 price their GEMMs and fused attention at the clock a 700 W board holds
+    through a run (Bekman's H200: 708.5 of 841.9 TFLOP/s), the A100 at the clock its fractions were
+    measured at; a 700 W cap changes nothing."""
+    assert SUSTAINED_CLOCK_GH100 == pytest.approx(708.5 / 841.9)
+    for name in ("H100-80G", "H800", "H200"):
+        assert DEVICES[name].kernels.clock_factor == SUSTAINED_CLOCK_GH100
+    assert DEVICES["A100-80G"].kernels.clock_factor == 1.0
+    uncapped = build_cluster("H100-80G", 1, 8, None, "ib-400", power_cap=700).device
+    assert uncapped.kernels.clock_factor == SUSTAINED_CLOCK_GH100
 
 
 def test_a_power_cap_slows_the_compute_clock_and_not_the_memory():
@@ -141,7 +154,7 @@ def test_a_power_cap_slows_the_compute_clock_and_not_the_memory():
     kernel (the embedding unit) and a memory-bound GEMM do not change."""
     h100 = DEVICES["H100-80G"]
     capped = build_cluster("H100-80G", 1, 8, None, "ib-400", power_cap=350).device
-    factor = capped.kernels.clock_factor
+    factor = capped.kernels.clock_factor / h100.kernels.clock_factor
     w = _work()
     plain = unit_seconds(w, h100.kernels, h100.peak_flops["bf16"], h100.memory_bandwidth)
     slow = unit_seconds(w, capped.kernels, h100.peak_flops["bf16"], h100.memory_bandwidth)

@@ -119,6 +119,47 @@ def test_tensor_parallel_overlap_hides_all_but_one_chunk_and_keeps_the_total():
     assert overlapped.step_time_s < plain.step_time_s
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_megatron_cores_gradient_reduction_overlaps_the_last_backward_under_a_pipeline(zero):
+    """--overlap-grad-reduce under a pipeline: a stage's buckets reduce as its last micro-batch's
+    backward fills them, priced as without a pipeline; strata's runtime reduces them after the
+    schedule, all exposed. The traffic and its total time are the same either way."""
+    from strata.plan.buckets import Parts
+    from strata.plan.data_parallel import zero_seconds
+    cluster = build_cluster("H100-80G", 4, 8, None, "ib-400", 8)
+    piped = Layout(dp=8, tp=2, pp=2, zero=zero, micro_batch=1, reduce_dtype="bf16", gather_dtype="bf16")
+    parts = Parts(((25e6, 20), (5e6, 1)), 5e6)
+    after = zero_seconds(cluster, piped, parts, 8, 0.05, 0.1)
+    during = zero_seconds(cluster, piped, parts, 8, 0.05, 0.1, pipeline_overlap=True)
+    assert during == zero_seconds(cluster, replace(piped, pp=1), parts, 8, 0.05, 0.1)
+    assert during[0] == after[0] and during[2] == after[2] and during[1] < after[1]
+    work = workload(get_preset("llama3-8b"), 64, 4096, "bf16")
+    core = with_framework(work, "megatron-core")
+    assert core.pipeline_dp_overlap and not with_framework(work, "strata").pipeline_dp_overlap
+    hidden, exposed = estimate(core, cluster, piped), estimate(replace(core, pipeline_dp_overlap=False), cluster, piped)
+    assert hidden.comm_seconds["dp"] == pytest.approx(exposed.comm_seconds["dp"])
+    assert hidden.exposed_comm_s["dp"] < exposed.exposed_comm_s["dp"] and hidden.step_time_s < exposed.step_time_s
+
+
+def test_megatron_core_runs_cudnns_attention_where_the_device_has_it():
+    """Transformer Engine prefers cuDNN's fused attention on Hopper: on an H100 the attention
+    forward runs at the cuDNN fraction (FlashAttention-3's figures: 609 / 499 TFLOP/s forward /
+    backward at 4k tokens against FA2's 368 / 310), on an A100 (no cuDNN figure) at the flash one."""
+    from strata.plan.hardware import CUDNN_ATTENTION_GH100, DEVICES
+    assert CUDNN_ATTENTION_GH100 == pytest.approx(3.5 / (1 / 609 + 2.5 / 499) / 989, rel=1e-12)
+    assert 0.5 < CUDNN_ATTENTION_GH100 < 0.55
+    h100, a100 = DEVICES["H100-80G"].kernels, DEVICES["A100-80G"].kernels
+    assert h100.with_attention("cudnn").attention_fraction == CUDNN_ATTENTION_GH100
+    assert h100.with_attention("flash") == h100 and a100.with_attention("cudnn") == a100
+    assert framework("megatron-core").attention_kernel == "cudnn" and framework("strata").attention_kernel == "flash"
+    work = workload(get_preset("llama3-8b"), 64, 4096, "bf16")
+    lay = Layout(dp=4, tp=8, micro_batch=1, sequence_parallel=True)
+    for device, faster in (("H100-80G", True), ("A100-80G", False)):
+        cluster = build_cluster(device, 4, 8, None, "ib-400", 8)
+        flash, cudnn = (estimate(replace(work, attention_kernel=k), cluster, lay) for k in ("flash", "cudnn"))
+        assert (cudnn.compute_s < flash.compute_s) == faster and (cudnn.compute_s == flash.compute_s) != faster
+
+
 # --- the runs the planner was not fitted to -------------------------------------------------------
 def test_the_unseen_runs_table_and_its_median():
     """29 published runs none of the defaults were fitted to: 4 sources' families of H100 runs among

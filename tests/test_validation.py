@@ -18,8 +18,6 @@ from strata.plan.validation_table import TABLE, TOTALS, halves, in_fit_half
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
-# beyond 20% after the framework profiles, explained in docs/cost-model.md ("Remaining misses")
-KNOWN_MISSES = {"MPT 13B, 64 H100-80G"}
 
 
 def _slow_network(run) -> bool:
@@ -48,17 +46,23 @@ def test_the_halves_follow_the_hash_of_each_name_and_split_the_table():
     assert min(len(fit_half), len(held_out)) >= len(TABLE) // 3  # the rule does not leave one half empty
 
 
-def test_both_halves_within_10_percent_median_and_the_misses_are_the_named_ones():
-    fit_half, held_out = halves()
+def test_both_halves_within_10_percent_median_and_20_percent_worst():
     errors = {r.name: r.error() for r in TABLE}
-    for half in (fit_half, held_out):
+    for half in halves():
         assert statistics.median(abs(errors[r.name]) for r in half) <= 0.10
-    assert max(abs(errors[r.name]) for r in held_out) <= 0.20
-    beyond = {name for name, e in errors.items() if abs(e) > 0.20}
-    assert beyond == KNOWN_MISSES, {n: f"{errors[n]:+.1%}" for n in beyond ^ KNOWN_MISSES}
+        beyond = {r.name: f"{errors[r.name]:+.1%}" for r in half if abs(errors[r.name]) > 0.20}
+        assert not beyond, beyond
 
 
-def test_the_fitted_defaults_are_the_fit_halfs_least_squares_best(monkeypatch):
+def test_the_fit_objective_is_the_median_plus_the_worst_error():
+    import validation
+    fit_half, _ = halves()
+    errors = sorted(abs(r.error()) for r in fit_half)
+    assert validation.objective(fit_half) == pytest.approx((statistics.median(errors) + errors[-1],
+                                                            sum(e * e for e in errors)))
+
+
+def test_the_fitted_defaults_are_the_fit_halfs_best(monkeypatch):
     import validation
     table = dict(hardware.DEVICES)  # the fit rewrites the device table in place: put it back after
     defaults = (hardware.TRAINING_GEMM_SHARE, hardware.BANDWIDTH_FRACTION, hardware.GEMM_OVERHEAD_S)

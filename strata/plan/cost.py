@@ -10,7 +10,7 @@ stages are the farthest apart. Each group's collectives run on the slowest link 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
@@ -77,6 +77,9 @@ def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     a process computes faster while others wait (pipeline bubbles, stages with less work): the
     rate follows the average number of processes busy at once, found by a few rounds of
     fixed-point iteration."""
+    kernels = cluster.device.kernels.with_attention(work.attention_kernel)
+    if kernels is not cluster.device.kernels:  # the framework's attention kernel (Workload.attention_kernel)
+        cluster = replace(cluster, device=replace(cluster.device, kernels=kernels))
     e = _estimate(work, cluster, layout, 1.0)
     if cluster.shared_cores:
         world = layout.world_size
@@ -300,7 +303,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     load, split = slowest.load, (False if experts else None)  # the experts' buckets apart from the others'
     comm_seconds["dp"], dp_exposed, comm_bytes["dp"] = data_parallel_seconds(
         cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, bucket_mb_for(work, lay)),
-        m, slowest.forward, slowest.backward)
+        m, slowest.forward, slowest.backward, pipeline_overlap=work.pipeline_dp_overlap)
     tp_path = slowest.tp_seconds if slowest.tp_exposed is None else slowest.tp_exposed
     exposed = {"tp": tp_path * m + sums_seconds, "dp": dp_exposed, "pp": comm_seconds["pp"]}
     if lay.cp > 1:  # the K/V ring or Ulysses' all-to-alls; what the attention hides counts in the total only
@@ -311,7 +314,8 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         comm_bytes["ep"] = slowest.ep_bytes * m
         comm_seconds["edp"], exposed["edp"], comm_bytes["edp"] = data_parallel_seconds(
             cluster, lay, collective_parts(cfg, lay, load.layers, load.first, load.last, True, experts, bucket_mb_for(work, lay)),
-            m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]), expert_group(lay))
+            m, slowest.forward, max(0.0, slowest.backward - comm_seconds["dp"]), expert_group(lay),
+            work.pipeline_dp_overlap)
     updated = updated_params(cfg, lay, held, slowest.load.moe_layers)  # by this rank's optimizer step
     held = dense + experts  # what the rank holds, its experts included
     # the fill and the drain wait on the other stages' work: with equal stages a slot is any stage's

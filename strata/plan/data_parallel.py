@@ -15,12 +15,14 @@ BYTES = {name: DTYPES[name].bytes for name in ("bf16", "fp16", "fp32")}  # the t
 
 
 def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: float, t_bwd: float,
-                          group: tuple[int, int] | None = None):
+                          group: tuple[int, int] | None = None, pipeline_overlap: bool = False):
     """(total seconds, exposed seconds, bytes per device): ZeRO's collectives over the ranks that
     shard the states (`zero_seconds`) and, with hybrid sharding (--dp-shard), the all-reduce of
     this rank's gradient shard across the replicas holding the same shard: once a step, after the
-    last backward (parallel/data.py), exposed."""
-    total, exposed, nbytes = zero_seconds(cluster, lay, parts, m, t_fwd, t_bwd, group)
+    last backward (parallel/data.py), exposed. pipeline_overlap: under a pipeline, the buckets
+    reduce behind the last micro-batch's backward as they do without one (Workload.pipeline_dp_overlap,
+    Megatron-Core's --overlap-grad-reduce); strata's runtime reduces them after the schedule."""
+    total, exposed, nbytes = zero_seconds(cluster, lay, parts, m, t_fwd, t_bwd, group, pipeline_overlap)
     if group is not None or lay.shards == lay.replicas:
         return total, exposed, nbytes
     replicas, shard = lay.replicas // lay.shards, sum(size * n for size, n in parts.sizes) / lay.shards
@@ -30,7 +32,7 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t
 
 
 def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: float, t_bwd: float,
-                 group: tuple[int, int] | None = None):
+                 group: tuple[int, int] | None = None, pipeline_overlap: bool = False):
     """(total seconds, seconds not hidden behind compute, bytes per device) of the ranks holding the
     same parameters, dp x cp of them tp apart (or `group`: (size, stride), a mixture's
     expert-data-parallel one). `parts`: the parameters each collective carries, as the runtime
@@ -47,6 +49,7 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
     if not cluster.overlap:  # nothing runs beside compute: every second is exposed
         t_fwd = t_bwd = 0.0
     ring = (d - 1) / d
+    after_schedule = lay.pp > 1 and not pipeline_overlap  # every bucket reduced after the schedule: exposed
     params_local = sum(size * n for size, n in parts.sizes)
     grad_bytes = params_local * BYTES[lay.reduce_dtype]
     gather_bytes = params_local * BYTES[lay.gather_dtype]
@@ -83,7 +86,7 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
         total, last = one_by_one("all_reduce", lay.reduce_dtype)
         # buckets reduce while the last micro-batch's backward runs, all but the last one, which is
         # ready only when the backward ends; after a pipeline schedule, all of them at the end
-        exposed = total if lay.pp > 1 else max(last, total - t_bwd)
+        exposed = total if after_schedule else max(last, total - t_bwd)
         return total, exposed, 2 * ring * grad_bytes
     # ZeRO-1: one reduce-scatter per bucket a step (overlapping the last backward unless a pipeline
     # schedule ran), ZeRO-2: every micro-batch, the last bucket of each exposed (under a pipeline,
@@ -93,7 +96,7 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
     # first micro-batch's forward (parallel/gradients.py `after_step`)
     reductions = m if lay.zero == 2 and lay.pp == 1 else 1
     (rs, last), (ag, first) = one_by_one("reduce_scatter", lay.reduce_dtype), one_by_one("all_gather", lay.gather_dtype)
-    hidden = 0.0 if lay.pp > 1 else t_bwd
+    hidden = 0.0 if after_schedule else t_bwd
     exposed = max(last if hidden else rs, rs - hidden) * reductions + first + max(0.0, ag - first - t_fwd)
     return rs * reductions + ag, exposed, ring * (grad_bytes * reductions + gather_bytes)
 

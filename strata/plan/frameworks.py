@@ -11,6 +11,13 @@ priced as strata runs; a run of another framework with that framework's features
   bucket_elements     ZeRO-0/1/2's gradient bucket, in elements, given the data-parallel size
   chunked_loss        the loss computed a chunk of the sequence at a time, so the whole fp32 logits
                       never exist (strata/model/loss.py), or the whole logits kept
+  attention_kernel    the fused attention kernel: "flash" (FlashAttention-2, SDPA's flash backend) or
+                      "cudnn" (cuDNN's, which Transformer Engine prefers on Hopper and later; on a
+                      device without a cuDNN measurement, the flash kernel's rate)
+  pipeline_dp_overlap under a pipeline, the gradient buckets reduced as the last micro-batch's backward
+                      fills them (Megatron-Core's --overlap-grad-reduce: its hooks fire on the last
+                      micro-batch of each model chunk), or all after the schedule (strata's runtime,
+                      parallel/gradients.py: exposed)
 
 Sources, per profile, in `source` and docs/cost-model.md ("Framework profiles")."""
 
@@ -34,6 +41,8 @@ class Framework:
     bucket_elements: Callable[[int], float]
     source: str
     chunked_loss: bool = False
+    pipeline_dp_overlap: bool = False
+    attention_kernel: str = "flash"
 
     def bucket_mb(self, dp: int) -> float:
         """The gradient bucket as --bucket-mb counts it (MB of fp32 master elements)."""
@@ -49,9 +58,12 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               "batched GEMMs around a fused softmax, gradient-accumulation fusion, TP collectives exposed; "
               "buckets as strata's (the table's fit)"),
     Framework("megatron-core", True, True, True, lambda dp: max(40_000_000, 1_000_000 * dp),
-              "Megatron-Core (r0.8, 2024): Transformer Engine's fused attention, gradient-accumulation fusion, "
-              "--tp-comm-overlap, DDP buckets of max(40M, 1M x dp) parameters "
-              "(distributed_data_parallel_config.py bucket_size)"),
+              "Megatron-Core (r0.8, 2024): Transformer Engine's fused attention (cuDNN's on Hopper: NVIDIA NeMo's "
+              "docs, memory_optimizations.rst), gradient-accumulation fusion, "
+              "--tp-comm-overlap, --overlap-grad-reduce and --overlap-param-gather (the README's H100 runs), "
+              "the gradient buckets reduced during the last micro-batch's backward under a pipeline too, DDP "
+              "buckets of max(40M, 1M x dp) parameters (distributed_data_parallel_config.py bucket_size)",
+              pipeline_dp_overlap=True, attention_kernel="cudnn"),
     Framework("megatron-deepspeed", False, False, False, lambda dp: 500_000_000,
               "Megatron-DeepSpeed (BLOOM, MT-NLG, 2021-2022): Megatron's unfused attention; no gradient-"
               "accumulation fusion (its ColumnParallelLinear is F.linear, bigscience-workshop/Megatron-DeepSpeed "

@@ -25,9 +25,21 @@ class Kernels:
     exp_s: float = 0.0
     # of the FP8 peak the largest FP8 GEMMs reach (None: the device has no FP8 matrix units)
     fp8_gemm_fraction: float | None = None
-    # the compute clock under a power cap over the uncapped one (power_clock_factor): what the GEMMs
-    # and fused attention run at; memory-bound kernels keep the memory's rate
+    # the compute clock a training run holds over the clock the fractions above were measured at:
+    # the sustained clock at the device's power limit (SUSTAINED_CLOCK), times a power cap's
+    # (power_clock_factor). What the GEMMs and fused attention run at; memory-bound kernels keep
+    # the memory's rate
     clock_factor: float = 1.0
+    # cuDNN's fused attention (Transformer Engine's choice on Hopper and later), forward and backward,
+    # over the peak, where measured; None: the device runs the flash kernel's rate (attention_fraction)
+    cudnn_attention_fraction: float | None = None
+
+    def with_attention(self, kernel: str) -> Kernels:
+        """These kernels with `kernel`'s fused attention: "flash" (FlashAttention-2, SDPA's flash
+        backend) or "cudnn" (where the device has no cuDNN measurement, the flash kernel's rate)."""
+        if kernel == "cudnn" and self.cudnn_attention_fraction is not None:
+            return replace(self, attention_fraction=self.cudnn_attention_fraction)
+        return self
 
     def fp8(self) -> Kernels:
         """These kernels for FP8 GEMMs: the FP8 curve's saturation in place of the 16-bit one."""
@@ -59,14 +71,33 @@ class Kernels:
 # elementwise kernels reach.
 TRAINING_GEMM_SHARE = 0.80
 GEMM_OVERHEAD_S = 16e-6
-BANDWIDTH_FRACTION = 0.9
+BANDWIDTH_FRACTION = 0.8
 KERNEL_OVERHEAD_S = 5e-6  # a CUDA kernel launch, as PyTorch's eager mode issues them
 
 
-def _kernels(best_gemm_fraction: float, attention_fraction: float, best_fp8_fraction: float | None = None) -> Kernels:
+# The clock a GH100 (H100 SXM5, H800, H200) holds through a training run at its 700 W limit, over the
+# boost clock short benchmarks (the GEMM and attention fractions above) run at: dense GEMMs drive the
+# board to its power limit and the SM clock down (Bekman, ml-engineering, compute/accelerator: an
+# H200's 841.9 TFLOP/s burst at 1,980 MHz against 708.5 sustained at about 1,465 MHz and 693 W).
+# llm-foundry's 45 configurations run on H100 and A100-80GB from one image show it: every H100 row
+# about 18% slower than the A100 curve's ratio predicts, recomputation or not (docs/cost-model.md,
+# "The sustained clock"). No A100 figure shows it (400 W holds its clock within a few per cent).
+SUSTAINED_CLOCK_GH100 = 708.5 / 841.9
+
+
+def _kernels(best_gemm_fraction: float, attention_fraction: float, best_fp8_fraction: float | None = None,
+             clock: float = 1.0, cudnn_attention: float | None = None) -> Kernels:
     return Kernels(best_gemm_fraction * TRAINING_GEMM_SHARE, GEMM_OVERHEAD_S, attention_fraction, BANDWIDTH_FRACTION,
                    KERNEL_OVERHEAD_S,
-                   fp8_gemm_fraction=None if best_fp8_fraction is None else best_fp8_fraction * TRAINING_GEMM_SHARE)
+                   fp8_gemm_fraction=None if best_fp8_fraction is None else best_fp8_fraction * TRAINING_GEMM_SHARE,
+                   clock_factor=clock, cudnn_attention_fraction=cudnn_attention)
+
+
+# cuDNN's fused attention on an H100 SXM5 (Shah et al. 2024, FlashAttention-3, figures 5 and 6: head
+# dimension 128, 4k tokens, bf16): 609 TFLOP/s forward and 499 backward against FlashAttention-2's
+# 368 and 310; a forward and a backward (2.5 x its FLOPs) at those rates: 53% of the peak (FA2: 33%,
+# the table's 0.35).
+CUDNN_ATTENTION_GH100 = 3.5 / (1 / 609 + 2.5 / 499) * 1e12 / 989e12
 
 
 # What a device's memory holds besides the tensors max_memory_allocated counts, per process:
@@ -138,13 +169,13 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     Device("A800-80G", 80 * GB, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039 * GB, 200 * GB,
            _kernels(0.859, 0.5), power_range_w=(100, 400)),
     Device("H100-80G", 80 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 3350 * GB, 450 * GB,
-           _kernels(0.801, 0.35, 0.709), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB,
+           _kernels(0.801, 0.35, 0.709, SUSTAINED_CLOCK_GH100, CUDNN_ATTENTION_GH100), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB,
            fp8_flops=1979e12, power_range_w=(200, 700)),
     # H800 SXM5: H100 SXM5's compute and memory, NVLink cut to 400 GB/s both directions (NVIDIA's H800
     # specification as public summaries quote it; DeepSeek-V3's report, arXiv 2412.19437, measures
     # 160 GB/s of it)
     Device("H800", 80 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 3350 * GB, 200 * GB,
-           _kernels(0.801, 0.35, 0.709), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB,
+           _kernels(0.801, 0.35, 0.709, SUSTAINED_CLOCK_GH100, CUDNN_ATTENTION_GH100), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB,
            fp8_flops=1979e12, power_range_w=(200, 700)),
     # H100 NVL (H100 datasheet, NVL column): 94 GB at 3.9 TB/s, 1,671 TFLOP/s bf16 and 3,341 fp8 with
     # sparsity, 60 fp32, 350-400 W; PCIe cards whose NVLink bridges join pairs at 600 GB/s
@@ -157,7 +188,7 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
            _kernels(0.801, 0.35, 0.709), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB,
            fp8_flops=296e12),
     Device("H200", 141 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 4800 * GB, 450 * GB,
-           _kernels(0.83, 0.35, 0.734), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB,
+           _kernels(0.83, 0.35, 0.734, SUSTAINED_CLOCK_GH100, CUDNN_ATTENTION_GH100), PCIE5, NVME_READ, NVME_WRITE, host_memory_bytes=256 * GB, disk_bytes=3840 * GB,
            fp8_flops=1979e12, power_range_w=(200, 700)),
     # B200 (DGX B200 datasheet, per GPU of 8: 72 PFLOP/s fp8 and 36 fp16/bf16 with sparsity, 1,440 GB
     # at 64 TB/s, NVLink 5 at 1.8 TB/s; 80 TFLOP/s fp32 at 1,000 W, NVIDIA's HGX B200 figures)

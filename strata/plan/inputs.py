@@ -90,7 +90,8 @@ def capped(device: Device, power_cap: float | None) -> Device:
     low, high = device.power_range_w
     if not low <= power_cap <= high:
         raise ConfigError(f"--power-cap {power_cap:g}: the {device.name} takes {low:g} to {high:g} W")
-    kernels = replace(device.kernels, clock_factor=power_clock_factor(device, power_cap))
+    # below the clock it holds at its highest limit (a GH100's sustained clock: hardware.py)
+    kernels = replace(device.kernels, clock_factor=device.kernels.clock_factor * power_clock_factor(device, power_cap))
     return replace(device, kernels=kernels)
 
 

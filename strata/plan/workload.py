@@ -32,6 +32,13 @@ class Workload:
     # 1-D tensor-parallel collectives overlapped with the GEMMs they feed (Megatron-Core's
     # --tp-comm-overlap: plan/frameworks.py); strata's runtime does not (False)
     tp_overlap: bool = False
+    # under a pipeline, the data-parallel reductions hidden behind the last micro-batch's backward as
+    # without one (Megatron-Core's --overlap-grad-reduce); strata's runtime runs them after the
+    # schedule (False)
+    pipeline_dp_overlap: bool = False
+    # the fused attention kernel's rate: "flash" (FlashAttention-2, strata's SDPA) or "cudnn"
+    # (Transformer Engine's on Hopper: hardware.Kernels.with_attention)
+    attention_kernel: str = "flash"
     # --fp8: the blocks' linear layers' GEMMs at the device's FP8 peak (Transformer Engine's recipe:
     # bf16 between the layers, fp32 masters; planned only, the runtime computes in 16 bits)
     fp8: bool = False
@@ -46,6 +53,7 @@ def with_framework(work: Workload, name: str) -> Workload:
     profile = framework(name)
     return replace(work, framework=profile.name, fused_attention=profile.fused_attention,
                    fused_accumulation=profile.fused_accumulation, tp_overlap=profile.tp_overlap, bucket_mb=None,
+                   pipeline_dp_overlap=profile.pipeline_dp_overlap, attention_kernel=profile.attention_kernel,
                    logits_chunk_bytes=LOGITS_CHUNK_BYTES if profile.chunked_loss else None)
 
 
