@@ -10,7 +10,7 @@ all-reduce, in two measurements:
   hpz   the same two nodes, two processes each (4 data-parallel ranks), ZeRO-3 against ZeRO-3 with
         ZeRO++'s hpZ (--hpz-partition-size 2: the backward's gathers inside a node), in one run
 
-  python bench/compression.py loss [--steps 300] [--out docs/img/compression_val_loss.png]
+  python bench/compression.py loss [--steps 300] [--out docs/img/compression_val_loss.png] [--runs uncompressed,0/1 Adam]
   python bench/compression.py link [--rate 100mbit] [--steps 12]
 """
 
@@ -30,13 +30,15 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 # name: (--compress, PowerSGD's rank)
 RUNS = {"uncompressed": ("none", None), "powersgd rank 4": ("powersgd", 4), "powersgd rank 1": ("powersgd", 1),
-        "1-bit Adam": ("onebit", None)}
+        "1-bit Adam": ("onebit", None), "0/1 Adam": ("zeroone", None)}
 
 
 def flags(run: tuple[str, int | None], after: int) -> list[str]:
     compress, rank = run
     if compress == "none":
         return []
+    if compress == "zeroone":  # no warm-up: its first --var-update-scaler steps all-reduce uncompressed
+        return ["--compress", compress]
     return ["--compress", compress, *(["--compress-rank", str(rank)] if rank is not None else []),
             "--compress-after", str(after)]
 
@@ -64,8 +66,9 @@ def loss(args) -> None:
         subprocess.run([sys.executable, "-m", "strata", "data", "prepare", "--source", "shakespeare",
                         "--tokenizer", "bpe:8192", "--out", data], check=True, env=ENV)
     curves, sent = {}, {}
-    for name, run in RUNS.items():
-        metrics = os.path.join(args.work, f"{name.replace(' ', '_')}.jsonl")
+    for name in args.runs:
+        run = RUNS[name]
+        metrics = os.path.join(args.work, f"{name.replace(' ', '_').replace('/', '-')}.jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)
         subprocess.run([sys.executable, "-m", "strata", "train", "--model", "small", "--data", data, "--dtype", "bf16",
@@ -75,7 +78,8 @@ def loss(args) -> None:
                         "--metrics", metrics, "--no-progress", *flags(run, warm_up(run, args.steps))],
                        check=True, env=ENV)
         curves[name] = [(r["step"] * 8 * 256, r["val_loss"]) for r in _records(metrics, "eval")]
-        sent[name] = dp_bytes(_records(metrics, "train")[-1])
+        train = _records(metrics, "train")
+        sent[name] = statistics.mean(dp_bytes(r) for r in train)  # 0/1 Adam's steps differ: the mean
 
     import matplotlib
     matplotlib.use("Agg")
@@ -90,11 +94,12 @@ def loss(args) -> None:
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=120)
-    base = curves["uncompressed"][-1][1]
-    print("| run | validation loss at the start | at the end | against uncompressed | dp bytes per step (rank 0) |")
+    base = curves["uncompressed"][-1][1] if "uncompressed" in curves else args.baseline
+    print(f"| run | validation loss at the start | at the end | against uncompressed ({base:.4f}) | "
+          f"dp bytes per step, mean (rank 0) |")
     print("|---|---|---|---|---|")
     for name, points in curves.items():
-        print(f"| {name} | {points[0][1]:.3f} | {points[-1][1]:.3f} | {points[-1][1] / base - 1:+.2%} | "
+        print(f"| {name} | {points[0][1]:.3f} | {points[-1][1]:.4f} | {points[-1][1] / base - 1:+.2%} | "
               f"{sent[name] / 1e6:.2f} MB |")
     print(f"plot: {args.out}")
 
@@ -130,7 +135,8 @@ def _on_two_nodes(args, prefix: str, subnet: str, slots: int, runs: dict[str, li
 def link(args) -> None:
     results = {}
     for name, steps in _on_two_nodes(args, "c", "10.233.9", 1, {
-            name: ["--micro-batch", "2", "--global-batch", "4", *flags(run, 2)] for name, run in RUNS.items()}):
+            name: ["--micro-batch", "2", "--global-batch", "4", *flags(run, 2)] for name, run in RUNS.items()
+            if run[0] != "zeroone"}):  # 0/1 Adam's first 16 steps all-reduce whole: a dozen show nothing
         results[name] = (statistics.median(r["step_time_s"] for r in steps),
                          statistics.median(dp_bytes(r) for r in steps))
     base = results["uncompressed"][0]
@@ -170,9 +176,16 @@ def main() -> None:
     parser.add_argument("--out", default="docs/img/compression_val_loss.png")
     parser.add_argument("--work", default="/tmp/strata-compression")
     parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--runs", default=",".join(RUNS), type=lambda text: text.split(","),
+                        help=f"loss: which runs, comma-separated, of: {', '.join(RUNS)}")
+    parser.add_argument("--baseline", type=float, default=5.0775,
+                        help="loss without the uncompressed run: the final loss to compare with (2026-12-06's)")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     if args.what == "loss":
+        unknown = [name for name in args.runs if name not in RUNS]
+        if unknown:
+            parser.error(f"--runs {','.join(unknown)}: valid: {', '.join(RUNS)}")
         args.steps = args.steps or 300
         loss(args)
     elif args.what == "hpz":

@@ -124,7 +124,7 @@ def test_a_compressed_step_all_reduces_the_formulas_elements():
 @pytest.mark.parametrize("flags,needle", [
     (["--compress", "powersgd"], "--compress powersgd: compresses the data-parallel reduction, and dp is 1"),
     (["--nproc", "2", "--compress", "powersgd", "--zero", "1"], "replaces ZeRO-0's all-reduce; zero is 1"),
-    (["--nproc", "2", "--compress", "topk"], "--compress topk: valid: none, powersgd, onebit"),
+    (["--nproc", "2", "--compress", "topk"], "--compress topk: valid: none, powersgd, onebit, zeroone"),
     (["--nproc", "2", "--compress-rank", "8"], "--compress-rank 8: only with --compress powersgd"),
     (["--nproc", "2", "--compress", "powersgd", "--compress-rank", "0"], "--compress-rank 0: must be >= 1"),
     (["--nproc", "4", "--tp", "2", "--compress", "powersgd"], "runs with data parallelism alone for now"),

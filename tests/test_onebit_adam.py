@@ -3,7 +3,9 @@ single-process run of its rule, written here apart from the runtime (each rank's
 on its rows, then Tang et al. 2021's update: AdamW for the warm-up, then v frozen and the momenta
 averaged through sign compression with worker and server error feedback), in fp64 to 1e-10; the
 bytes a step sends are the formula's (rules/compression.py); a resumed run goes on bit for bit; and
-what the flag does not run with is one line."""
+what the flag does not run with is one line. The same for 0/1 Adam (--compress zeroone, Lu et al.
+2022): v updated on the whole average gradient at DeepSpeed's ZeroOneAdam steps, the gradient
+averaged 1-bit between them."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from test_compression import BASE
 from strata.config import train_config
 from strata.data.loader import BatchLoader
 from strata.distributed import comm
-from strata.rules.compression import onebit_padded, onebit_wire_bytes
+from strata.rules.compression import onebit_padded, onebit_wire_bytes, variance_updates, zeroone_wire_bytes
 from strata.train import trainer
 from strata.train.optim import lr_at
 
@@ -25,6 +27,8 @@ from distributed import assert_compressed_runs_follow_the_rule, run_on_ranks
 
 RANKS, AFTER, STEPS = 2, 2, 6
 COMPRESSED = dict(compress="onebit", compress_after=AFTER)
+SCALER = 2  # 0/1 Adam's kappa: v updated at steps 1, 2, 4, 6 (then 8, 12, ..): steps 3 and 5 compressed
+ZEROONE = dict(compress="zeroone", var_update_scaler=SCALER)
 
 
 # --- the rule, in one process ---------------------------------------------------------------------
@@ -72,20 +76,26 @@ def _rank_gradients(run, loader: BatchLoader, step: int, ranks: int) -> tuple[di
     return {name: p.grad.clone() for name, p in run.model.named_parameters()}, losses
 
 
-def single_process_rule(ranks: int, settings: dict) -> list[float]:
-    """The losses of 1-bit Adam over `ranks` ranks' rows, every rank simulated in this process: the
-    warm-up is torch's AdamW on the averaged gradient."""
+def _simulated_ranks(ranks: int, settings: dict):
+    """What both rules below start from: one process's run, each rank's loader, the trained
+    parameters, every rank's zeroed worker and server errors (fp64, padded), betas and decays."""
     run = trainer.setup(train_config(**{**BASE, **settings, "nproc": 1}))
     data = run.train_data
     loaders = [BatchLoader(data.source, data.seq_len, data.global_batch, data.seed, dp_rank=r, dp_size=ranks)
                for r in range(ranks)]
     named = [(name, p) for name, p in run.model.named_parameters() if p.requires_grad]
-    elements = sum(p.numel() for _, p in named)
-    padded = onebit_padded(elements, ranks)
+    padded = onebit_padded(sum(p.numel() for _, p in named), ranks)
     worker_errors = [torch.zeros(padded, dtype=torch.float64) for _ in range(ranks)]
     server_errors = [torch.zeros(padded // ranks, dtype=torch.float64) for _ in range(ranks)]
-    b1, b2 = run.cfg.beta1, run.cfg.beta2
     decay = {p: group["weight_decay"] for group in run.optimizer.param_groups for p in group["params"]}
+    return run, loaders, named, worker_errors, server_errors, (run.cfg.beta1, run.cfg.beta2), decay
+
+
+def single_process_rule(ranks: int, settings: dict) -> list[float]:
+    """The losses of 1-bit Adam over `ranks` ranks' rows, every rank simulated in this process: the
+    warm-up is torch's AdamW on the averaged gradient."""
+    run, loaders, named, worker_errors, server_errors, (b1, b2), decay = _simulated_ranks(ranks, settings)
+    elements, padded = sum(p.numel() for _, p in named), worker_errors[0].numel()
     losses = []
     for step in range(STEPS):
         for group in run.optimizer.param_groups:
@@ -117,6 +127,74 @@ def single_process_rule(ranks: int, settings: dict) -> list[float]:
     return losses
 
 
+def _deepspeed_variance_steps(steps: int, scaler: int) -> set[int]:
+    """The steps (1 is the first) DeepSpeed's ZeroOneAdam updates v at: its var_interval and
+    var_counter, as its step() moves them."""
+    interval, counter, updates = 1, 0, set()
+    for t in range(1, steps + 1):
+        if t % interval == 0:
+            updates.add(t)
+            counter += 1
+            if counter == scaler:
+                counter, interval = 0, interval * 2
+    return updates
+
+
+def zeroone_rule(ranks: int, settings: dict, scaler: int) -> list[float]:
+    """The losses of 0/1 Adam over `ranks` ranks' rows in this process: a step that updates v runs
+    Adam on the average gradient (m and v), any other averages the ranks' flat gradients through the
+    1-bit compression with error feedback and only m takes it; AdamW's update, v's bias correction
+    counting v's updates."""
+    run, loaders, named, worker_errors, server_errors, (b1, b2), decay = _simulated_ranks(ranks, settings)
+    elements, padded = sum(p.numel() for _, p in named), worker_errors[0].numel()
+    m = {name: torch.zeros_like(p) for name, p in named}
+    v = {name: torch.zeros_like(p) for name, p in named}
+    variance_steps, updates, losses = _deepspeed_variance_steps(STEPS, scaler), 0, []
+    for step in range(STEPS):
+        t = step + 1
+        per_rank = [_rank_gradients(run, loader, step, ranks) for loader in loaders]
+        losses.append(sum(sum(rank_losses) for _, rank_losses in per_rank) / (ranks * len(per_rank[0][1])))
+        grads = [g for g, _ in per_rank]  # each carries 1/ranks of the loss
+        if t in variance_steps:
+            average = {name: sum(g[name] for g in grads) for name, _ in named}
+            for name, _ in named:
+                v[name] = b2 * v[name] + (1 - b2) * average[name] ** 2
+            updates += 1
+        else:
+            flats = [torch.nn.functional.pad(torch.cat([ranks * g[name].reshape(-1) for name, _ in named]),
+                                             (0, padded - elements)) for g in grads]
+            flat, average, at = _compressed_average(flats, worker_errors, server_errors, elements), {}, 0
+            for name, p in named:
+                average[name] = flat[at:at + p.numel()].view_as(p)
+                at += p.numel()
+        lr = lr_at(step, run.cfg)
+        with torch.no_grad():
+            for name, p in named:
+                m[name] = b1 * m[name] + (1 - b1) * average[name]
+                p.mul_(1 - lr * decay[p])
+                p.sub_(lr / (1 - b1 ** t) * m[name] / (v[name].sqrt() / math.sqrt(1 - b2 ** updates) + 1e-8))
+        run.model.zero_grad(set_to_none=True)
+    return losses
+
+
+def test_the_variance_steps_are_deepspeeds():
+    """rules/compression.variance_updates counts ZeroOneAdam's var_interval / var_counter policy."""
+    for scaler in (1, 2, 3, 16):
+        steps = _deepspeed_variance_steps(5000, scaler)
+        assert [variance_updates(t, scaler) for t in range(5001)] == [
+            sum(1 for s in steps if s <= t) for t in range(5001)]
+    assert variance_updates(300, 16) == 67  # the bench's run: 16 + 16 + 16 + 16 + 3 steps whole
+
+
+@pytest.mark.parametrize("ranks,settings", [(2, {}), (3, {"global_batch": 6})])
+def test_zeroone_ranks_equal_the_single_process_rule_in_fp64(ranks, settings):
+    """Steps 1 and 2 are AdamW's (plain run's losses), step 3 the first compressed one."""
+    reference = zeroone_rule(ranks, settings, SCALER)
+    plain = run_on_ranks(_on_ranks, ranks, settings)[0]
+    compressed = run_on_ranks(_on_ranks, ranks, {**settings, **ZEROONE})
+    assert_compressed_runs_follow_the_rule(compressed, reference, plain, 2)
+
+
 def _on_ranks(settings: dict) -> list[float]:
     return trainer.train(train_config(**{**BASE, **settings}))["losses"]
 
@@ -134,7 +212,7 @@ def test_the_ranks_equal_the_single_process_rule_in_fp64(ranks, settings):
 def _step_bytes(settings: dict) -> dict:
     run = trainer.setup(train_config(**{**BASE, **settings}))
     sent = []
-    for step in range(AFTER + 2):
+    for step in range(AFTER + 2 if settings["compress"] == "onebit" else 5):
         comm.counter.reset()
         trainer.train_step(run, step)
         sent.append(dict(comm.counter.bytes_sent))
@@ -161,6 +239,24 @@ def test_a_compressed_step_sends_the_formulas_bytes():
         assert 2 * wire * 60 < 2 * 8 * rank["elements"]
 
 
+def test_a_zeroone_run_sends_the_formulas_bytes():
+    """fp64, 2 ranks, kappa 2: steps 1, 2, 4, 6 all-reduce the padded gradient buffer (and the
+    loss), steps 3 and 5 the loss and the two 1-bit collectives; the run's total is
+    rules/compression.zeroone_wire_bytes x (N-1)/N, a ring's share, plus the losses."""
+    ring = (RANKS - 1) / RANKS
+    for rank in run_on_ranks(_step_bytes, RANKS, ZEROONE):
+        wire, whole = onebit_wire_bytes(rank["elements"], RANKS, 8), 8 * rank["total"]
+        for t, sent in enumerate(rank["sent"], 1):
+            if t in (1, 2, 4):
+                assert sent == {("all_reduce", "dp"): 2 * ring * (whole + 8)}
+            else:
+                assert sent == {("all_reduce", "dp"): 2 * ring * 8, ("all_to_all", "dp"): ring * wire,
+                                ("all_gather", "dp"): ring * wire}
+        steps = len(rank["sent"])
+        total = sum(nbytes for sent in rank["sent"] for nbytes in sent.values()) - steps * 2 * ring * 8
+        assert total == ring * zeroone_wire_bytes(steps, SCALER, rank["elements"], RANKS, 8, whole)
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--compress", "onebit", "--compress-after", "2"], "--compress onebit: compresses the data-parallel reduction"),
     (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--zero", "1"],
@@ -175,6 +271,13 @@ def test_a_compressed_step_sends_the_formulas_bytes():
      "--compress onebit: runs its own optimizer on the device; not with offload cpu"),
     (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--schedule", "2bw", "--grad-clip", "0"],
      "--compress onebit: not with schedule 2bw"),
+    (["--nproc", "2", "--compress", "zeroone", "--compress-after", "2"],
+     "--compress-after 2: only with --compress powersgd or onebit"),
+    (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--var-update-scaler", "4"],
+     "--var-update-scaler 4: only with --compress zeroone"),
+    (["--nproc", "2", "--compress", "zeroone", "--var-update-scaler", "0"], "--var-update-scaler 0: must be >= 1"),
+    (["--nproc", "2", "--compress", "zeroone", "--zero", "1"], "--compress zeroone: replaces ZeRO-0's all-reduce"),
+    (["--nproc", "4", "--pp", "2", "--compress", "zeroone"], "--compress zeroone: runs with data parallelism alone"),
 ])
 def test_what_onebit_does_not_run_with_is_one_line(flags, needle):
     result = run_strata("train", "--model", "tiny", "--steps", "1", "--micro-batch", "1", *flags)
@@ -182,19 +285,21 @@ def test_what_onebit_does_not_run_with_is_one_line(flags, needle):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def _saved_and_resumed(directory: str) -> tuple[list[float], list[float]]:
-    """STEPS steps saving after step AFTER + 1 (past the warm-up: both errors are nonzero), then a
-    second run resumed from that checkpoint."""
+def _saved_and_resumed(directory: str, settings: dict) -> tuple[list[float], list[float]]:
+    """STEPS steps saving after step AFTER + 1 (past 1-bit Adam's warm-up, after 0/1 Adam's first
+    compressed step: both errors are nonzero), then a second run resumed from that checkpoint."""
     save_at = AFTER + 1
-    whole = trainer.train(train_config(**{**BASE, **COMPRESSED, "save": directory, "save_every": save_at}))["losses"]
-    resumed = trainer.train(train_config(**{**BASE, **COMPRESSED, "resume": f"{directory}/step_{save_at:06d}"}))
+    whole = trainer.train(train_config(**{**BASE, **settings, "save": directory, "save_every": save_at}))["losses"]
+    resumed = trainer.train(train_config(**{**BASE, **settings, "resume": f"{directory}/step_{save_at:06d}"}))
     return whole[save_at:], resumed["losses"]
 
 
-def test_a_resumed_run_goes_on_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("settings", [COMPRESSED, ZEROONE], ids=["onebit", "zeroone"])
+def test_a_resumed_run_goes_on_bit_for_bit(tmp_path, settings):
     """The momentum, v and the step go with AdamW's state; each rank's worker error and its chunk
-    of the server error with its own shard file: without them the resumed steps would differ."""
-    for whole, resumed in run_on_ranks(_saved_and_resumed, RANKS, str(tmp_path / "ck")):
+    of the server error with its own shard file: without them the resumed steps would differ (0/1
+    Adam's step count says which steps update v)."""
+    for whole, resumed in run_on_ranks(_saved_and_resumed, RANKS, str(tmp_path / "ck"), settings):
         assert len(resumed) == STEPS - AFTER - 1
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole), rtol=1e-10, atol=0)
 
@@ -223,6 +328,28 @@ def test_the_planner_counts_the_formulas_bytes_and_the_error_buffers():
     gradients = b.memory_breakdown["gradients"] - a.memory_breakdown["gradients"]
     assert gradients == pytest.approx(onebit_error_bytes(cfg.num_params(), 64), rel=1e-6)
     assert b.fits and b.step_time_s < a.step_time_s
+
+
+def test_the_planner_prices_zeroone_between_variance_updates_and_its_flat_gradient():
+    """0/1 Adam's steps that leave v alone send 1-bit Adam's two rounds (the planner prices those, a
+    long run's steady state: the steps updating v are about kappa log2(T / kappa) of T), and its
+    rank holds the flat fp32 gradient beside the two error buffers."""
+    import dataclasses
+
+    from strata.model.presets import get_preset
+    from strata.plan.cost import estimate
+    from strata.plan.inputs import build_cluster, workload
+    from strata.rules.layout import Layout
+    cfg = get_preset("llama-1b")
+    work, cluster = workload(cfg, 512, 2048, "bf16"), build_cluster("A100-80G", 8, 8, None, "10gbe")
+    onebit = Layout(dp=64, checkpointing="full", micro_batch=1, compress="onebit", compress_after=100)
+    onebit_plan = estimate(work, cluster, onebit)
+    zeroone_plan = estimate(work, cluster, dataclasses.replace(onebit, compress="zeroone", compress_after=0))
+    assert zeroone_plan.comm_bytes["dp"] == onebit_plan.comm_bytes["dp"]
+    assert zeroone_plan.exposed_comm_s["dp"] == onebit_plan.exposed_comm_s["dp"]
+    flat = zeroone_plan.memory_breakdown["gradients"] - onebit_plan.memory_breakdown["gradients"]
+    assert flat == pytest.approx(4 * cfg.num_params(), rel=1e-6)
+    assert variance_updates(100_000, 16) < 16 * 14  # the whole steps of a long run: under 0.3% of them
 
 
 def _error_bytes() -> dict:

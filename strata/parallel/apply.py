@@ -112,8 +112,9 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
         elif lay.compress == "powersgd":
             sharding = PowerSGDReplicate([p for _, p in trainable], settings, lay.compress_rank, lay.compress_after,
                                          cfg.seed, [name for name, _ in trainable])
-        elif lay.compress == "onebit":
-            sharding = OnebitReplicate([p for _, p in trainable], settings, lay.compress_after)
+        elif lay.compress in ("onebit", "zeroone"):
+            sharding = OnebitReplicate([p for _, p in trainable], settings, lay.compress_after,
+                                       lay.var_update_scaler if lay.compress == "zeroone" else 0)
         else:
             sharding = BUCKET_STAGES[lay.zero]([p for _, p in trainable], settings)
         if SCHEDULES[lay.schedule].asynchronous and lay.zero == 0:  # weight stashing swaps the parameters' storage

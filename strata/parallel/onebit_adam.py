@@ -22,13 +22,27 @@ From step `after` on, Adam's second moment v is frozen (DeepSpeed's freeze_step)
 The scale ||c||_1 / n (DeepSpeed: ||c||_2 / sqrt(n)) is the s that minimises ||c - s sign(c)||_2:
 what error feedback carries to the next step is the least it can be. One bit has no zero: the
 sign bit decides (copysign's rule: +0 is +1, -0 is -1); the padding is zero in m and both errors,
-and n_j counts a chunk's real elements.
+and n_j counts a chunk's real elements. DeepSpeed compresses each parameter tensor apart (a scale per
+tensor); here a scale covers a whole chunk of the flat model, whose tensors' magnitudes can differ
+by hundreds of times (docs/benchmarks.md, the 0/1 Adam paragraph).
 
 Both collectives run at one point of every rank's step, inside the optimizer step (after
 clipping), in a fixed order. Clipping and the reported gradient norm are each rank's own: the
 norm of g_r (DeepSpeed clips the local gradients too). The momentum, v and the step are the
 optimizer's state and go into checkpoints as AdamW's do; the two error buffers are this rank's
-(`errors`, `load_errors`)."""
+(`errors`, `load_errors`).
+
+0/1 Adam (--compress zeroone; Lu et al., "Maximizing Communication Efficiency for Large-scale
+Training via 0/1 Adam", ICLR 2023, as DeepSpeed's ZeroOneAdam runs it before its var_freeze_step)
+keeps v learning instead of freezing it: step t updates v where rules/compression.updates_variance
+says (every step at first, then at spacings that double after each --var-update-scaler updates).
+Such a step all-reduces the gradients whole and runs Adam on them: m and v both take the average g.
+Any other step compresses the gradient, not the momentum: each rank's g_r, flat and padded, goes
+through steps 2-3 above (its own worker and server errors), and m = b1 m + (1 - b1) (the decoded
+average), v untouched. The update is AdamW's, m's bias correction with t, v's with the number of
+updates v has had (so that the first --var-update-scaler steps are AdamW's exactly; DeepSpeed's
+ZeroOneAdam corrects neither). Not built: DeepSpeed's var_freeze_step and the local steps after it
+(its default, 100,000 steps, is past most runs, and its tutorial says to set it past the run)."""
 
 from __future__ import annotations
 
@@ -42,7 +56,7 @@ from strata.checkpoint.shards import RANK_STATE
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket
 from strata.parallel.gradients import Replicate
-from strata.rules.compression import onebit_padded
+from strata.rules.compression import onebit_padded, updates_variance, variance_updates
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
@@ -70,12 +84,14 @@ def signed_scales(values: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tenso
 
 class OnebitReplicate(Replicate):
     """ZeRO-0 for 1-bit Adam: gradients all-reduced during the warm-up only; after it, each rank
-    keeps its own, and `average_momentum` is the step's communication. Holds the flat momentum
-    (the optimizer's exp_avg are views of it) and the two error buffers."""
+    keeps its own, and `average` of the momentum is the step's communication (0/1 Adam: of the
+    gradient, on the steps that leave v alone). Holds the flat momentum (the optimizer's exp_avg
+    are views of it), the two error buffers and, for 0/1 Adam, the flat gradient."""
 
-    def __init__(self, params: list[nn.Parameter], settings, after: int):
+    def __init__(self, params: list[nn.Parameter], settings, after: int, scaler: int = 0):
         super().__init__(params, settings)
         self.after, self.steps = after, 0  # steps: set by the optimizer, the one counter of the run's steps
+        self.scaler = scaler  # 0/1 Adam's var_update_scaler (0: 1-bit Adam)
         self.elements = sum(p.numel() for p in params)
         padded = onebit_padded(self.elements, self.dp_size)
         self.chunk = padded // self.dp_size
@@ -91,14 +107,25 @@ class OnebitReplicate(Replicate):
         self.worker_error = torch.zeros_like(self.momentum)
         self.server_error = torch.zeros(self.chunk, dtype=sample.dtype, device=sample.device)
         self.table = sign_table(self.momentum)
+        # 0/1 Adam: this rank's gradient, flat as the momentum, averaged compressed in place
+        self.gradient = torch.zeros_like(self.momentum) if scaler else None
 
     @property
     def compressing(self) -> bool:
+        """Whether this step's gradients stay unreduced (the step about to run is steps + 1)."""
+        if self.scaler:
+            return self.group is not None and not updates_variance(self.steps + 1, self.scaler)
         return self.group is not None and self.steps >= self.after
 
     def momentum_of(self, param: nn.Parameter) -> torch.Tensor:
+        return self._view(self.momentum, param)
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
+        return self._view(self.gradient, param)
+
+    def _view(self, flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         at = self.offsets[param]
-        return self.momentum[at:at + param.numel()].view_as(param)
+        return flat[at:at + param.numel()].view_as(param)
 
     # --- backward: after the warm-up, nothing to reduce ---------------------------------------------
     def _start(self, bucket: Bucket):
@@ -117,16 +144,17 @@ class OnebitReplicate(Replicate):
 
     # --- the compressed average ---------------------------------------------------------------------
     @torch.no_grad()
-    def average_momentum(self) -> None:
-        """Every rank's `momentum` -> their compressed average, the same on every rank."""
+    def average(self, flat: torch.Tensor) -> None:
+        """Every rank's `flat` (the momentum, or 0/1 Adam's gradient) -> their compressed average, the
+        same on every rank, in place."""
         dp, chunk = self.dp_size, self.chunk
-        corrected = self.worker_error.add_(self.momentum).view(dp, chunk)  # c = m + e_w, in e_w's buffer
+        corrected = self.worker_error.add_(flat).view(dp, chunk)  # c = m + e_w, in e_w's buffer
         scales, compressed = signed_scales(corrected, self.real)
         received = self._exchange(comm.all_to_all, corrected, scales)
         corrected.sub_(compressed)  # e_w = c - s sign(c)
         self.worker_error[self.elements:] = 0
         served = self._decode(received, torch.empty(dp, chunk, dtype=self.momentum.dtype,
-                                                    device=self.momentum.device)).sum(0).div_(dp)
+                                                    device=flat.device)).sum(0).div_(dp)
         served.add_(self.server_error)
         lo = self.dp_rank * chunk  # the padding of this rank's chunk stays zero
         served[max(self.elements - lo, 0):] = 0
@@ -134,8 +162,8 @@ class OnebitReplicate(Replicate):
         server_scale, compressed = signed_scales(served, self.real[self.dp_rank:self.dp_rank + 1])
         gathered = self._exchange(comm.all_gather, served, server_scale)
         self.server_error.copy_((served - compressed).view(-1))
-        self._decode(gathered, self.momentum.view(dp, chunk))
-        self.momentum[self.elements:] = 0
+        self._decode(gathered, flat.view(dp, chunk))
+        flat[self.elements:] = 0
 
     def _exchange(self, collective, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Rows' signs packed 8 a byte, each row's scale's bytes after them, through `collective`:
@@ -160,7 +188,8 @@ class OnebitReplicate(Replicate):
             tensor.copy_(saved[name].view_as(tensor))
 
     def _grads_bytes(self) -> int:
-        return super()._grads_bytes() + sum(t.numel() * t.element_size() for t in self.errors().values())
+        held = [*self.errors().values(), *([self.gradient] if self.gradient is not None else [])]
+        return super()._grads_bytes() + sum(t.numel() * t.element_size() for t in held)
 
 
 class OnebitAdam(torch.optim.Optimizer):
@@ -181,6 +210,10 @@ class OnebitAdam(torch.optim.Optimizer):
         for group, params in groups:
             for p in params:
                 self._state(p)
+        if strategy.scaler:
+            self._zeroone_step(groups, compressing, t)
+            strategy.steps = t
+            return
         if not compressing:  # the warm-up: torch's AdamW (fused), on the all-reduced gradients
             for group, params in groups:
                 (b1, b2), states = group["betas"], [self.state[p] for p in params]
@@ -194,7 +227,7 @@ class OnebitAdam(torch.optim.Optimizer):
             b1, momenta = group["betas"][0], [self.state[p]["exp_avg"] for p in params]
             torch._foreach_mul_(momenta, b1)
             torch._foreach_add_(momenta, [p.grad for p in params], alpha=(1 - b1) * strategy.dp_size)
-        strategy.average_momentum()  # 2, 3
+        strategy.average(strategy.momentum)  # 2, 3
         for group, params in groups:  # 4: AdamW's update with v frozen
             lr, (b1, b2), eps, states = group["lr"], group["betas"], group["eps"], [self.state[p] for p in params]
             root = math.sqrt(1 - b2 ** strategy.after)  # v's bias correction stops where v does
@@ -207,6 +240,32 @@ class OnebitAdam(torch.optim.Optimizer):
             for state in states:
                 state["step"].fill_(t)
         strategy.steps = t
+
+    def _zeroone_step(self, groups: list, compressing: bool, t: int) -> None:
+        """0/1 Adam's step t (the module's rule): the average gradient whole (v updated) or compressed."""
+        strategy = self.strategy
+        if compressing:  # this rank's g_r (dp x what backward left), averaged through the 1-bit collectives
+            params = [p for _, ps in groups for p in ps]
+            torch._foreach_copy_([strategy.gradient_of(p) for p in params], [p.grad for p in params])
+            strategy.gradient.mul_(strategy.dp_size)
+            strategy.average(strategy.gradient)
+        updates = variance_updates(t, strategy.scaler)  # v's, this step's included
+        for group, params in groups:
+            lr, (b1, b2), eps, states = group["lr"], group["betas"], group["eps"], [self.state[p] for p in params]
+            grads = [strategy.gradient_of(p) for p in params] if compressing else [p.grad for p in params]
+            momenta, variances = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            torch._foreach_mul_(momenta, b1)
+            torch._foreach_add_(momenta, grads, alpha=1 - b1)
+            if not compressing:
+                torch._foreach_mul_(variances, b2)
+                torch._foreach_addcmul_(variances, grads, grads, value=1 - b2)
+            root = math.sqrt(1 - b2 ** updates)  # m / (sqrt(v) / root + eps) = m root / (sqrt(v) + eps root)
+            denominators = torch._foreach_sqrt(variances)
+            torch._foreach_add_(denominators, eps * root)
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            torch._foreach_addcdiv_(params, momenta, denominators, value=-lr / (1 - b1 ** t) * root)
+            for state in states:
+                state["step"].fill_(t)
 
     def _state(self, p: nn.Parameter) -> dict:
         state = self.state[p]

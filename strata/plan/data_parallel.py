@@ -78,7 +78,7 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
         exposed = (ends + max(0.0, per_mb - ends - (t_fwd + t_bwd))) * m
         backward_bytes = ((k - 1) / k if k > 1 else ring) * gather_bytes
         return per_mb * m, exposed, (ring * (gather_bytes + grad_bytes) + backward_bytes) * m
-    if lay.compress == "onebit":
+    if lay.compress in ("onebit", "zeroone"):
         return _onebit_seconds(cluster, parts, d, stride)
     if parts.compressed is not None:
         return _powersgd_seconds(cluster, lay, parts, d, stride, t_bwd, grad_bytes)
@@ -140,7 +140,11 @@ def _onebit_seconds(cluster: Cluster, parts: Parts, d: int, stride: int) -> tupl
     rules/compression.onebit_wire_bytes (the momentum's signs, 8 a byte, and a fp32 scale per
     chunk): exposed, as is the compression's work. The all-to-all is priced as an all-gather of the
     same buffer: each rank sends and receives (N-1)/N of it, over N-1 steps (pairwise exchange).
-    The warm-up's steps cost what ZeRO-0's do; the planner prices the steps after it."""
+    The warm-up's steps cost what ZeRO-0's do; the planner prices the steps after it. --compress
+    zeroone (0/1 Adam) sends the gradient through the same two collectives on the steps that leave v
+    alone, and all-reduces it whole, as ZeRO-0 does, on those that update it (about
+    kappa log2(T / kappa) of a run's T: rules/compression.variance_updates); the planner prices the
+    former, the steady state of a long run."""
     params = sum(size * n for size, n in parts.sizes)
     wire = onebit_wire_bytes(round(params), d, BYTES["fp32"])
     rounds = 2 * collective_seconds(cluster, "all_gather", wire, d, stride, together=True)

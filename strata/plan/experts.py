@@ -57,8 +57,11 @@ def held_states(cfg: ModelConfig, lay: Layout, held: float, layers: float, preci
     states = held_state_bytes(dense, lay.zero, lay.shards, precision, optimizer, lay.gather_dtype)
     if lay.compress == "powersgd":  # each compressed matrix's error, kept beside its fp32 gradient
         states = replace(states, grads=states.grads + powersgd_fractions(cfg, lay.compress_rank)[2] * dense * 4)
-    if lay.compress == "onebit":  # the worker's and the server's error buffers
-        states = replace(states, grads=states.grads + onebit_error_bytes(dense, lay.shards))
+    if lay.compress in ("onebit", "zeroone"):  # the worker's and the server's error buffers
+        extra = onebit_error_bytes(dense, lay.shards)
+        if lay.compress == "zeroone":  # and 0/1 Adam's flat fp32 gradient, compressed in place
+            extra += 4 * dense
+        states = replace(states, grads=states.grads + extra)
     if not experts:
         return states
     edp, _ = expert_group(lay)

@@ -11,7 +11,14 @@ compressed only where that pays (PyTorch's `min_compression_rate`): 2 r (n + m) 
 1-bit Adam (Tang et al., "1-bit Adam", ICML 2021; DeepSpeed's OnebitAdam) sends Adam's momentum,
 not the gradient, as one sign bit per element and one scale per chunk of 1/dp of the model, after
 warm-up steps of plain Adam that fix the second moment: an all-to-all of the workers' chunks, each
-averaged by its owner, and an all-gather of the averages compressed again (`onebit_wire_bytes`)."""
+averaged by its owner, and an all-gather of the averages compressed again (`onebit_wire_bytes`).
+
+0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam",
+ICLR 2023, arXiv 2202.06009; DeepSpeed's ZeroOneAdam) has no warm-up: on the steps that update v
+(`variance_updates`: every step at first, then at spacings that double after each
+var_update_scaler updates) the gradient is all-reduced whole and Adam runs on it; on the others the
+gradient is averaged through the same two 1-bit collectives, and m alone takes it
+(`zeroone_wire_bytes`)."""
 
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import math
 import zlib
 from collections.abc import Iterable, Sequence
 
-COMPRESSIONS = ("none", "powersgd", "onebit")
+COMPRESSIONS = ("none", "powersgd", "onebit", "zeroone")
 # a matrix is compressed when its r (n + m) elements are less than 1/MIN_COMPRESSION_RATE of n m
 MIN_COMPRESSION_RATE = 2
 
@@ -66,3 +73,34 @@ def onebit_wire_bytes(elements: int, dp: int, scale_bytes: int) -> int:
     """The buffer each of 1-bit Adam's two collectives moves per step (its all-to-all's input, its
     all-gather's output): every chunk's signs packed 8 to a byte, and each chunk's scale."""
     return onebit_padded(elements, dp) // 8 + dp * scale_bytes
+
+
+def variance_updates(step: int, scaler: int) -> int:
+    """How many of 0/1 Adam's steps 1..step update v, DeepSpeed's ZeroOneAdam policy
+    (var_interval, var_counter, var_update_scaler = kappa): v is updated at the multiples of an
+    interval that starts at 1 and doubles after each `scaler` updates at it; with kappa 16, steps
+    1-16, then 18, 20, .., 48, then 52, 56, .., 112, and so on (about kappa log2(step / kappa)
+    updates in all)."""
+    count, last, interval = 0, 0, 1
+    while True:
+        first = (last // interval + 1) * interval  # the level's first multiple past the last update
+        if step < first:
+            return count
+        end = first + (scaler - 1) * interval
+        if step <= end:
+            return count + (step - first) // interval + 1
+        count, last, interval = count + scaler, end, interval * 2
+
+
+def updates_variance(step: int, scaler: int) -> bool:
+    """Whether 0/1 Adam's step `step` (1 is the first) updates v, and so all-reduces the gradient whole."""
+    return variance_updates(step, scaler) > variance_updates(step - 1, scaler)
+
+
+def zeroone_wire_bytes(steps: int, scaler: int, elements: int, dp: int, scale_bytes: int, gradient_bytes: int) -> int:
+    """The buffers 0/1 Adam's first `steps` steps move, an all-reduce counted as its two rounds (a
+    ring sends (dp - 1)/dp of each): a step that updates v all-reduces the gradient buffer
+    (`gradient_bytes`, ZeRO-0's), any other sends onebit_wire_bytes twice (the all-to-all of the
+    workers' compressed gradients and the all-gather of the servers' averages)."""
+    whole = variance_updates(steps, scaler)
+    return 2 * whole * gradient_bytes + 2 * (steps - whole) * onebit_wire_bytes(elements, dp, scale_bytes)

@@ -121,12 +121,16 @@ class Layout:
                                     "matrix all-reduced as two rank --compress-rank factors, with error feedback and "
                                     "a warm start; Vogels et al. 2019) | onebit (1-bit Adam: after --compress-after "
                                     "steps of AdamW, v frozen and the momentum averaged as one sign bit per element, "
-                                    "with error feedback; Tang et al. 2021)")
+                                    "with error feedback; Tang et al. 2021) | zeroone (0/1 Adam: v updated, on the "
+                                    "gradient all-reduced whole, at steps ever further apart (--var-update-scaler); "
+                                    "between them the gradient averaged 1-bit; Lu et al. 2022)")
     compress_rank: int = setting(4, "with --compress powersgd: the rank r of the factors (a matrix n x m is "
                                     "compressed where 2r(n + m) < nm)", key="crank")
     compress_after: int = setting(0, "with --compress: steps all-reduced uncompressed first (PyTorch's "
                                      "start_powerSGD_iter; 1-bit Adam's warm-up, after which v is frozen: 1 or more)",
                                   key="cafter")
+    var_update_scaler: int = setting(16, "with --compress zeroone: kappa, v's updates at each spacing before it "
+                                         "doubles (DeepSpeed's var_update_scaler)", key="kappa")
 
     @property
     def grid(self) -> TensorGrid:
@@ -329,9 +333,11 @@ def check_compression(layout: Layout) -> None:
         raise ConfigError(f"valid: {', '.join(COMPRESSIONS)}", "compress", layout.compress)
     if layout.compress != "powersgd" and layout.compress_rank != 4:
         raise ConfigError("only with --compress powersgd", "compress_rank", layout.compress_rank)
+    if layout.compress != "zeroone" and layout.var_update_scaler != 16:
+        raise ConfigError("only with --compress zeroone", "var_update_scaler", layout.var_update_scaler)
+    if layout.compress in ("none", "zeroone") and layout.compress_after != 0:  # 0/1 Adam has no warm-up
+        raise ConfigError("only with --compress powersgd or onebit", "compress_after", layout.compress_after)
     if layout.compress == "none":
-        if layout.compress_after != 0:
-            raise ConfigError("only with --compress powersgd or onebit", "compress_after", layout.compress_after)
         return
     if layout.compress == "onebit" and layout.compress_after < 1:
         raise ConfigError("1-bit Adam freezes Adam's second moment after a warm-up of plain AdamW: 1 step or more "
@@ -339,8 +345,10 @@ def check_compression(layout: Layout) -> None:
                           layout.compress_after)
     check_ceiling("compress_rank", layout.compress_rank)
     check_ceiling("compress_after", layout.compress_after)
-    if layout.compress_rank < 1:
-        raise ConfigError("must be >= 1", "compress_rank", layout.compress_rank)
+    check_ceiling("var_update_scaler", layout.var_update_scaler)
+    for name in ("compress_rank", "var_update_scaler"):
+        if getattr(layout, name) < 1:
+            raise ConfigError("must be >= 1", name, getattr(layout, name))
     if layout.compress_after < 0:
         raise ConfigError("must be >= 0", "compress_after", layout.compress_after)
     refusals = [(layout.replicas == 1, "compresses the data-parallel reduction, and dp is 1"),
@@ -352,10 +360,11 @@ def check_compression(layout: Layout) -> None:
                 # compresses its own (seeded by name, a tied embedding's copies alike): pp is built
                 (layout.tp > 1 or layout.cp > 1, "runs with data parallelism alone for now (tp and cp 1; powersgd "
                                                  "also beside a pipeline)"),
-                (layout.compress == "onebit" and layout.pp > 1, "runs with data parallelism alone for now (pp 1)"),
+                (layout.compress in ("onebit", "zeroone") and layout.pp > 1,
+                 "runs with data parallelism alone for now (pp 1)"),
                 (layout.pp > 1 and SCHEDULES[layout.schedule].asynchronous,
                  f"not with schedule {layout.schedule} (the weight versions it stashes are not built for it)")]
-    if layout.compress == "onebit":  # an optimizer of its own, which holds the moments on the device
+    if layout.compress in ("onebit", "zeroone"):  # an optimizer of its own, holding the moments on the device
         refusals += [(layout.offload != "none", f"runs its own optimizer on the device; not with offload "
                                                 f"{layout.offload}"),
                      (SCHEDULES[layout.schedule].asynchronous, f"not with schedule {layout.schedule} (the "

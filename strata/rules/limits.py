@@ -35,6 +35,7 @@ CEILINGS: dict[str, Bound] = {
     "micro_batch": Bound(2**20, "sequences per forward pass; the largest runs' steps hold a few thousand"),
     "compress_rank": Bound(2**10, "PowerSGD's published runs use rank 1-32; past a few hundred nothing is saved"),
     "compress_after": Bound(10**9, "steps; the longest runs take a few million"),
+    "var_update_scaler": Bound(10**9, "v's updates at each spacing; DeepSpeed's default is 16"),
     "eval_batches": Bound(10**6, "each is a global batch of validation sequences"),
     "loss_scale_window": Bound(10**9, "steps; the longest runs take a few million"),
     "nproc": Bound(1024, "processes started on this machine"),

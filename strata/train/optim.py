@@ -20,12 +20,12 @@ def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg
     GPT-3 and LLaMA training. --offload cpu runs it in host memory, --offload disk keeps its moments
     in a file (the same arithmetic either way). stream: with --offload-params, ZeRO-3's pass over
     its offloaded shards, a unit at a time (strata/parallel/zero3.py `stream_units`). sharding: the
-    data-parallel strategy, whose compressed average of the momentum --compress onebit's optimizer
+    data-parallel strategy, whose compressed average --compress onebit's and zeroone's optimizer
     calls (strata/parallel/onebit_adam.py)."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.beta1, cfg.beta2)
-    if cfg.layout.compress == "onebit":
+    if cfg.layout.compress in ("onebit", "zeroone"):
         return OnebitAdam(groups, cfg.lr, betas, sharding)
     if cfg.layout.offload == "disk":
         return StreamingAdamW(groups, cfg.lr, betas, DiskMoments(offload_dir(cfg), rank), stream=stream)
