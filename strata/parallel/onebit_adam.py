@@ -22,9 +22,10 @@ From step `after` on, Adam's second moment v is frozen (DeepSpeed's freeze_step)
 The scale ||c||_1 / n (DeepSpeed: ||c||_2 / sqrt(n)) is the s that minimises ||c - s sign(c)||_2:
 what error feedback carries to the next step is the least it can be. One bit has no zero: the
 sign bit decides (copysign's rule: +0 is +1, -0 is -1); the padding is zero in m and both errors,
-and n_j counts a chunk's real elements. DeepSpeed compresses each parameter tensor apart (a scale per
-tensor); here a scale covers a whole chunk of the flat model, whose tensors' magnitudes can differ
-by hundreds of times (docs/benchmarks.md, the 0/1 Adam paragraph).
+and n_j counts a chunk's real elements. DeepSpeed's optimizers call compressed_allreduce once per
+parameter tensor they are given (a scale per tensor's chunk; its fp16 engine may hand them flat
+master copies instead); here a scale covers a whole chunk of the flat model, whose tensors'
+magnitudes can differ by hundreds of times (docs/benchmarks.md, the 0/1 Adam paragraph).
 
 Both collectives run at one point of every rank's step, inside the optimizer step (after
 clipping), in a fixed order. Clipping and the reported gradient norm are each rank's own: the
