@@ -26,7 +26,7 @@ class Kernels:
     # of the FP8 peak the largest FP8 GEMMs reach (None: the device has no FP8 matrix units)
     fp8_gemm_fraction: float | None = None
     # the compute clock a training run holds over the clock the fractions above were measured at:
-    # the sustained clock at the device's power limit (SUSTAINED_CLOCK), times a power cap's
+    # the sustained clock at the device's power limit (SUSTAINED_CLOCK_GH100), times a power cap's
     # (power_clock_factor). What the GEMMs and fused attention run at; memory-bound kernels keep
     # the memory's rate
     clock_factor: float = 1.0
@@ -93,10 +93,10 @@ def _kernels(best_gemm_fraction: float, attention_fraction: float, best_fp8_frac
                    clock_factor=clock, cudnn_attention_fraction=cudnn_attention)
 
 
-# cuDNN's fused attention on an H100 SXM5 (Shah et al. 2024, FlashAttention-3, figures 5 and 6: head
-# dimension 128, 4k tokens, bf16): 609 TFLOP/s forward and 499 backward against FlashAttention-2's
-# 368 and 310; a forward and a backward (2.5 x its FLOPs) at those rates: 53% of the peak (FA2: 33%,
-# the table's 0.35).
+# cuDNN's fused attention on an H100 SXM5 (Shah et al. 2024, FlashAttention-3, its speed figures at
+# head dimension 128, 4k tokens, bf16, no causal mask): 609 TFLOP/s forward and 499 backward against
+# FlashAttention-2's 368 and 310; a forward and a backward (2.5 x its FLOPs) at those rates: 53% of
+# the peak (FA2: 33%, the table's 0.35).
 CUDNN_ATTENTION_GH100 = 3.5 / (1 / 609 + 2.5 / 499) * 1e12 / 989e12
 
 
