@@ -53,6 +53,11 @@ def run_strata(*argv, cwd=None, env=None, timeout: float = 120) -> Result:
             return Result(proc.exitcode, f_out.read(), f_err.read())
 
 
+def assert_refused_in_one_line(result: Result, needle: str) -> None:
+    """A refusal as the project wants it: exit code 2, the bad value's line on stderr, no traceback."""
+    assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def generated_lines(checkpoint, prompts: tuple[str, ...], new_tokens: int, *extra) -> list[str]:
     """What `strata generate --temperature 0` prints for each of `prompts` (comma-separated token
     ids), a line each: the greedy answers a layout (`extra` flags) must reproduce."""
