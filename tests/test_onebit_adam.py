@@ -18,7 +18,13 @@ from test_compression import BASE
 from strata.config import train_config
 from strata.data.loader import BatchLoader
 from strata.distributed import comm
-from strata.rules.compression import onebit_padded, onebit_wire_bytes, variance_updates, zeroone_wire_bytes
+from strata.rules.compression import (
+    onebit_padded,
+    onebit_pieces,
+    onebit_wire_bytes,
+    variance_updates,
+    zeroone_wire_bytes,
+)
 from strata.train import trainer
 from strata.train.optim import lr_at
 
@@ -32,31 +38,41 @@ ZEROONE = dict(compress="zeroone", var_update_scaler=SCALER)
 
 
 # --- the rule, in one process ---------------------------------------------------------------------
-def _sign_compressed(rows: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Each row (a chunk) as +-(its mean absolute value over its real elements), by each value's
-    sign bit (+0 is +1, -0 is -1)."""
-    scales = (rows.abs().sum(1) / real).unsqueeze(1)
-    return torch.where(torch.signbit(rows), -scales, scales)
+def _sign_compressed(values: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
+    """A chunk's values as +-(the mean absolute value of their piece), by each value's sign bit (+0
+    is +1, -0 is -1); a piece is a run of values of one tensor (`owners`: each value's tensor, -1 for
+    the padding)."""
+    out, start = torch.empty_like(values), 0
+    while start < len(values):
+        end = start + 1
+        while end < len(values) and owners[end] == owners[start]:
+            end += 1
+        scale = values[start:end].abs().sum() / (end - start)
+        out[start:end] = torch.where(torch.signbit(values[start:end]), -scale, scale)
+        start = end
+    return out
 
 
 def _compressed_average(momenta: list[torch.Tensor], worker_errors: list[torch.Tensor],
-                        server_errors: list[torch.Tensor], elements: int) -> torch.Tensor:
-    """The ranks' flat momenta (padded) -> their 1-bit average; the errors updated in place."""
-    ranks, padded = len(momenta), momenta[0].numel()
+                        server_errors: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The ranks' flat momenta (padded; tensors of `sizes` elements end to end) -> their 1-bit
+    average, a scale per tensor's piece of a chunk; the errors updated in place."""
+    ranks, padded, elements = len(momenta), momenta[0].numel(), sum(sizes)
     chunk = padded // ranks
-    real = torch.tensor([max(min(elements - j * chunk, chunk), 1) for j in range(ranks)], dtype=torch.float64)
+    owners = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)] + [torch.full((padded - elements,), -1)])
     sent = []
     for r in range(ranks):
-        corrected = (momenta[r] + worker_errors[r]).view(ranks, chunk)
-        compressed = _sign_compressed(corrected, real)
-        worker_errors[r].copy_((corrected - compressed).view(-1))
+        corrected = momenta[r] + worker_errors[r]
+        compressed = torch.cat([_sign_compressed(corrected[j * chunk:(j + 1) * chunk], owners[j * chunk:(j + 1) * chunk])
+                                for j in range(ranks)])
+        worker_errors[r].copy_(corrected - compressed)
         worker_errors[r][elements:] = 0
-        sent.append(compressed)
+        sent.append(compressed.view(ranks, chunk))
     average = []
     for j in range(ranks):  # rank j serves chunk j
         served = sum(sent[r][j] for r in range(ranks)) / ranks + server_errors[j]
         served[max(elements - j * chunk, 0):] = 0
-        compressed = _sign_compressed(served.view(1, chunk), real[j:j + 1]).view(-1)
+        compressed = _sign_compressed(served, owners[j * chunk:(j + 1) * chunk])
         server_errors[j].copy_(served - compressed)
         average.append(compressed)
     result = torch.cat(average)
@@ -114,7 +130,7 @@ def single_process_rule(ranks: int, settings: dict) -> list[float]:
         for g in grads:
             local = torch.cat([ranks * g[name].reshape(-1) for name, _ in named])
             momenta.append(torch.nn.functional.pad(b1 * old + (1 - b1) * local, (0, padded - elements)))
-        average = _compressed_average(momenta, worker_errors, server_errors, elements)
+        average = _compressed_average(momenta, worker_errors, server_errors, [p.numel() for _, p in named])
         lr, t, at = lr_at(step, run.cfg), step + 1, 0
         with torch.no_grad():
             for (_, p), state in zip(named, states):
@@ -163,7 +179,8 @@ def zeroone_rule(ranks: int, settings: dict, scaler: int) -> list[float]:
         else:
             flats = [torch.nn.functional.pad(torch.cat([ranks * g[name].reshape(-1) for name, _ in named]),
                                              (0, padded - elements)) for g in grads]
-            flat, average, at = _compressed_average(flats, worker_errors, server_errors, elements), {}, 0
+            flat, average, at = _compressed_average(flats, worker_errors, server_errors,
+                                                     [p.numel() for _, p in named]), {}, 0
             for name, p in named:
                 average[name] = flat[at:at + p.numel()].view_as(p)
                 at += p.numel()
@@ -209,6 +226,38 @@ def test_the_ranks_equal_the_single_process_rule_in_fp64(ranks, settings):
     assert_compressed_runs_follow_the_rule(compressed, reference, plain, AFTER)
 
 
+def _most_pieces(sizes: list[int], ranks: int) -> int:
+    """The most pieces a chunk holds, counted here as runs of one tensor's elements (or the padding's)."""
+    padded = onebit_padded(sum(sizes), ranks)
+    owners = [i for i, n in enumerate(sizes) for _ in range(n)] + [-1] * (padded - sum(sizes))
+    chunk = padded // ranks
+    return max(1 + sum(owners[i] != owners[i - 1] for i in range(j * chunk + 1, (j + 1) * chunk)) for j in range(ranks))
+
+
+def test_the_pieces_are_the_runs_of_one_tensor_in_each_chunk():
+    """rules/compression.onebit_pieces against the runs of one owner in each chunk, for tensors of
+    0-40 elements (zero-sized ones too) on 1-5 ranks, the padding a piece of its own."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        ranks = int(torch.randint(1, 6, (), generator=generator))
+        sizes = torch.randint(0, 41, (int(torch.randint(1, 7, (), generator=generator)),), generator=generator).tolist()
+        if not sum(sizes):
+            continue
+        pieces = onebit_pieces(sizes, ranks)
+        chunk = onebit_padded(sum(sizes), ranks) // ranks
+        assert [sum(lengths) for lengths in pieces] == [chunk] * ranks
+        assert max(len(lengths) for lengths in pieces) == _most_pieces(sizes, ranks)
+        owners = [i for i, n in enumerate(sizes) for _ in range(n)] + [-1] * (ranks * chunk - sum(sizes))
+        at = 0
+        for lengths in pieces:  # each piece one owner's, and a neighbour in its chunk another's
+            runs = []
+            for n in lengths:
+                assert n > 0 and len(set(owners[at:at + n])) == 1
+                runs.append(owners[at])
+                at += n
+            assert all(a != b for a, b in zip(runs, runs[1:]))
+
+
 def _step_bytes(settings: dict) -> dict:
     run = trainer.setup(train_config(**{**BASE, **settings}))
     sent = []
@@ -216,21 +265,27 @@ def _step_bytes(settings: dict) -> dict:
         comm.counter.reset()
         trainer.train_step(run, step)
         sent.append(dict(comm.counter.bytes_sent))
-    elements = sum(p.numel() for p in run.parallel.sharding.params)
+    from strata.plan.buckets import onebit_scales
+    sizes = [p.numel() for p in run.parallel.sharding.params]
     total = run.parallel.sharding.total
+    planned = onebit_scales(run.model_cfg, run.model_cfg.n_layers, RANKS)  # the planner's count, from the shapes
     run.parallel.close()
     comm.close_streams()
-    return {"sent": sent, "elements": elements, "total": total}
+    return {"sent": sent, "elements": sum(sizes), "total": total, "scales": _most_pieces(sizes, RANKS),
+            "planned": planned}
 
 
 def test_a_compressed_step_sends_the_formulas_bytes():
     """fp64, 2 ranks: the warm-up steps all-reduce the padded gradient buffer and the step's loss
     (a ring all-reduce sends 2(N-1)/N of its bytes); a compressed step all-reduces the loss only,
     and its all-to-all and all-gather each send (N-1)/N of rules/compression.onebit_wire_bytes:
-    the momentum's signs, 8 a byte, and a scale per chunk: under 1/60 of the fp64 gradients."""
+    the momentum's signs, 8 a byte, and a scale per piece of a chunk (tiny's 21 tensors cut in 2
+    chunks: 11 pieces in each), each chunk's row as long: under 1/60 of the fp64
+    gradients."""
     ring = (RANKS - 1) / RANKS
     for rank in run_on_ranks(_step_bytes, RANKS, COMPRESSED):
-        wire = onebit_wire_bytes(rank["elements"], RANKS, 8)
+        assert rank["scales"] == rank["planned"] == 11
+        wire = onebit_wire_bytes(rank["elements"], RANKS, 8, rank["scales"])
         for sent in rank["sent"][:AFTER]:
             assert sent == {("all_reduce", "dp"): 2 * ring * 8 * (rank["total"] + 1)}
         for sent in rank["sent"][AFTER:]:
@@ -245,7 +300,7 @@ def test_a_zeroone_run_sends_the_formulas_bytes():
     rules/compression.zeroone_wire_bytes x (N-1)/N, a ring's share, plus the losses."""
     ring = (RANKS - 1) / RANKS
     for rank in run_on_ranks(_step_bytes, RANKS, ZEROONE):
-        wire, whole = onebit_wire_bytes(rank["elements"], RANKS, 8), 8 * rank["total"]
+        wire, whole = onebit_wire_bytes(rank["elements"], RANKS, 8, rank["scales"]), 8 * rank["total"]
         for t, sent in enumerate(rank["sent"], 1):
             if t in (1, 2, 4):
                 assert sent == {("all_reduce", "dp"): 2 * ring * (whole + 8)}
@@ -254,7 +309,7 @@ def test_a_zeroone_run_sends_the_formulas_bytes():
                                 ("all_gather", "dp"): ring * wire}
         steps = len(rank["sent"])
         total = sum(nbytes for sent in rank["sent"] for nbytes in sent.values()) - steps * 2 * ring * 8
-        assert total == ring * zeroone_wire_bytes(steps, SCALER, rank["elements"], RANKS, 8, whole)
+        assert total == ring * zeroone_wire_bytes(steps, SCALER, rank["elements"], RANKS, 8, whole, rank["scales"])
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -309,10 +364,12 @@ def test_the_planner_counts_the_formulas_bytes_and_the_error_buffers():
     """`strata plan` for a 1B model on 8 nodes of 8 GPUs over 10 GbE: its data-parallel bytes are
     the two rounds of onebit_wire_bytes (fp32 scales) over the model's padded buckets, the error
     buffers are the worker's (the model) and the server's (1/dp) in fp32, and the step is faster
-    than ZeRO-0's all-reduce there."""
+    than ZeRO-0's all-reduce there. (Its scales per row: the bytes test above checks the planner's
+    count against the runtime's on tiny.)"""
     import dataclasses
 
     from strata.model.presets import get_preset
+    from strata.plan.buckets import onebit_scales
     from strata.plan.cost import estimate
     from strata.plan.inputs import build_cluster, workload
     from strata.plan.memory import onebit_error_bytes
@@ -323,7 +380,9 @@ def test_the_planner_counts_the_formulas_bytes_and_the_error_buffers():
     compressed = dataclasses.replace(plain, compress="onebit", compress_after=100)
     a, b = estimate(work, cluster, plain), estimate(work, cluster, compressed)
     params = a.comm_bytes["dp"] / (2 * 63 / 64 * 4)  # ZeRO-0's all-reduce of the fp32 padded buckets
-    assert b.comm_bytes["dp"] == pytest.approx(2 * 63 / 64 * onebit_wire_bytes(round(params), 64, 4), rel=1e-9)
+    scales = onebit_scales(cfg, cfg.n_layers, 64)
+    assert 1 < scales < 10
+    assert b.comm_bytes["dp"] == pytest.approx(2 * 63 / 64 * onebit_wire_bytes(round(params), 64, 4, scales), rel=1e-9)
     assert b.comm_bytes["dp"] < a.comm_bytes["dp"] / 30
     gradients = b.memory_breakdown["gradients"] - a.memory_breakdown["gradients"]
     assert gradients == pytest.approx(onebit_error_bytes(cfg.num_params(), 64), rel=1e-6)

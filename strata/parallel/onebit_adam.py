@@ -10,22 +10,24 @@ From step `after` on, Adam's second moment v is frozen (DeepSpeed's freeze_step)
      (g_r: this rank's gradient of its own rows' loss, dp times what backward left, which carries
      1/dp of the loss so that a plain reduction would sum to the average)
   2. worker side, on the flat momentum (the parameters end to end, padded to 8 dp elements) cut in
-     dp chunks: c = m_r + e_w; per chunk j, its signs and scale s_j = ||c_j||_1 / n_j; the error
+     dp chunks: c = m_r + e_w; its signs, and per piece k (a tensor's part of a chunk, or the
+     padding: rules/compression.onebit_pieces) a scale s_k = ||c_k||_1 / n_k; the error
      e_w = c - s sign(c). The chunks go to their owners in one all-to-all (8 signs a byte, the
-     scale's bytes after them).
+     chunk's scales' bytes after them).
   3. server side, chunk j on rank j: the dp decoded chunks averaged, x = average + e_s, compressed
-     again (sign, scale ||x||_1 / n_j), e_s = x - s sign(x); the compressed chunks all-gathered.
+     again (signs, a scale ||x_k||_1 / n_k per piece), e_s = x - s sign(x); the compressed chunks
+     all-gathered.
   4. every rank decodes the same averaged momentum m, and updates with the frozen v, as AdamW
      does: p <- p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^after) + eps): the
      first moment's bias correction goes on with the step t, the second's stays at the step v
      was frozen.
 The scale ||c||_1 / n (DeepSpeed: ||c||_2 / sqrt(n)) is the s that minimises ||c - s sign(c)||_2:
 what error feedback carries to the next step is the least it can be. One bit has no zero: the
-sign bit decides (copysign's rule: +0 is +1, -0 is -1); the padding is zero in m and both errors,
-and n_j counts a chunk's real elements. DeepSpeed's optimizers call compressed_allreduce once per
-parameter tensor they are given (a scale per tensor's chunk; its fp16 engine may hand them flat
-master copies instead); here a scale covers a whole chunk of the flat model, whose tensors'
-magnitudes can differ by hundreds of times (docs/benchmarks.md, the 0/1 Adam paragraph).
+sign bit decides (copysign's rule: +0 is +1, -0 is -1); the padding is zero in m and both errors
+(its piece's scale is 0). A scale per piece, not per chunk: a model's tensors' gradients differ by
+hundreds of times, and one scale moves all of a chunk's elements by one amount (docs/benchmarks.md,
+the compression paragraph). DeepSpeed's optimizers call compressed_allreduce once per parameter
+tensor they are given: a worker scale per tensor, a server scale per tensor's chunk.
 
 Both collectives run at one point of every rank's step, inside the optimizer step (after
 clipping), in a fixed order. Clipping and the reported gradient norm are each rank's own: the
@@ -57,7 +59,7 @@ from strata.checkpoint.shards import RANK_STATE
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket
 from strata.parallel.gradients import Replicate
-from strata.rules.compression import onebit_padded, updates_variance, variance_updates
+from strata.rules.compression import onebit_padded, onebit_pieces, updates_variance, variance_updates
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
@@ -76,11 +78,13 @@ def sign_table(like: torch.Tensor) -> torch.Tensor:
     return bits.to(like.dtype) * 2 - 1
 
 
-def signed_scales(values: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (chunks) -> (their scales ||x||_1 / real elements, as a column; each value as +-its
-    row's scale, by its sign bit)."""
-    scales = (torch.linalg.vector_norm(values, ord=1, dim=1) / real).unsqueeze(1)
-    return scales, torch.copysign(scales.expand_as(values), values)
+def signed_scales(values: torch.Tensor, lengths: list[int], lengths_on_device: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flat tensor cut in pieces of `lengths` -> (each piece's scale ||x||_1 / its length; each
+    value as +-its piece's scale, by its sign bit)."""
+    scales = torch.stack(torch._foreach_norm(values.split(lengths), 1)).div_(lengths_on_device)
+    spread = torch.repeat_interleave(scales, lengths_on_device, output_size=values.numel())
+    return scales, spread.copysign_(values)
 
 
 class OnebitReplicate(Replicate):
@@ -102,9 +106,17 @@ class OnebitReplicate(Replicate):
         for p in params:
             self.offsets[p] = at
             at += p.numel()
-        # each chunk's real elements (the last ones hold the padding), as the scales' divisor
-        real = [min(max(self.elements - j * self.chunk, 0), self.chunk) for j in range(self.dp_size)]
-        self.real = torch.tensor([max(n, 1) for n in real], dtype=sample.dtype, device=sample.device)
+        # a scale per piece (a tensor's part of a chunk, or the padding): each chunk's pieces'
+        # lengths, every piece's in order, and where each chunk's scales sit in the collectives'
+        # rows of `scales` (a chunk with fewer pieces pads its row)
+        pieces = onebit_pieces([p.numel() for p in params], self.dp_size)
+        self.scales = max(len(chunk) for chunk in pieces)
+        self.piece_lengths = [n for chunk in pieces for n in chunk]
+        self.lengths = torch.tensor(self.piece_lengths, device=sample.device)
+        self.own_piece_lengths = pieces[self.dp_rank]
+        self.own_lengths = torch.tensor(self.own_piece_lengths, device=sample.device)
+        self.slots = torch.tensor([j * self.scales + k for j, chunk in enumerate(pieces) for k in range(len(chunk))],
+                                  device=sample.device)
         self.worker_error = torch.zeros_like(self.momentum)
         self.server_error = torch.zeros(self.chunk, dtype=sample.dtype, device=sample.device)
         self.table = sign_table(self.momentum)
@@ -149,36 +161,42 @@ class OnebitReplicate(Replicate):
         """Every rank's `flat` (the momentum, or 0/1 Adam's gradient) -> their compressed average, the
         same on every rank, in place."""
         dp, chunk = self.dp_size, self.chunk
-        corrected = self.worker_error.add_(flat).view(dp, chunk)  # c = m + e_w, in e_w's buffer
-        scales, compressed = signed_scales(corrected, self.real)
-        received = self._exchange(comm.all_to_all, corrected, scales)
+        corrected = self.worker_error.add_(flat)  # c = m + e_w, in e_w's buffer
+        scales, compressed = signed_scales(corrected, self.piece_lengths, self.lengths)
+        rows = torch.zeros(dp * self.scales, dtype=scales.dtype, device=scales.device).index_copy_(0, self.slots, scales)
+        received = self._exchange(comm.all_to_all, corrected.view(dp, chunk), rows.view(dp, self.scales))
         corrected.sub_(compressed)  # e_w = c - s sign(c)
         self.worker_error[self.elements:] = 0
-        served = self._decode(received, torch.empty(dp, chunk, dtype=self.momentum.dtype,
-                                                    device=flat.device)).sum(0).div_(dp)
-        served.add_(self.server_error)
+        # rank j serves chunk j: the dp ranks' rows all carry its pieces' scales
+        own = received[:, chunk // 8:].contiguous().view(self.momentum.dtype)[:, :len(self.own_lengths)]
+        spread = torch.repeat_interleave(own, self.own_lengths, dim=1, output_size=chunk)
+        served = self._signs(received, torch.empty(dp, chunk, dtype=self.momentum.dtype, device=flat.device))
+        served = served.mul_(spread).sum(0).div_(dp).add_(self.server_error)
         lo = self.dp_rank * chunk  # the padding of this rank's chunk stays zero
         served[max(self.elements - lo, 0):] = 0
-        served = served.view(1, chunk)
-        server_scale, compressed = signed_scales(served, self.real[self.dp_rank:self.dp_rank + 1])
-        gathered = self._exchange(comm.all_gather, served, server_scale)
-        self.server_error.copy_((served - compressed).view(-1))
-        self._decode(gathered, flat.view(dp, chunk))
+        server_scales, compressed = signed_scales(served, self.own_piece_lengths, self.own_lengths)
+        row = torch.zeros(self.scales, dtype=scales.dtype, device=scales.device)
+        row[:len(self.own_lengths)] = server_scales
+        gathered = self._exchange(comm.all_gather, served.view(1, chunk), row.view(1, self.scales))
+        self.server_error.copy_(served - compressed)
+        # every chunk's pieces' scales, in order, spread over their elements
+        scales = gathered[:, chunk // 8:].contiguous().view(self.momentum.dtype).view(-1).index_select(0, self.slots)
+        spread = torch.repeat_interleave(scales, self.lengths, output_size=flat.numel())
+        self._signs(gathered, flat.view(dp, chunk)).view(-1).mul_(spread)
         flat[self.elements:] = 0
 
     def _exchange(self, collective, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Rows' signs packed 8 a byte, each row's scale's bytes after them, through `collective`:
+        """Rows' signs packed 8 a byte, each row's scales' bytes after them, through `collective`:
         dp such rows out."""
         wire = torch.cat([pack_signs(rows).view(rows.shape[0], -1), scales.view(torch.uint8)], dim=1)
         out = torch.empty(self.dp_size, wire.shape[1], dtype=torch.uint8, device=wire.device)
         collective(out, wire, self.group, self.group_name)
         return out
 
-    def _decode(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """dp rows of (packed signs, scale bytes) -> `out`'s dp rows of +-scale."""
+    def _signs(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """dp rows of (packed signs, scale bytes) -> `out`'s dp rows of +-1."""
         packed = rows[:, :self.chunk // 8].reshape(-1).int()
-        torch.index_select(self.table, 0, packed, out=out.view(-1, 8))
-        return out.mul_(rows[:, self.chunk // 8:].contiguous().view(self.momentum.dtype))
+        return torch.index_select(self.table, 0, packed, out=out.view(-1, 8)).view_as(out)
 
     # --- the state beside the optimizer's -----------------------------------------------------------
     def errors(self) -> dict[str, torch.Tensor]:

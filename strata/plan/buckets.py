@@ -20,6 +20,7 @@ from strata.model.config import ModelConfig
 from strata.plan.experts import expert_group
 from strata.plan.memory import powersgd_fractions
 from strata.rules.buckets import bucket_elements, bucket_fills, in_flight_limit
+from strata.rules.compression import onebit_pieces
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 from strata.rules.units import unit_count
@@ -65,10 +66,30 @@ class Parts:
     # --compress powersgd: (the P round's, the Q round's) elements per element of a bucket, and the
     # share of the elements in compressed matrices (rules/compression.py); None: sent whole
     compressed: tuple[float, float, float] | None = None
+    # --compress onebit/zeroone: the scales in each row of its collectives (the most pieces of
+    # tensors a chunk of the flat model holds: rules/compression.onebit_pieces)
+    scales: int = 1
 
     @property
     def count(self) -> int:
         return sum(n for _, n in self.sizes)
+
+
+def held_parameters(cfg: ModelConfig, layers: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+    """(elements, whether a routed expert's) of a pipeline rank's parameters in the model's order:
+    the inputs when `first`, its `layers` blocks, the outputs when `last` (and a tied embedding's
+    copy)."""
+    return [(size, False) for size in (input_parameters(cfg) if first else []) +
+            ([cfg.vocab_size * cfg.d_model] if last and not first and cfg.tie_embeddings else [])] + \
+        block_parameters(cfg) * layers + [(size, False) for size in (output_parameters(cfg) if last else [])]
+
+
+@lru_cache(maxsize=256)
+def onebit_scales(cfg: ModelConfig, layers: int, dp_size: int) -> int:
+    """1-bit Adam's scales per row (it runs beside data parallelism alone: every rank holds the
+    whole model): the most pieces of tensors in a chunk of the flat model."""
+    sizes = [size for size, _ in held_parameters(cfg, layers, True, True)]
+    return max(len(pieces) for pieces in onebit_pieces(sizes, dp_size))
 
 
 @lru_cache(maxsize=1024)
@@ -80,10 +101,7 @@ def bucket_parts(cfg: ModelConfig, layers: int, first: bool, last: bool, experts
     `params`: what the rank holds of them (its shares under tensor and expert parallelism), which
     the buckets' parameters add up to; each bucket padded as the runtime aligns it on `dp_size`
     ranks (what its collectives move)."""
-    held = [(size, False) for size in (input_parameters(cfg) if first else []) +
-            ([cfg.vocab_size * cfg.d_model] if last and not first and cfg.tie_embeddings else [])] + \
-        block_parameters(cfg) * layers + [(size, False) for size in (output_parameters(cfg) if last else [])]
-    sizes = [size for size, expert in held if experts is None or expert == experts]
+    sizes = [size for size, expert in held_parameters(cfg, layers, first, last) if experts is None or expert == experts]
     if not sizes or params <= 0:
         return Parts(((0.0, 1),), 0.0)
     share = params / sum(sizes)
@@ -109,6 +127,8 @@ def collective_parts(cfg: ModelConfig, lay: Layout, layers: int, first: bool, la
     parts = bucket_parts(cfg, layers, first, last, experts, params, bucket_mb, group)
     if lay.compress == "powersgd":
         parts = replace(parts, compressed=powersgd_fractions(cfg, lay.compress_rank))
+    elif lay.compress in ("onebit", "zeroone"):
+        parts = replace(parts, scales=onebit_scales(cfg, layers, lay.shards))
     return parts
 
 

@@ -138,7 +138,7 @@ def _onebit_seconds(cluster: Cluster, parts: Parts, d: int, stride: int) -> tupl
     """--compress onebit (ZeRO-0, parallel/onebit_adam.py), after its warm-up: no gradient
     reduction; in the optimizer step, after backward, an all-to-all and an all-gather, each of
     rules/compression.onebit_wire_bytes (the momentum's signs, 8 a byte, and a fp32 scale per
-    chunk): exposed, as is the compression's work. The all-to-all is priced as an all-gather of the
+    piece of a tensor in a chunk): exposed, as is the compression's work. The all-to-all is priced as an all-gather of the
     same buffer: each rank sends and receives (N-1)/N of it, over N-1 steps (pairwise exchange).
     The warm-up's steps cost what ZeRO-0's do; the planner prices the steps after it. --compress
     zeroone (0/1 Adam) sends the gradient through the same two collectives on the steps that leave v
@@ -146,7 +146,7 @@ def _onebit_seconds(cluster: Cluster, parts: Parts, d: int, stride: int) -> tupl
     kappa log2(T / kappa) of a run's T: rules/compression.variance_updates); the planner prices the
     former, the steady state of a long run."""
     params = sum(size * n for size, n in parts.sizes)
-    wire = onebit_wire_bytes(round(params), d, BYTES["fp32"])
+    wire = onebit_wire_bytes(round(params), d, BYTES["fp32"], parts.scales)
     rounds = 2 * collective_seconds(cluster, "all_gather", wire, d, stride, together=True)
     work = ONEBIT_PASSES * params * BYTES["fp32"] / cluster.device.memory_bandwidth
     return rounds + work, rounds + work, 2 * (d - 1) / d * wire

@@ -9,9 +9,10 @@ compressed only where that pays (PyTorch's `min_compression_rate`): 2 r (n + m) 
 (vectors, small or thin matrices) is all-reduced whole.
 
 1-bit Adam (Tang et al., "1-bit Adam", ICML 2021; DeepSpeed's OnebitAdam) sends Adam's momentum,
-not the gradient, as one sign bit per element and one scale per chunk of 1/dp of the model, after
-warm-up steps of plain Adam that fix the second moment: an all-to-all of the workers' chunks, each
-averaged by its owner, and an all-gather of the averages compressed again (`onebit_wire_bytes`).
+not the gradient, as one sign bit per element and a scale per piece of a tensor in each chunk of
+1/dp of the model (`onebit_pieces`), after warm-up steps of plain Adam that fix the second moment:
+an all-to-all of the workers' chunks, each averaged by its owner, and an all-gather of the averages
+compressed again (`onebit_wire_bytes`).
 
 0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam",
 ICLR 2023, arXiv 2202.06009; DeepSpeed's ZeroOneAdam) has no warm-up: on the steps that update v
@@ -22,6 +23,7 @@ gradient is averaged through the same two 1-bit collectives, and m alone takes i
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Iterable, Sequence
@@ -69,10 +71,35 @@ def onebit_padded(elements: int, dp: int) -> int:
     return -(-elements // (8 * dp)) * 8 * dp
 
 
-def onebit_wire_bytes(elements: int, dp: int, scale_bytes: int) -> int:
+def onebit_pieces(sizes: Sequence[int], dp: int) -> list[list[int]]:
+    """The flat buffer 1-bit Adam compresses (tensors of `sizes` elements end to end, padded:
+    onebit_padded) cut in dp chunks -> each chunk's pieces, the lengths of the tensors' parts in it
+    in order (the padding is a piece of its own). Each piece is compressed with a scale of its own:
+    a model's tensors' gradients differ in size by hundreds of times, and one scale for a chunk of
+    many of them moves every element by the same amount (DeepSpeed's optimizers compress each
+    parameter tensor on its own)."""
+    total = sum(sizes)
+    padded = onebit_padded(total, dp)
+    chunk = padded // dp
+    ends = list(itertools.accumulate(size for size in sizes if size)) + ([padded] if padded > total else [])
+    pieces, start, at = [], 0, 0
+    for j in range(dp):
+        lo, hi, lengths = j * chunk, (j + 1) * chunk, []
+        while at < len(ends) and start < hi:
+            lengths.append(min(ends[at], hi) - max(start, lo))
+            if ends[at] > hi:
+                break
+            start, at = ends[at], at + 1
+        pieces.append(lengths)
+    return pieces
+
+
+def onebit_wire_bytes(elements: int, dp: int, scale_bytes: int, scales: int = 1) -> int:
     """The buffer each of 1-bit Adam's two collectives moves per step (its all-to-all's input, its
-    all-gather's output): every chunk's signs packed 8 to a byte, and each chunk's scale."""
-    return onebit_padded(elements, dp) // 8 + dp * scale_bytes
+    all-gather's output): every chunk's signs packed 8 to a byte, and `scales` scales per chunk (the
+    most pieces a chunk has: onebit_pieces; the rows of a collective are equal, a chunk with fewer
+    pieces pads its scales)."""
+    return onebit_padded(elements, dp) // 8 + dp * scales * scale_bytes
 
 
 def variance_updates(step: int, scaler: int) -> int:
@@ -97,10 +124,11 @@ def updates_variance(step: int, scaler: int) -> bool:
     return variance_updates(step, scaler) > variance_updates(step - 1, scaler)
 
 
-def zeroone_wire_bytes(steps: int, scaler: int, elements: int, dp: int, scale_bytes: int, gradient_bytes: int) -> int:
+def zeroone_wire_bytes(steps: int, scaler: int, elements: int, dp: int, scale_bytes: int, gradient_bytes: int,
+                       scales: int = 1) -> int:
     """The buffers 0/1 Adam's first `steps` steps move, an all-reduce counted as its two rounds (a
     ring sends (dp - 1)/dp of each): a step that updates v all-reduces the gradient buffer
     (`gradient_bytes`, ZeRO-0's), any other sends onebit_wire_bytes twice (the all-to-all of the
     workers' compressed gradients and the all-gather of the servers' averages)."""
     whole = variance_updates(steps, scaler)
-    return 2 * whole * gradient_bytes + 2 * (steps - whole) * onebit_wire_bytes(elements, dp, scale_bytes)
+    return 2 * whole * gradient_bytes + 2 * (steps - whole) * onebit_wire_bytes(elements, dp, scale_bytes, scales)
