@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from strata.config import TrainConfig, sequence_length
 from strata.memory.checkpointing import apply_checkpointing
@@ -113,8 +114,11 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
             sharding = PowerSGDReplicate([p for _, p in trainable], settings, lay.compress_rank, lay.compress_after,
                                          cfg.seed, [name for name, _ in trainable])
         elif lay.compress in ("onebit", "zeroone"):
+            # beside a pipeline, a tied embedding's copies (first and last stage) a segment of their own
             sharding = OnebitReplicate([p for _, p in trainable], settings, lay.compress_after,
-                                       lay.var_update_scaler if lay.compress == "zeroone" else 0)
+                                       lay.var_update_scaler if lay.compress == "zeroone" else 0,
+                                       model.tied_weight() if stage is not None else None,
+                                       tuple(m.weight for m in model.modules() if isinstance(m, nn.Embedding)))
         else:
             sharding = BUCKET_STAGES[lay.zero]([p for _, p in trainable], settings)
         if SCHEDULES[lay.schedule].asynchronous and lay.zero == 0:  # weight stashing swaps the parameters' storage

@@ -10,8 +10,9 @@ From step `after` on, Adam's second moment v is frozen (DeepSpeed's freeze_step)
      (g_r: this rank's gradient of its own rows' loss, dp times what backward left, which carries
      1/dp of the loss so that a plain reduction would sum to the average)
   2. worker side, on the flat momentum (the parameters end to end, padded to 8 dp elements) cut in
-     dp chunks: c = m_r + e_w; its signs, and per piece k (a tensor's part of a chunk, or the
-     padding: rules/compression.onebit_pieces) a scale s_k = ||c_k||_1 / n_k; the error
+     dp chunks: c = m_r + e_w; its signs, and per piece k (a unit's part of a chunk: a unit is a
+     tensor, or an embedding's row, rules/compression.onebit_units; or the padding:
+     rules/compression.onebit_pieces) a scale s_k = ||c_k||_1 / n_k; the error
      e_w = c - s sign(c). The chunks go to their owners in one all-to-all (8 signs a byte, the
      chunk's scales' bytes after them).
   3. server side, chunk j on rank j: the dp decoded chunks averaged, x = average + e_s, compressed
@@ -27,13 +28,26 @@ sign bit decides (copysign's rule: +0 is +1, -0 is -1); the padding is zero in m
 (its piece's scale is 0). A scale per piece, not per chunk: a model's tensors' gradients differ by
 hundreds of times, and one scale moves all of a chunk's elements by one amount (docs/benchmarks.md,
 the compression paragraph). DeepSpeed's optimizers call compressed_allreduce once per parameter
-tensor they are given: a worker scale per tensor, a server scale per tensor's chunk.
+tensor they are given: a worker scale per tensor, a server scale per tensor's chunk. An
+embedding's rows each have a scale (its gradient is zero in the rows of the tokens a batch lacks:
+with a scale per row they stay zero, where DeepSpeed asks for momentum masks).
 
 Both collectives run at one point of every rank's step, inside the optimizer step (after
 clipping), in a fixed order. Clipping and the reported gradient norm are each rank's own: the
 norm of g_r (DeepSpeed clips the local gradients too). The momentum, v and the step are the
 optimizer's state and go into checkpoints as AdamW's do; the two error buffers are this rank's
 (`errors`, `load_errors`).
+
+Beside a pipeline (synchronous schedules), each stage runs the rule in its optimizer step over its
+own parameters and its own dp group: its flat buffer is the stage's parameters end to end, as a
+dp-only run on a model made of that stage would hold them. A tied embedding's two copies (first
+and last stage) get the sum of their gradients after the schedule, before the momentum takes them
+(parallel/data.py `reduce_gradients`), and are a segment of their own on both stages: padded and
+cut in dp chunks apart from the rest, row j of the collectives carrying every segment's chunk j
+side by side. Cut with the rest, a copy's pieces would fall where its stage's chunk boundaries do,
+which differ between the stages: different scales, copies drifting apart; apart, both stages
+compute the same bits. The gradient norm is each rank's own, summed over the stages as the
+pipeline sums it (the last stage's copy not counted twice).
 
 0/1 Adam (--compress zeroone; Lu et al., "Maximizing Communication Efficiency for Large-scale
 Training via 0/1 Adam", ICLR 2023, as DeepSpeed's ZeroOneAdam runs it before its var_freeze_step)
@@ -59,7 +73,7 @@ from strata.checkpoint.shards import RANK_STATE
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket
 from strata.parallel.gradients import Replicate
-from strata.rules.compression import onebit_padded, onebit_pieces, updates_variance, variance_updates
+from strata.rules.compression import onebit_padded, onebit_pieces, onebit_units, updates_variance, variance_updates
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
@@ -93,30 +107,52 @@ class OnebitReplicate(Replicate):
     gradient, on the steps that leave v alone). Holds the flat momentum (the optimizer's exp_avg
     are views of it), the two error buffers and, for 0/1 Adam, the flat gradient."""
 
-    def __init__(self, params: list[nn.Parameter], settings, after: int, scaler: int = 0):
+    def __init__(self, params: list[nn.Parameter], settings, after: int, scaler: int = 0,
+                 apart: nn.Parameter | None = None, embeddings: tuple[nn.Parameter, ...] = ()):
+        """apart: a parameter that is a segment of its own (a tied embedding's copy beside a
+        pipeline: the stages holding it cut it in chunks alike, so its copies stay identical).
+        embeddings: parameters compressed a scale per row (rules/compression.onebit_units)."""
         super().__init__(params, settings)
         self.after, self.steps = after, 0  # steps: set by the optimizer, the one counter of the run's steps
         self.scaler = scaler  # 0/1 Adam's var_update_scaler (0: 1-bit Adam)
+        dp, sample = self.dp_size, params[0]
+        apart = apart if any(p is apart for p in params) else None
+        segments = [s for s in ([apart], [p for p in params if p is not apart]) if s] if apart is not None else [params]
+        # each segment padded on its own and cut in dp chunks; chunk j of the flat momentum (what
+        # the collectives' row j carries) is every segment's chunk j, in order
+        self.offsets, spans, flat_pieces, chunk_pieces, at = {}, [], [], [[] for _ in range(dp)], 0
+        for segment in segments:
+            sizes, start = [p.numel() for p in segment], at
+            for p in segment:
+                self.offsets[p], start = start, start + p.numel()
+            units = [n for p in segment
+                     for n in onebit_units(p.numel(), p.shape[-1] if any(p is e for e in embeddings) else None)]
+            padded, pieces = onebit_padded(sum(sizes), dp), onebit_pieces(units, dp)
+            spans.append((at, sum(sizes), padded))
+            flat_pieces += [(j, len(chunk_pieces[j]) + k, n) for j in range(dp) for k, n in enumerate(pieces[j])]
+            for j in range(dp):
+                chunk_pieces[j] += pieces[j]
+            at += padded
         self.elements = sum(p.numel() for p in params)
-        padded = onebit_padded(self.elements, self.dp_size)
-        self.chunk = padded // self.dp_size
-        sample = params[0]
-        self.momentum = torch.zeros(padded, dtype=sample.dtype, device=sample.device)
-        self.offsets, at = {}, 0
-        for p in params:
-            self.offsets[p] = at
-            at += p.numel()
-        # a scale per piece (a tensor's part of a chunk, or the padding): each chunk's pieces'
-        # lengths, every piece's in order, and where each chunk's scales sit in the collectives'
-        # rows of `scales` (a chunk with fewer pieces pads its row)
-        pieces = onebit_pieces([p.numel() for p in params], self.dp_size)
-        self.scales = max(len(chunk) for chunk in pieces)
-        self.piece_lengths = [n for chunk in pieces for n in chunk]
+        self.spans = spans  # (start, elements, padded) of each segment in the flat momentum
+        self.chunk = at // dp
+        self.padding = [(start + n, start + padded) for start, n, padded in spans if padded > n]
+        lo, self.own_padding, wire_at = self.dp_rank, [], 0  # this rank's chunk's padding, in its row
+        for _, n, padded in spans:
+            width = padded // dp
+            if n - lo * width < width:
+                self.own_padding.append((wire_at + max(n - lo * width, 0), wire_at + width))
+            wire_at += width
+        self.momentum = torch.zeros(at, dtype=sample.dtype, device=sample.device)
+        # a scale per piece (a unit's part of a chunk, or a segment's padding): every piece's
+        # length in the flat order, and its slot in the collectives' rows of `scales` (chunk j's
+        # pieces in row j, in order; a chunk with fewer pieces pads its row)
+        self.scales = max(len(chunk) for chunk in chunk_pieces)
+        self.piece_lengths = [n for _, _, n in flat_pieces]
         self.lengths = torch.tensor(self.piece_lengths, device=sample.device)
-        self.own_piece_lengths = pieces[self.dp_rank]
+        self.own_piece_lengths = chunk_pieces[self.dp_rank]
         self.own_lengths = torch.tensor(self.own_piece_lengths, device=sample.device)
-        self.slots = torch.tensor([j * self.scales + k for j, chunk in enumerate(pieces) for k in range(len(chunk))],
-                                  device=sample.device)
+        self.slots = torch.tensor([j * self.scales + k for j, k, _ in flat_pieces], device=sample.device)
         self.worker_error = torch.zeros_like(self.momentum)
         self.server_error = torch.zeros(self.chunk, dtype=sample.dtype, device=sample.device)
         self.table = sign_table(self.momentum)
@@ -164,39 +200,51 @@ class OnebitReplicate(Replicate):
         corrected = self.worker_error.add_(flat)  # c = m + e_w, in e_w's buffer
         scales, compressed = signed_scales(corrected, self.piece_lengths, self.lengths)
         rows = torch.zeros(dp * self.scales, dtype=scales.dtype, device=scales.device).index_copy_(0, self.slots, scales)
-        received = self._exchange(comm.all_to_all, corrected.view(dp, chunk), rows.view(dp, self.scales))
+        signs = [pack_signs(part.view(dp, -1)).view(dp, -1) for part in self._segments(corrected)]
+        received = self._exchange(comm.all_to_all, signs, rows.view(dp, self.scales))
         corrected.sub_(compressed)  # e_w = c - s sign(c)
-        self.worker_error[self.elements:] = 0
+        for lo, hi in self.padding:
+            self.worker_error[lo:hi] = 0
         # rank j serves chunk j: the dp ranks' rows all carry its pieces' scales
         own = received[:, chunk // 8:].contiguous().view(self.momentum.dtype)[:, :len(self.own_lengths)]
         spread = torch.repeat_interleave(own, self.own_lengths, dim=1, output_size=chunk)
-        served = self._signs(received, torch.empty(dp, chunk, dtype=self.momentum.dtype, device=flat.device))
+        served = self._signs(received[:, :chunk // 8], torch.empty(dp, chunk, dtype=self.momentum.dtype,
+                                                                   device=flat.device))
         served = served.mul_(spread).sum(0).div_(dp).add_(self.server_error)
-        lo = self.dp_rank * chunk  # the padding of this rank's chunk stays zero
-        served[max(self.elements - lo, 0):] = 0
+        for lo, hi in self.own_padding:  # the padding of this rank's chunk stays zero
+            served[lo:hi] = 0
         server_scales, compressed = signed_scales(served, self.own_piece_lengths, self.own_lengths)
         row = torch.zeros(self.scales, dtype=scales.dtype, device=scales.device)
         row[:len(self.own_lengths)] = server_scales
-        gathered = self._exchange(comm.all_gather, served.view(1, chunk), row.view(1, self.scales))
+        gathered = self._exchange(comm.all_gather, [pack_signs(served).view(1, -1)], row.view(1, self.scales))
         self.server_error.copy_(served - compressed)
-        # every chunk's pieces' scales, in order, spread over their elements
+        # every chunk's pieces' scales, in the flat order, spread over their elements
         scales = gathered[:, chunk // 8:].contiguous().view(self.momentum.dtype).view(-1).index_select(0, self.slots)
         spread = torch.repeat_interleave(scales, self.lengths, output_size=flat.numel())
-        self._signs(gathered, flat.view(dp, chunk)).view(-1).mul_(spread)
-        flat[self.elements:] = 0
+        at = 0
+        for part in self._segments(flat):
+            width = part.numel() // dp
+            self._signs(gathered[:, at // 8:(at + width) // 8], part.view(dp, width))
+            at += width
+        flat.mul_(spread)
+        for lo, hi in self.padding:
+            flat[lo:hi] = 0
 
-    def _exchange(self, collective, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Rows' signs packed 8 a byte, each row's scales' bytes after them, through `collective`:
-        dp such rows out."""
-        wire = torch.cat([pack_signs(rows).view(rows.shape[0], -1), scales.view(torch.uint8)], dim=1)
+    def _segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat`'s segments, each padded (its rows: its chunks)."""
+        return [flat[start:start + padded] for start, _, padded in self.spans]
+
+    def _exchange(self, collective, signs: list[torch.Tensor], scales: torch.Tensor) -> torch.Tensor:
+        """Rows of packed signs (each segment's, a row's parts side by side), each row's scales'
+        bytes after them, through `collective`: dp such rows out."""
+        wire = torch.cat([*signs, scales.view(torch.uint8)], dim=1)
         out = torch.empty(self.dp_size, wire.shape[1], dtype=torch.uint8, device=wire.device)
         collective(out, wire, self.group, self.group_name)
         return out
 
-    def _signs(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """dp rows of (packed signs, scale bytes) -> `out`'s dp rows of +-1."""
-        packed = rows[:, :self.chunk // 8].reshape(-1).int()
-        return torch.index_select(self.table, 0, packed, out=out.view(-1, 8)).view_as(out)
+    def _signs(self, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows of packed signs -> `out`'s rows of +-1 (out contiguous)."""
+        return torch.index_select(self.table, 0, packed.reshape(-1).int(), out=out.view(-1, 8)).view_as(out)
 
     # --- the state beside the optimizer's -----------------------------------------------------------
     def errors(self) -> dict[str, torch.Tensor]:

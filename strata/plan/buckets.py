@@ -20,7 +20,7 @@ from strata.model.config import ModelConfig
 from strata.plan.experts import expert_group
 from strata.plan.memory import powersgd_fractions
 from strata.rules.buckets import bucket_elements, bucket_fills, in_flight_limit
-from strata.rules.compression import onebit_pieces
+from strata.rules.compression import onebit_pieces, onebit_units
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 from strata.rules.units import unit_count
@@ -85,11 +85,21 @@ def held_parameters(cfg: ModelConfig, layers: int, first: bool, last: bool) -> l
 
 
 @lru_cache(maxsize=256)
-def onebit_scales(cfg: ModelConfig, layers: int, dp_size: int) -> int:
-    """1-bit Adam's scales per row (it runs beside data parallelism alone: every rank holds the
-    whole model): the most pieces of tensors in a chunk of the flat model."""
-    sizes = [size for size, _ in held_parameters(cfg, layers, True, True)]
-    return max(len(pieces) for pieces in onebit_pieces(sizes, dp_size))
+def onebit_scales(cfg: ModelConfig, layers: int, dp_size: int, first: bool = True, last: bool = True) -> int:
+    """1-bit Adam's scales per row on a pipeline rank (its `layers` blocks, the inputs when `first`,
+    the outputs when `last`; the whole model by default): the most pieces of tensors in a chunk of
+    its flat buffer. Beside a pipeline a tied embedding's copy is a segment of its own on the first
+    and the last stage (padded and cut in dp chunks apart from the rest: parallel/onebit_adam.py), so
+    a chunk holds its piece and the rest's. The embeddings (the tokens', learned positions', a tied
+    copy) have a scale per row (rules/compression.onebit_units)."""
+    sizes = [size for size, _ in held_parameters(cfg, layers, first, last)]
+    # the embeddings lead a rank's parameters: the inputs' (input_parameters), or the tied copy
+    embeddings = (2 if cfg.position == "learned" else 1) if first else int(cfg.tie_embeddings and last)
+    units = [onebit_units(size, cfg.d_model if i < embeddings else None) for i, size in enumerate(sizes)]
+    segments = [units[:1], units[1:]] if cfg.tie_embeddings and first != last else [units]
+    pieces = [onebit_pieces([n for unit in segment for n in unit], dp_size) for segment in segments
+              if any(map(sum, segment))]
+    return max(sum(len(chunks[j]) for chunks in pieces) for j in range(dp_size))
 
 
 @lru_cache(maxsize=1024)
@@ -128,7 +138,7 @@ def collective_parts(cfg: ModelConfig, lay: Layout, layers: int, first: bool, la
     if lay.compress == "powersgd":
         parts = replace(parts, compressed=powersgd_fractions(cfg, lay.compress_rank))
     elif lay.compress in ("onebit", "zeroone"):
-        parts = replace(parts, scales=onebit_scales(cfg, layers, lay.shards))
+        parts = replace(parts, scales=onebit_scales(cfg, layers, lay.shards, first, last))
     return parts
 
 

@@ -138,8 +138,11 @@ def _onebit_seconds(cluster: Cluster, parts: Parts, d: int, stride: int) -> tupl
     """--compress onebit (ZeRO-0, parallel/onebit_adam.py), after its warm-up: no gradient
     reduction; in the optimizer step, after backward, an all-to-all and an all-gather, each of
     rules/compression.onebit_wire_bytes (the momentum's signs, 8 a byte, and a fp32 scale per
-    piece of a tensor in a chunk): exposed, as is the compression's work. The all-to-all is priced as an all-gather of the
-    same buffer: each rank sends and receives (N-1)/N of it, over N-1 steps (pairwise exchange).
+    piece of a tensor in a chunk): exposed, as is the compression's work. The all-to-all is priced
+    as an all-gather of the same buffer: each rank sends and receives (N-1)/N of it, over N-1 steps
+    (pairwise exchange).
+    Beside a pipeline, a stage's own rounds over its dp group: `parts` are its parameters and their
+    scales per row (plan/buckets.onebit_scales of the stage).
     The warm-up's steps cost what ZeRO-0's do; the planner prices the steps after it. --compress
     zeroone (0/1 Adam) sends the gradient through the same two collectives on the steps that leave v
     alone, and all-reduces it whole, as ZeRO-0 does, on those that update it (about

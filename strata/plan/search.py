@@ -84,11 +84,10 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
 
 def _compressed(lay: Layout) -> Iterator[Layout]:
     """ZeRO-0's compressed twins, for slow networks: PowerSGD at rank 4 (the issue's and Vogels et al.'s
-    choice), also beside a synchronous pipeline (each stage compresses its own matrices), 1-bit Adam
-    after a warm-up step (the planner prices the steps after it), data parallelism alone."""
+    choice) and 1-bit Adam after a warm-up step (the planner prices the steps after it), both also
+    beside a synchronous pipeline (each stage compresses its own parameters over its dp group)."""
     if lay.pp == 1 or not SCHEDULES[lay.schedule].asynchronous:
         yield replace(lay, compress="powersgd", compress_rank=4)
-    if lay.pp == 1:
         yield replace(lay, compress="onebit", compress_after=1)
 
 
@@ -245,8 +244,7 @@ def explain(best: Estimate, ranked: list[Estimate], rejected: list[Estimate], cl
         "with ZeRO over every dp rank (flat, zero>0)": lambda lay: lay.zero > 0 and lay.shards == lay.replicas,
         f"with ZeRO++'s hpZ (ZeRO-3's backward gathers over a node's {link}: hpz)": lambda lay: lay.hpz_partition_size > 1,
         "with ZeRO-3 gathering over every dp rank twice (no hpZ)": lambda lay: lay.zero == 3 and lay.hpz_partition_size == 1,
-        "with compressed gradients (compress: PowerSGD beside data parallelism and pipelines, 1-bit Adam beside "
-        "data parallelism alone)":
+        "with compressed gradients (compress: PowerSGD or 1-bit Adam, beside data parallelism and pipelines)":
             lambda lay: lay.compress != "none",
         "without compressed gradients": lambda lay: lay.compress == "none",
     }

@@ -71,13 +71,23 @@ def onebit_padded(elements: int, dp: int) -> int:
     return -(-elements // (8 * dp)) * 8 * dp
 
 
+def onebit_units(elements: int, row: int | None = None) -> list[int]:
+    """A tensor's units, each compressed with a scale of its own: the whole tensor, or, for an
+    embedding (`row`: its width), each row. An embedding's gradient is zero in the rows of the
+    tokens (positions) a batch lacks, most of a vocabulary's; one bit has no zero, so under a
+    scale for the whole tensor each such row would move by it, and Adam divides by the square root
+    of a rare token's second moment, near zero. With a scale per row, a row with nothing in it
+    stays zero (DeepSpeed asks the user for momentum masks of such rows instead)."""
+    return [row] * (elements // row) if row else [elements]
+
+
 def onebit_pieces(sizes: Sequence[int], dp: int) -> list[list[int]]:
-    """The flat buffer 1-bit Adam compresses (tensors of `sizes` elements end to end, padded:
-    onebit_padded) cut in dp chunks -> each chunk's pieces, the lengths of the tensors' parts in it
-    in order (the padding is a piece of its own). Each piece is compressed with a scale of its own:
-    a model's tensors' gradients differ in size by hundreds of times, and one scale for a chunk of
-    many of them moves every element by the same amount (DeepSpeed's optimizers compress each
-    parameter tensor on its own)."""
+    """The flat buffer 1-bit Adam compresses (units of `sizes` elements end to end: onebit_units;
+    padded: onebit_padded) cut in dp chunks -> each chunk's pieces, the lengths of the units' parts
+    in it in order (the padding is a piece of its own). Each piece is compressed with a scale of
+    its own: a model's tensors' gradients differ in size by hundreds of times, and one scale for a
+    chunk of many of them moves every element by the same amount (DeepSpeed's optimizers compress
+    each parameter tensor on its own)."""
     total = sum(sizes)
     padded = onebit_padded(total, dp)
     chunk = padded // dp

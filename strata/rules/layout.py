@@ -117,13 +117,14 @@ class Layout:
     capacity_factor: float | None = setting(None, "mixture of experts: each expert takes at most factor x tokens x k "
                                                   "/ n_experts of a micro-batch's tokens, the rest dropped (default: "
                                                   "dropless)")
-    compress: str = setting("none", "gradient compression for slow networks (zero 0): none | powersgd (each gradient "
-                                    "matrix all-reduced as two rank --compress-rank factors, with error feedback and "
-                                    "a warm start; Vogels et al. 2019) | onebit (1-bit Adam: after --compress-after "
-                                    "steps of AdamW, v frozen and the momentum averaged as one sign bit per element, "
-                                    "with error feedback; Tang et al. 2021) | zeroone (0/1 Adam: v updated, on the "
-                                    "gradient all-reduced whole, at steps ever further apart (--var-update-scaler); "
-                                    "between them the gradient averaged 1-bit; Lu et al. 2022)")
+    compress: str = setting("none", "gradient compression for slow networks (zero 0; beside data parallelism, and "
+                                    "a synchronous pipeline's stages each compress their own): none | powersgd (each "
+                                    "gradient matrix all-reduced as two rank --compress-rank factors, with error "
+                                    "feedback and a warm start; Vogels et al. 2019) | onebit (1-bit Adam: after "
+                                    "--compress-after steps of AdamW, v frozen and the momentum averaged as one sign "
+                                    "bit per element, with error feedback; Tang et al. 2021) | zeroone (0/1 Adam: v "
+                                    "updated, on the gradient all-reduced whole, at steps ever further apart "
+                                    "(--var-update-scaler); between them the gradient averaged 1-bit; Lu et al. 2022)")
     compress_rank: int = setting(4, "with --compress powersgd: the rank r of the factors (a matrix n x m is "
                                     "compressed where 2r(n + m) < nm)", key="crank")
     compress_after: int = setting(0, "with --compress: steps all-reduced uncompressed first (PyTorch's "
@@ -356,12 +357,11 @@ def check_compression(layout: Layout) -> None:
                 (layout.reduce_dtype != "fp32", "compresses fp32 gradients; leave --reduce-dtype at fp32"),
                 (layout.ep > 1, "not with expert parallelism (the experts' reduction is apart)"),
                 # each rank would factor its own slice (tp) or a partial gradient of its chunks (cp):
-                # rules not built nor tested yet. PowerSGD acts per matrix, so a pipeline stage
-                # compresses its own (seeded by name, a tied embedding's copies alike): pp is built
-                (layout.tp > 1 or layout.cp > 1, "runs with data parallelism alone for now (tp and cp 1; powersgd "
-                                                 "also beside a pipeline)"),
-                (layout.compress in ("onebit", "zeroone") and layout.pp > 1,
-                 "runs with data parallelism alone for now (pp 1)"),
+                # rules not built nor tested yet. Beside a pipeline each stage compresses its own
+                # parameters over its dp group (PowerSGD per matrix, seeded by name; 1-bit and 0/1
+                # Adam over the stage's flat buffer), a tied embedding's copies alike: pp is built
+                (layout.tp > 1 or layout.cp > 1, "runs with data parallelism alone for now (tp and cp 1; "
+                                                 "beside a pipeline too)"),
                 (layout.pp > 1 and SCHEDULES[layout.schedule].asynchronous,
                  f"not with schedule {layout.schedule} (the weight versions it stashes are not built for it)")]
     if layout.compress in ("onebit", "zeroone"):  # an optimizer of its own, holding the moments on the device
