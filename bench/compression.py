@@ -1,8 +1,11 @@
 """PowerSGD (--compress powersgd) and 1-bit Adam (--compress onebit) against the uncompressed
 all-reduce, in two measurements:
 
-  loss  the `small` model on Shakespeare (BPE 8,192), 2 data-parallel processes, bf16, 300 steps of
-        8 x 256 tokens: the validation curves as a plot, the final losses and the bytes a step sends
+  loss  the `small` model on Shakespeare (BPE 8,192), 2 data-parallel processes, fp32 (--dtype), 300
+        steps of 8 x 256 tokens: the validation curves as a plot, the final losses and the bytes a step
+        sends. Every compressor compresses fp32 gradients whatever the dtype; fp32 is the default
+        because bf16 has no matrix instructions on the AMD EPYC this was last run on (22 s a step
+        against fp32's 1.4)
   link  two "nodes" (network namespaces joined by a veth pair, tests/netns.py; needs root) with the
         link limited by tc's token bucket, one process each under `strata launch`: the median step
         time with and without compression, one after the other in the same run
@@ -10,7 +13,8 @@ all-reduce, in two measurements:
   hpz   the same two nodes, two processes each (4 data-parallel ranks), ZeRO-3 against ZeRO-3 with
         ZeRO++'s hpZ (--hpz-partition-size 2: the backward's gathers inside a node), in one run
 
-  python bench/compression.py loss [--steps 300] [--out docs/img/compression_val_loss.png] [--runs uncompressed,0/1 Adam]
+  python bench/compression.py loss [--steps 300] [--dtype fp32] [--out docs/img/compression_val_loss.png]
+                                   [--runs uncompressed,0/1 Adam]
   python bench/compression.py link [--rate 100mbit] [--steps 12]
 """
 
@@ -33,6 +37,11 @@ RUNS = {"uncompressed": ("none", None), "powersgd rank 4": ("powersgd", 4), "pow
         "1-bit Adam": ("onebit", None), "0/1 Adam": ("zeroone", None)}
 
 
+# the uncompressed run's final validation loss after 300 steps, per --dtype (2026-12-06; bf16's measured
+# twice, the same both times), what --runs compares with when it leaves the uncompressed run out
+BASELINES = {"bf16": 5.0775, "fp32": 5.0954}
+
+
 def flags(run: tuple[str, int | None], after: int) -> list[str]:
     compress, rank = run
     if compress == "none":
@@ -44,10 +53,12 @@ def flags(run: tuple[str, int | None], after: int) -> list[str]:
 
 
 def warm_up(run: tuple[str, int | None], steps: int) -> int:
-    """--compress-after for the loss runs: PowerSGD's 10 steps; for 1-bit Adam 15% of the run, long
-    enough for v to settle before it is frozen (frozen after 10 steps, it keeps the first steps' large
-    gradients and every later step is the smaller for it: 5.68 against 5.08 after 300 steps)."""
-    return steps * 15 // 100 if run[0] == "onebit" else 10
+    """--compress-after for the loss runs: PowerSGD's 10% of the run (PyTorch's powerSGD_hook: "To
+    tune start_powerSGD_iter, we suggest to start with 10% of total training steps", and no less than
+    the lr warm-up); for 1-bit Adam 15%, long enough for v to settle before it is frozen (frozen after
+    10 steps, it keeps the first steps' large gradients and every later step is the smaller for it:
+    5.68 against 5.08 after 300 steps in bf16)."""
+    return steps * (15 if run[0] == "onebit" else 10) // 100
 
 
 def dp_bytes(record: dict) -> float:
@@ -69,18 +80,32 @@ def loss(args) -> None:
     for name in args.runs:
         run = RUNS[name]
         metrics = os.path.join(args.work, f"{name.replace(' ', '_').replace('/', '-')}.jsonl")
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        subprocess.run([sys.executable, "-m", "strata", "train", "--model", "small", "--data", data, "--dtype", "bf16",
-                        "--seq-len", "256", "--nproc", "2", "--micro-batch", "4", "--global-batch", "8",
-                        "--steps", str(args.steps), "--lr", "2e-3", "--min-lr", "2e-4", "--warmup-steps", "10",
-                        "--eval-every", str(max(args.steps // 12, 1)), "--eval-batches", "4", "--grad-clip", "0",
-                        "--metrics", metrics, "--no-progress", *flags(run, warm_up(run, args.steps))],
-                       check=True, env=ENV)
+        if args.reuse and _finished(metrics, args.steps):
+            print(f"{name}: reusing {metrics}")
+        else:
+            _run_loss(args, data, run, metrics)
         curves[name] = [(r["step"] * 8 * 256, r["val_loss"]) for r in _records(metrics, "eval")]
         train = _records(metrics, "train")
-        sent[name] = statistics.mean(dp_bytes(r) for r in train)  # 0/1 Adam's steps differ: the mean
+        sent[name] = (statistics.mean(dp_bytes(r) for r in train), min(dp_bytes(r) for r in train))
+    _plot_and_table(args, curves, sent)
 
+
+def _finished(metrics: str, steps: int) -> bool:
+    return os.path.exists(metrics) and any(r["step"] == steps for r in _records(metrics, "eval"))
+
+
+def _run_loss(args, data: str, run: tuple[str, int | None], metrics: str) -> None:
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    subprocess.run([sys.executable, "-m", "strata", "train", "--model", "small", "--data", data, "--dtype", args.dtype,
+                    "--seq-len", "256", "--nproc", "2", "--micro-batch", "4", "--global-batch", "8",
+                    "--steps", str(args.steps), "--lr", "2e-3", "--min-lr", "2e-4", "--warmup-steps", "10",
+                    "--eval-every", str(max(args.steps // 12, 1)), "--eval-batches", "4", "--grad-clip", "0",
+                    "--metrics", metrics, "--no-progress", *flags(run, warm_up(run, args.steps))],
+                   check=True, env=ENV)
+
+
+def _plot_and_table(args, curves: dict, sent: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -89,18 +114,20 @@ def loss(args) -> None:
         ax.plot([t for t, _ in points], [v for _, v in points], marker="o", markersize=3, label=name)
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"small on Shakespeare, dp 2, bf16, {args.steps} steps of 8 x 256 tokens", fontsize=9)
+    ax.set_title(f"small on Shakespeare, dp 2, {args.dtype}, {args.steps} steps of 8 x 256 tokens", fontsize=9)
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=120)
-    base = curves["uncompressed"][-1][1] if "uncompressed" in curves else args.baseline
+    base = curves["uncompressed"][-1][1] if "uncompressed" in curves else BASELINES[args.dtype]
+    # bytes over the dp group (rank 0): a compressed step's, and the mean over the run's steps (the
+    # warm-up's and 0/1 Adam's steps that update v send the gradients whole)
     print(f"| run | validation loss at the start | at the end | against uncompressed ({base:.4f}) | "
-          f"dp bytes per step, mean (rank 0) |")
-    print("|---|---|---|---|---|")
+          f"dp bytes, a compressed step | dp bytes per step, mean |")
+    print("|---|---|---|---|---|---|")
     for name, points in curves.items():
         print(f"| {name} | {points[0][1]:.3f} | {points[-1][1]:.4f} | {points[-1][1] / base - 1:+.2%} | "
-              f"{sent[name] / 1e6:.2f} MB |")
+              f"{sent[name][1] / 1e6:.2f} MB | {sent[name][0] / 1e6:.2f} MB |")
     print(f"plot: {args.out}")
 
 
@@ -135,10 +162,11 @@ def _on_two_nodes(args, prefix: str, subnet: str, slots: int, runs: dict[str, li
 def link(args) -> None:
     results = {}
     for name, steps in _on_two_nodes(args, "c", "10.233.9", 1, {
-            name: ["--micro-batch", "2", "--global-batch", "4", *flags(run, 2)] for name, run in RUNS.items()
-            if run[0] != "zeroone"}):  # 0/1 Adam's first 16 steps all-reduce whole: a dozen show nothing
+            # 0/1 Adam with kappa 1: v's whole steps are 1, 2, 4, 8, .. (with the default 16, the first 16)
+            name: ["--micro-batch", "2", "--global-batch", "4", *flags(run, 2),
+                   *(["--var-update-scaler", "1"] if run[0] == "zeroone" else [])] for name, run in RUNS.items()}):
         results[name] = (statistics.median(r["step_time_s"] for r in steps),
-                         statistics.median(dp_bytes(r) for r in steps))
+                         statistics.median(dp_bytes(r) for r in steps))  # 0/1 Adam: its compressed steps'
     base = results["uncompressed"][0]
     print(f"| run ({args.rate} link, small, 2 x 2 x 64 tokens a step) | median step | speed-up | "
           f"dp bytes per step |")
@@ -178,8 +206,9 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--runs", default=",".join(RUNS), type=lambda text: text.split(","),
                         help=f"loss: which runs, comma-separated, of: {', '.join(RUNS)}")
-    parser.add_argument("--baseline", type=float, default=5.0775,
-                        help="loss without the uncompressed run: the final loss to compare with (2026-12-06's)")
+    parser.add_argument("--dtype", choices=sorted(BASELINES), default="fp32")
+    parser.add_argument("--reuse", action="store_true",
+                        help="loss: keep a run's metrics in --work when they reach --steps (plot and table only)")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     if args.what == "loss":
