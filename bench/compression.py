@@ -1,5 +1,5 @@
-"""PowerSGD (--compress powersgd) and 1-bit Adam (--compress onebit) against the uncompressed
-all-reduce, in two measurements:
+"""PowerSGD (--compress powersgd), 1-bit Adam (--compress onebit) and 0/1 Adam (--compress zeroone)
+against the uncompressed all-reduce, in two measurements (and hpZ against ZeRO-3 in a third):
 
   loss  the `small` model on Shakespeare (BPE 8,192), 2 data-parallel processes, fp32 (--dtype), 300
         steps of 8 x 256 tokens: the validation curves as a plot, the final losses and the bytes a step
@@ -8,7 +8,8 @@ all-reduce, in two measurements:
         against fp32's 1.4)
   link  two "nodes" (network namespaces joined by a veth pair, tests/netns.py; needs root) with the
         link limited by tc's token bucket, one process each under `strata launch`: the median step
-        time with and without compression, one after the other in the same run
+        time with and without compression, one after the other in the same run (0/1 Adam with
+        --var-update-scaler 1, so that a dozen steps reach its compressed steps)
 
   hpz   the same two nodes, two processes each (4 data-parallel ranks), ZeRO-3 against ZeRO-3 with
         ZeRO++'s hpZ (--hpz-partition-size 2: the backward's gathers inside a node), in one run
