@@ -437,3 +437,35 @@ def test_the_runtimes_error_buffers_are_the_planners_with_their_padding():
         padded = onebit_padded(rank["elements"], RANKS)
         assert rank["errors"] == 4 * (padded + padded // RANKS)
         assert 0 <= rank["errors"] - onebit_error_bytes(rank["elements"], RANKS) < 4 * 8 * RANKS * 2
+
+
+def _averaged_with_empty_rows() -> dict:
+    """Two rounds of the compressed average of random momenta whose embedding rows past the first
+    half are zero on every rank (the tokens no batch had): those rows, out and in both errors."""
+    run = trainer.setup(train_config(**{**BASE, **COMPRESSED}))
+    strategy, embedding = run.parallel.sharding, run.model.embed.weight
+    half = embedding.shape[0] // 2
+    generator = torch.Generator().manual_seed(1 + strategy.dp_rank)
+    out = []
+    for _ in range(2):
+        flat = torch.zeros_like(strategy.momentum)
+        flat[:strategy.elements] = torch.randn(strategy.elements, generator=generator, dtype=flat.dtype)
+        strategy._view(flat, embedding)[half:] = 0
+        strategy.average(flat)
+        out.append(strategy._view(flat, embedding).clone())
+    errors = strategy._view(strategy.worker_error, embedding)[half:].clone()
+    run.parallel.close()
+    comm.close_streams()
+    return {"averaged": out, "half": half, "worker_error": errors}
+
+
+def test_an_embeddings_empty_rows_stay_zero():
+    """An embedding's rows are units with a scale each (rules/compression.onebit_units): rows that are
+    zero on every rank come out zero, and leave no error behind, where a scale for the whole tensor
+    would send each of them as +-that scale; the other rows come out nonzero."""
+    for rank in run_on_ranks(_averaged_with_empty_rows, RANKS):
+        half = rank["half"]
+        for averaged in rank["averaged"]:
+            assert torch.count_nonzero(averaged[half:]) == 0
+            assert torch.count_nonzero(averaged[:half]) == averaged[:half].numel()
+        assert torch.count_nonzero(rank["worker_error"]) == 0
