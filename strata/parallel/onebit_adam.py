@@ -73,7 +73,7 @@ from strata.checkpoint.shards import RANK_STATE
 from strata.distributed import comm
 from strata.parallel.buckets import Bucket
 from strata.parallel.gradients import Replicate
-from strata.rules.compression import onebit_padded, onebit_pieces, onebit_units, updates_variance, variance_updates
+from strata.rules.compression import onebit_padded, onebit_rows, onebit_units, updates_variance, variance_updates
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
@@ -120,14 +120,16 @@ class OnebitReplicate(Replicate):
         segments = [s for s in ([apart], [p for p in params if p is not apart]) if s] if apart is not None else [params]
         # each segment padded on its own and cut in dp chunks; chunk j of the flat momentum (what
         # the collectives' row j carries) is every segment's chunk j, in order
+        units = [[n for p in segment
+                  for n in onebit_units(p.numel(), p.shape[-1] if any(p is e for e in embeddings) else None)]
+                 for segment in segments]
+        segment_pieces, self.scales = onebit_rows(units, dp)
         self.offsets, spans, flat_pieces, chunk_pieces, at = {}, [], [], [[] for _ in range(dp)], 0
-        for segment in segments:
+        for segment, pieces in zip(segments, segment_pieces):
             sizes, start = [p.numel() for p in segment], at
             for p in segment:
                 self.offsets[p], start = start, start + p.numel()
-            units = [n for p in segment
-                     for n in onebit_units(p.numel(), p.shape[-1] if any(p is e for e in embeddings) else None)]
-            padded, pieces = onebit_padded(sum(sizes), dp), onebit_pieces(units, dp)
+            padded = onebit_padded(sum(sizes), dp)
             spans.append((at, sum(sizes), padded))
             flat_pieces += [(j, len(chunk_pieces[j]) + k, n) for j in range(dp) for k, n in enumerate(pieces[j])]
             for j in range(dp):
@@ -146,8 +148,7 @@ class OnebitReplicate(Replicate):
         self.momentum = torch.zeros(at, dtype=sample.dtype, device=sample.device)
         # a scale per piece (a unit's part of a chunk, or a segment's padding): every piece's
         # length in the flat order, and its slot in the collectives' rows of `scales` (chunk j's
-        # pieces in row j, in order; a chunk with fewer pieces pads its row)
-        self.scales = max(len(chunk) for chunk in chunk_pieces)
+        # pieces in row j, in order; a chunk with fewer pieces pads its row: self.scales, onebit_rows)
         self.piece_lengths = [n for _, _, n in flat_pieces]
         self.lengths = torch.tensor(self.piece_lengths, device=sample.device)
         self.own_piece_lengths = chunk_pieces[self.dp_rank]

@@ -20,7 +20,7 @@ from strata.model.config import ModelConfig
 from strata.plan.experts import expert_group
 from strata.plan.memory import powersgd_fractions
 from strata.rules.buckets import bucket_elements, bucket_fills, in_flight_limit
-from strata.rules.compression import onebit_pieces, onebit_units
+from strata.rules.compression import onebit_rows, onebit_units
 from strata.rules.dtypes import DTYPES
 from strata.rules.layout import Layout
 from strata.rules.units import unit_count
@@ -97,9 +97,7 @@ def onebit_scales(cfg: ModelConfig, layers: int, dp_size: int, first: bool = Tru
     embeddings = (2 if cfg.position == "learned" else 1) if first else int(cfg.tie_embeddings and last)
     units = [onebit_units(size, cfg.d_model if i < embeddings else None) for i, size in enumerate(sizes)]
     segments = [units[:1], units[1:]] if cfg.tie_embeddings and first != last else [units]
-    pieces = [onebit_pieces([n for unit in segment for n in unit], dp_size) for segment in segments
-              if any(map(sum, segment))]
-    return max(sum(len(chunks[j]) for chunks in pieces) for j in range(dp_size))
+    return onebit_rows([[n for unit in segment for n in unit] for segment in segments], dp_size)[1]
 
 
 @lru_cache(maxsize=1024)

@@ -104,6 +104,15 @@ def onebit_pieces(sizes: Sequence[int], dp: int) -> list[list[int]]:
     return pieces
 
 
+def onebit_rows(segments: Sequence[Sequence[int]], dp: int) -> tuple[list[list[list[int]]], int]:
+    """1-bit Adam's flat buffer as `segments` (each its units' lengths, padded and cut in dp chunks
+    on its own: a tied embedding's copy beside a pipeline is one) -> each segment's pieces per chunk
+    (onebit_pieces), and the scales a row of the collectives carries: row j holds every segment's
+    chunk j, so the most pieces any j has over the segments (an empty segment has none)."""
+    pieces = [onebit_pieces(units, dp) for units in segments if sum(units)]
+    return pieces, max(sum(len(chunks[j]) for chunks in pieces) for j in range(dp))
+
+
 def onebit_wire_bytes(elements: int, dp: int, scale_bytes: int, scales: int = 1) -> int:
     """The buffer each of 1-bit Adam's two collectives moves per step (its all-to-all's input, its
     all-gather's output): every chunk's signs packed 8 to a byte, and `scales` scales per chunk (the

@@ -353,6 +353,7 @@ def profile(name: str, p: int, m: int, v: int = 1) -> Profile:
                    tuple(x + rounds * (y - x) for x, y in zip(a.in_flight, b.in_flight)))
 
 
+@lru_cache(maxsize=4096)  # profile's extrapolation asks for the same two sizes for every m of a remainder
 def _simulated_profile(name: str, p: int, m: int, v: int) -> Profile:
     if SCHEDULES[name].asynchronous:
         return _steady_profile(p, m)
