@@ -19,9 +19,11 @@ def data_parallel_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t
     """(total seconds, exposed seconds, bytes per device): ZeRO's collectives over the ranks that
     shard the states (`zero_seconds`) and, with hybrid sharding (--dp-shard), the all-reduce of
     this rank's gradient shard across the replicas holding the same shard: once a step, after the
-    last backward (parallel/data.py), exposed. pipeline_overlap: under a pipeline, the buckets
-    reduce behind the last micro-batch's backward as they do without one (Workload.pipeline_dp_overlap,
-    Megatron-Core's --overlap-grad-reduce); strata's runtime reduces them after the schedule."""
+    last backward (parallel/data.py), exposed. Under a pipeline `parts` are one stage's, over its
+    own shard and replica groups (mesh.py makes both at every pipeline place). pipeline_overlap:
+    under a pipeline, the buckets reduce behind the last micro-batch's backward as they do without
+    one (Workload.pipeline_dp_overlap, Megatron-Core's --overlap-grad-reduce); strata's runtime
+    reduces them after the schedule."""
     total, exposed, nbytes = zero_seconds(cluster, lay, parts, m, t_fwd, t_bwd, group, pipeline_overlap)
     if group is not None or lay.shards == lay.replicas:
         return total, exposed, nbytes

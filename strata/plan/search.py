@@ -93,9 +93,11 @@ def _compressed(lay: Layout) -> Iterator[Layout]:
 
 def node_shards(lay: Layout, per_node: int | None) -> int | None:
     """Hybrid sharding's shard group worth trying: a node's dp ranks (ZeRO's collectives on its
-    links, the replicas' all-reduce across nodes), where ZeRO's dp ranks span nodes; else None."""
-    if per_node is None or not lay.zero or per_node % lay.tp or lay.dp * lay.tp <= per_node or \
-            lay.pp > 1 or lay.cp > 1 or lay.ep > 1:  # (the runtime's hybrid sharding: dp and tp alone for now)
+    links, the replicas' all-reduce across nodes), where ZeRO's dp ranks span nodes; else None.
+    Beside a pipeline too: a stage's dp x tp ranks are adjacent (pp is outermost), so its shard
+    groups are a node's as well. What the runtime runs it with is check_hybrid_sharding's to say
+    (`layouts` passes every candidate through check_layout)."""
+    if per_node is None or not lay.zero or per_node % lay.tp or lay.dp * lay.tp <= per_node:
         return None
     shard = per_node // lay.tp
     return shard if 2 <= shard < lay.dp and lay.dp % shard == 0 else None

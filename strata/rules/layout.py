@@ -128,7 +128,8 @@ class Layout:
     compress_rank: int = setting(4, "with --compress powersgd: the rank r of the factors (a matrix n x m is "
                                     "compressed where 2r(n + m) < nm)", key="crank")
     compress_after: int = setting(0, "with --compress: steps all-reduced uncompressed first (PyTorch's "
-                                     "start_powerSGD_iter; 1-bit Adam's warm-up, after which v is frozen: 1 or more)",
+                                     "start_powerSGD_iter, about a tenth of the run; 1-bit Adam's warm-up, after which v "
+                                     "is frozen: 1 or more, DeepSpeed suggests 15 to 25 per cent of the run)",
                                   key="cafter")
     var_update_scaler: int = setting(16, "with --compress zeroone: kappa, v's updates at each spacing before it "
                                          "doubles (DeepSpeed's var_update_scaler)", key="kappa")
@@ -306,7 +307,8 @@ def check_hpz(layout: Layout) -> None:
 
 
 def check_hybrid_sharding(layout: Layout) -> None:
-    """--dp-shard N / --dp-replicate M: N x M = dp, ZeRO's states over the N adjacent ranks."""
+    """--dp-shard N / --dp-replicate M: N x M = dp, ZeRO's states over the N adjacent ranks, at each
+    (pp, tp) place: beside a pipeline each stage shards its own parameters over its shard groups."""
     shard, replicate = layout.dp_shard, layout.dp_replicate
     if shard is None and replicate is None:
         return
@@ -319,8 +321,8 @@ def check_hybrid_sharding(layout: Layout) -> None:
     if layout.shards < 2:
         raise ConfigError(f"leaves {layout.shards} rank to shard over; ZeRO needs 2 or more (or zero 0)", field, value)
     refusals = [(layout.zero == 0, "shards ZeRO's states, and zero is 0 (use zero 1, 2 or 3)"),
-                (layout.cp > 1 or layout.pp > 1 or layout.ep > 1,
-                 "runs with data and tensor parallelism for now (cp, pp and ep 1)"),
+                (layout.cp > 1 or layout.ep > 1,
+                 "runs with data, tensor and pipeline parallelism for now (cp and ep 1)"),
                 (layout.offload_params != "none", "not with offload_params (ZeRO-Infinity shards over every rank)")]
     for refused, reason in refusals:
         if refused:
@@ -342,7 +344,7 @@ def check_compression(layout: Layout) -> None:
         return
     if layout.compress == "onebit" and layout.compress_after < 1:
         raise ConfigError("1-bit Adam freezes Adam's second moment after a warm-up of plain AdamW: 1 step or more "
-                          "(DeepSpeed's freeze_step: a few per cent of the run)", "compress_after",
+                          "(DeepSpeed's freeze_step; its tutorial suggests 15 to 25 per cent of the run)", "compress_after",
                           layout.compress_after)
     check_ceiling("compress_rank", layout.compress_rank)
     check_ceiling("compress_after", layout.compress_after)
