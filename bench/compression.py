@@ -2,10 +2,12 @@
 against the uncompressed all-reduce, in two measurements (and hpZ against ZeRO-3 in a third):
 
   loss  the `small` model on Shakespeare (BPE 8,192), 2 data-parallel processes, fp32 (--dtype), 300
-        steps of 8 x 256 tokens: the validation curves as a plot, the final losses and the bytes a step
-        sends. Every compressor compresses fp32 gradients whatever the dtype; fp32 is the default
-        because bf16 has no matrix instructions on the AMD EPYC this was last run on (22 s a step
-        against fp32's 1.4)
+        steps of 2 x 4 sequences of 256 tokens (--micro-batch: a rank's sequences a step), lr 6e-4
+        (--lr; GPT-3 Small's, cosine to a tenth; 2e-3, the default until 2026-12-06, ends the
+        uncompressed run no lower, 5.0954 against 5.0912): the validation curves as a plot, the final
+        losses and the bytes a step sends. Every compressor compresses fp32 gradients whatever the
+        dtype; fp32 is the default because bf16 has no matrix instructions on the AMD EPYC this was
+        last run on (22 s a step against fp32's 1.4)
   link  two "nodes" (network namespaces joined by a veth pair, tests/netns.py; needs root) with the
         link limited by tc's token bucket, one process each under `strata launch`: the median step
         time with and without compression, one after the other in the same run (0/1 Adam with
@@ -14,8 +16,9 @@ against the uncompressed all-reduce, in two measurements (and hpZ against ZeRO-3
   hpz   the same two nodes, two processes each (4 data-parallel ranks), ZeRO-3 against ZeRO-3 with
         ZeRO++'s hpZ (--hpz-partition-size 2: the backward's gathers inside a node), in one run
 
-  python bench/compression.py loss [--steps 300] [--dtype fp32] [--out docs/img/compression_val_loss.png]
-                                   [--runs uncompressed,0/1 Adam]
+  python bench/compression.py loss [--steps 300] [--dtype fp32] [--micro-batch 4] [--lr 6e-4]
+                                   [--onebit-warm-up 25] [--out docs/img/compression_val_loss.png]
+                                   [--runs uncompressed,0/1 Adam] [--reuse]
   python bench/compression.py link [--rate 100mbit] [--steps 12]
 """
 
@@ -38,9 +41,10 @@ RUNS = {"uncompressed": ("none", None), "powersgd rank 4": ("powersgd", 4), "pow
         "1-bit Adam": ("onebit", None), "0/1 Adam": ("zeroone", None)}
 
 
-# the uncompressed run's final validation loss after 300 steps, per --dtype (2026-12-06; bf16's measured
-# twice, the same both times), what --runs compares with when it leaves the uncompressed run out
-BASELINES = {"bf16": 5.0775, "fp32": 5.0954}
+# the uncompressed run's final validation loss after 300 steps, per --dtype, --micro-batch and --lr
+# (2026-12-06; bf16's measured twice, the same both times), what --runs compares with when it leaves
+# the uncompressed run out
+BASELINES = {("bf16", 4, 2e-3): 5.0775, ("fp32", 4, 2e-3): 5.0954, ("fp32", 4, 6e-4): 5.0912}
 
 
 def flags(run: tuple[str, int | None], after: int) -> list[str]:
@@ -53,13 +57,14 @@ def flags(run: tuple[str, int | None], after: int) -> list[str]:
             "--compress-after", str(after)]
 
 
-def warm_up(run: tuple[str, int | None], steps: int) -> int:
+def warm_up(run: tuple[str, int | None], steps: int, onebit_percent: int) -> int:
     """--compress-after for the loss runs: PowerSGD's 10% of the run (PyTorch's powerSGD_hook: "To
     tune start_powerSGD_iter, we suggest to start with 10% of total training steps", and no less than
-    the lr warm-up); for 1-bit Adam 15%, long enough for v to settle before it is frozen (frozen after
-    10 steps, it keeps the first steps' large gradients and every later step is the smaller for it:
-    5.68 against 5.08 after 300 steps in bf16)."""
-    return steps * (15 if run[0] == "onebit" else 10) // 100
+    the lr warm-up); for 1-bit Adam `onebit_percent` (--onebit-warm-up), 25 by default, the top of
+    DeepSpeed's "15-25% of the total training steps" (its 1-bit Adam tutorial): v must settle before
+    it is frozen, and the earlier it freezes the more of the first steps' large gradients it keeps
+    (fp32, lr 2e-3, 300 steps: frozen at 15% 5.3321, at 25% 5.2507, against 5.0954 uncompressed)."""
+    return steps * (onebit_percent if run[0] == "onebit" else 10) // 100
 
 
 def dp_bytes(record: dict) -> float:
@@ -80,12 +85,14 @@ def loss(args) -> None:
     curves, sent = {}, {}
     for name in args.runs:
         run = RUNS[name]
-        metrics = os.path.join(args.work, f"{name.replace(' ', '_').replace('/', '-')}.jsonl")
+        setting = f"_{args.dtype}_mb{args.micro_batch}_lr{args.lr:g}" + \
+            (f"_after{args.onebit_warm_up}" if RUNS[name][0] == "onebit" else "")
+        metrics = os.path.join(args.work, f"{name.replace(' ', '_').replace('/', '-')}{setting}.jsonl")
         if args.reuse and _finished(metrics, args.steps):
             print(f"{name}: reusing {metrics}")
         else:
             _run_loss(args, data, run, metrics)
-        curves[name] = [(r["step"] * 8 * 256, r["val_loss"]) for r in _records(metrics, "eval")]
+        curves[name] = [(r["step"] * 2 * args.micro_batch * 256, r["val_loss"]) for r in _records(metrics, "eval")]
         train = _records(metrics, "train")
         sent[name] = (statistics.mean(dp_bytes(r) for r in train), min(dp_bytes(r) for r in train))
     _plot_and_table(args, curves, sent)
@@ -99,10 +106,11 @@ def _run_loss(args, data: str, run: tuple[str, int | None], metrics: str) -> Non
     if os.path.exists(metrics):
         os.remove(metrics)
     subprocess.run([sys.executable, "-m", "strata", "train", "--model", "small", "--data", data, "--dtype", args.dtype,
-                    "--seq-len", "256", "--nproc", "2", "--micro-batch", "4", "--global-batch", "8",
-                    "--steps", str(args.steps), "--lr", "2e-3", "--min-lr", "2e-4", "--warmup-steps", "10",
+                    "--seq-len", "256", "--nproc", "2", "--micro-batch", str(args.micro_batch),
+                    "--global-batch", str(2 * args.micro_batch),
+                    "--steps", str(args.steps), "--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--warmup-steps", "10",
                     "--eval-every", str(max(args.steps // 12, 1)), "--eval-batches", "4", "--grad-clip", "0",
-                    "--metrics", metrics, "--no-progress", *flags(run, warm_up(run, args.steps))],
+                    "--metrics", metrics, "--no-progress", *flags(run, warm_up(run, args.steps, args.onebit_warm_up))],
                    check=True, env=ENV)
 
 
@@ -115,12 +123,13 @@ def _plot_and_table(args, curves: dict, sent: dict) -> None:
         ax.plot([t for t, _ in points], [v for _, v in points], marker="o", markersize=3, label=name)
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"small on Shakespeare, dp 2, {args.dtype}, {args.steps} steps of 8 x 256 tokens", fontsize=9)
+    ax.set_title(f"small on Shakespeare, dp 2, {args.dtype}, lr {args.lr:g}, {args.steps} steps of 2 x {args.micro_batch} "
+                 f"x 256 tokens", fontsize=9)
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=120)
-    base = curves["uncompressed"][-1][1] if "uncompressed" in curves else BASELINES[args.dtype]
+    base = curves["uncompressed"][-1][1] if "uncompressed" in curves else BASELINES[args.dtype, args.micro_batch, args.lr]
     # bytes over the dp group (rank 0): a compressed step's, and the mean over the run's steps (the
     # warm-up's and 0/1 Adam's steps that update v send the gradients whole)
     print(f"| run | validation loss at the start | at the end | against uncompressed ({base:.4f}) | "
@@ -207,7 +216,12 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--runs", default=",".join(RUNS), type=lambda text: text.split(","),
                         help=f"loss: which runs, comma-separated, of: {', '.join(RUNS)}")
-    parser.add_argument("--dtype", choices=sorted(BASELINES), default="fp32")
+    parser.add_argument("--dtype", choices=sorted({dtype for dtype, _, _ in BASELINES}), default="fp32")
+    parser.add_argument("--lr", type=float, default=6e-4, help="loss: the peak learning rate (cosine to a tenth of it)")
+    parser.add_argument("--onebit-warm-up", type=int, default=25,
+                        help="loss: 1-bit Adam's AdamW warm-up (--compress-after), in per cent of --steps")
+    parser.add_argument("--micro-batch", type=int, default=4,
+                        help="loss: a rank's sequences of 256 tokens a step (the global batch: twice it)")
     parser.add_argument("--reuse", action="store_true",
                         help="loss: keep a run's metrics in --work when they reach --steps (plot and table only)")
     args = parser.parse_args()
@@ -217,6 +231,15 @@ def main() -> None:
         if unknown:
             parser.error(f"--runs {','.join(unknown)}: valid: {', '.join(RUNS)}")
         args.steps = args.steps or 300
+        for flag, value, valid in (("--onebit-warm-up", args.onebit_warm_up, 1 <= args.onebit_warm_up <= 99),
+                                   ("--micro-batch", args.micro_batch, args.micro_batch >= 1),
+                                   ("--lr", args.lr, args.lr > 0)):
+            if not valid:
+                parser.error(f"{flag} {value}: must be {'1 to 99' if flag == '--onebit-warm-up' else 'positive'}")
+        if "uncompressed" not in args.runs and (args.dtype, args.micro_batch, args.lr) not in BASELINES:
+            parser.error(f"--runs without uncompressed: no uncompressed loss is known for --dtype {args.dtype} "
+                         f"--micro-batch {args.micro_batch} --lr {args.lr:g}; known: "
+                         f"{', '.join(f'{d} {b} {lr:g}' for d, b, lr in BASELINES)}")
         loss(args)
     elif args.what == "hpz":
         args.steps = args.steps or 8
