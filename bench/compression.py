@@ -211,20 +211,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["loss", "link", "hpz"])
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--out", default="docs/img/compression_val_loss.png")
     parser.add_argument("--work", default="/tmp/strata-compression")
-    parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--runs", default=",".join(RUNS), type=lambda text: text.split(","),
-                        help=f"loss: which runs, comma-separated, of: {', '.join(RUNS)}")
-    parser.add_argument("--dtype", choices=sorted({dtype for dtype, _, _ in BASELINES}), default="fp32")
-    parser.add_argument("--lr", type=float, default=6e-4, help="loss: the peak learning rate (cosine to a tenth of it)")
-    parser.add_argument("--onebit-warm-up", type=int, default=25,
-                        help="loss: 1-bit Adam's AdamW warm-up (--compress-after), in per cent of --steps")
-    parser.add_argument("--micro-batch", type=int, default=4,
-                        help="loss: a rank's sequences of 256 tokens a step (the global batch: twice it)")
-    parser.add_argument("--reuse", action="store_true",
+    parser.add_argument("--rate", help="link and hpz: the link's rate, for tc (default 100mbit)")
+    parser.add_argument("--out", help="loss: the plot (default docs/img/compression_val_loss.png)")
+    parser.add_argument("--runs", type=lambda text: text.split(","),
+                        help=f"loss: which runs, comma-separated, of: {', '.join(RUNS)} (default all)")
+    parser.add_argument("--dtype", choices=sorted({dtype for dtype, _, _ in BASELINES}), help="loss: default fp32")
+    parser.add_argument("--lr", type=float, help="loss: the peak learning rate, cosine to a tenth of it (default 6e-4)")
+    parser.add_argument("--onebit-warm-up", type=int,
+                        help="loss: 1-bit Adam's AdamW warm-up (--compress-after), in per cent of --steps (default 25)")
+    parser.add_argument("--micro-batch", type=int,
+                        help="loss: a rank's sequences of 256 tokens a step, the global batch twice it (default 4)")
+    parser.add_argument("--reuse", action="store_true", default=None,
                         help="loss: keep a run's metrics in --work when they reach --steps (plot and table only)")
     args = parser.parse_args()
+    # each measurement's own flags: given to another, they would be ignored, so they are refused
+    defaults = {"loss": {"out": "docs/img/compression_val_loss.png", "runs": list(RUNS), "dtype": "fp32", "lr": 6e-4,
+                         "onebit_warm_up": 25, "micro_batch": 4, "reuse": False},
+                "link": {"rate": "100mbit"}, "hpz": {"rate": "100mbit"}}
+    for name in {key for own in defaults.values() for key in own} - set(defaults[args.what]):
+        if getattr(args, name) is not None:
+            parser.error(f"--{name.replace('_', '-')}: not a flag of {args.what} (it acts only with "
+                         f"{' and '.join(what for what, own in defaults.items() if name in own)})")
+    for name, value in defaults[args.what].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     os.makedirs(args.work, exist_ok=True)
     if args.what == "loss":
         unknown = [name for name in args.runs if name not in RUNS]

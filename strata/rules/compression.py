@@ -108,8 +108,9 @@ def onebit_rows(segments: Sequence[Sequence[int]], dp: int) -> tuple[list[list[l
     """1-bit Adam's flat buffer as `segments` (each its units' lengths, padded and cut in dp chunks
     on its own: a tied embedding's copy beside a pipeline is one) -> each segment's pieces per chunk
     (onebit_pieces), and the scales a row of the collectives carries: row j holds every segment's
-    chunk j, so the most pieces any j has over the segments (an empty segment has none)."""
-    pieces = [onebit_pieces(units, dp) for units in segments if sum(units)]
+    chunk j, so the most pieces any j has over the segments (an empty segment has none: its chunks
+    are empty, and the pieces come back one list per segment, in order)."""
+    pieces = [onebit_pieces(units, dp) for units in segments]
     return pieces, max(sum(len(chunks[j]) for chunks in pieces) for j in range(dp))
 
 
