@@ -10,6 +10,7 @@ averaged 1-bit between them."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def _rank_gradients(run, loader: BatchLoader, step: int, ranks: int) -> tuple[di
 def _simulated_ranks(ranks: int, settings: dict):
     """What both rules below start from: one process's run, each rank's loader, the trained
     parameters, every rank's zeroed worker and server errors (fp64, padded), betas and decays."""
-    run = trainer.setup(train_config(**{**BASE, **settings, "nproc": 1}))
+    run = trainer.setup(train_config(**{**BASE, **settings, "nproc": 1, "zero": 0}))  # the rule is ZeRO's alike
     data = run.train_data
     loaders = [BatchLoader(data.source, data.seq_len, data.global_batch, data.seed, dp_rank=r, dp_size=ranks)
                for r in range(ranks)]
@@ -206,9 +207,10 @@ def test_the_variance_steps_are_deepspeeds():
     assert variance_updates(300, 16) == 67  # the bench's run: 16 + 16 + 16 + 16 + 3 steps whole
 
 
-@pytest.mark.parametrize("ranks,settings", [(2, {}), (3, {"global_batch": 6})])
+@pytest.mark.parametrize("ranks,settings", [(2, {}), (3, {"global_batch": 6, "zero": 1})])
 def test_zeroone_ranks_equal_the_single_process_rule_in_fp64(ranks, settings):
-    """Steps 1 and 2 are AdamW's (plain run's losses), step 3 the first compressed one."""
+    """Steps 1 and 2 are AdamW's (plain run's losses), step 3 the first compressed one. Under ZeRO-1
+    (3 ranks) m and v are sharded and the compressed average of the gradient is whole."""
     reference = zeroone_rule(ranks, settings, SCALER)
     plain = run_on_ranks(_on_ranks, ranks, settings)[0]
     compressed = run_on_ranks(_on_ranks, ranks, {**settings, **ZEROONE})
@@ -219,10 +221,11 @@ def _on_ranks(settings: dict) -> list[float]:
     return trainer.train(train_config(**{**BASE, **settings}))["losses"]
 
 
-@pytest.mark.parametrize("ranks,settings", [(2, {}), (3, {"global_batch": 6})])
+@pytest.mark.parametrize("ranks,settings", [(2, {}), (3, {"global_batch": 6}), (3, {"global_batch": 6, "zero": 1})])
 def test_the_ranks_equal_the_single_process_rule_in_fp64(ranks, settings):
     """tiny's 106,816 elements split into whole bytes of signs on 2 ranks; on 3 the last chunk ends in
-    8 elements of padding (106,816 = 24 x 4,450 + 16)."""
+    8 elements of padding (106,816 = 24 x 4,450 + 16). ZeRO-1 (3 ranks: its bucket shards are not the
+    1-bit chunks) keeps m whole, gathered once after the warm-up, and updates its shard with its v."""
     reference = single_process_rule(ranks, settings)
     plain = run_on_ranks(_on_ranks, ranks, settings)[0]
     compressed = run_on_ranks(_on_ranks, ranks, {**settings, **COMPRESSED})
@@ -263,11 +266,12 @@ def test_the_pieces_are_the_runs_of_one_tensor_in_each_chunk():
 
 def _step_bytes(settings: dict) -> dict:
     run = trainer.setup(train_config(**{**BASE, **settings}))
-    sent = []
+    sent, reported = [], []
     for step in range(AFTER + 2 if settings["compress"] == "onebit" else 5):
         comm.counter.reset()
-        trainer.train_step(run, step)
+        loss, norm, _ = trainer.train_step(run, step)
         sent.append(dict(comm.counter.bytes_sent))
+        reported.append((loss, float(norm)))
     from strata.plan.buckets import onebit_scales
     named = [(name, p) for name, p in run.model.named_parameters() if p.requires_grad]
     assert [p for _, p in named] == run.parallel.sharding.params
@@ -277,7 +281,12 @@ def _step_bytes(settings: dict) -> dict:
     run.parallel.close()
     comm.close_streams()
     return {"sent": sent, "elements": sum(sizes), "total": total, "scales": _most_pieces(units(named), RANKS),
-            "planned": planned}
+            "planned": planned, "reported": reported}
+
+
+@lru_cache(maxsize=None)
+def _zero0_step_bytes() -> tuple[dict, ...]:
+    return tuple(run_on_ranks(_step_bytes, RANKS, COMPRESSED))
 
 
 def test_a_compressed_step_sends_the_formulas_bytes():
@@ -289,7 +298,7 @@ def test_a_compressed_step_sends_the_formulas_bytes():
     long: under 1/40 of the fp64 gradients (tiny's embedding is a sixth of it, in rows of 64 with an
     fp64 scale each)."""
     ring = (RANKS - 1) / RANKS
-    for rank in run_on_ranks(_step_bytes, RANKS, COMPRESSED):
+    for rank in _zero0_step_bytes():
         assert rank["scales"] == rank["planned"] == 266
         wire = onebit_wire_bytes(rank["elements"], RANKS, 8, rank["scales"])
         for sent in rank["sent"][:AFTER]:
@@ -318,10 +327,40 @@ def test_a_zeroone_run_sends_the_formulas_bytes():
         assert total == ring * zeroone_wire_bytes(steps, SCALER, rank["elements"], RANKS, 8, whole, rank["scales"])
 
 
+def test_a_zero1_step_sends_the_formulas_bytes_and_the_parameters_gather():
+    """ZeRO-1, fp64, 2 ranks: the warm-up steps reduce-scatter the padded gradient buffer and
+    all-gather the updated parameters ((N-1)/N of the buffer each); a compressed step sends 1-bit
+    Adam's two rounds and ZeRO-1's all-gather of the parameters, uncompressed; the first compressed
+    step of the run also all-gathers the momentum the warm-up left in shards, once. The loss is
+    all-reduced every step; the gradient norm's two fp64 partial sums of squares only on the
+    warm-up's steps (a compressed step's norm is each rank's own, whole: nothing to sum). Each
+    rank's losses and norms are ZeRO-0's: the average's on the warm-up, its own on a compressed step
+    (the ranks' differ then; clipping is off in these runs, so the norm is checked here)."""
+    ring = (RANKS - 1) / RANKS
+    ranks = run_on_ranks(_step_bytes, RANKS, {**COMPRESSED, "zero": 1})
+    norms = [[norm for _, norm in rank["reported"]] for rank in ranks]
+    assert norms[0][:AFTER] == pytest.approx(norms[1][:AFTER], rel=1e-12)
+    assert all(a != pytest.approx(b, rel=1e-6) for a, b in zip(norms[0][AFTER:], norms[1][AFTER:]))
+    for rank, zero0 in zip(ranks, _zero0_step_bytes()):
+        torch.testing.assert_close(torch.tensor(rank["reported"]), torch.tensor(zero0["reported"]), rtol=1e-12, atol=0)
+        wire, whole = onebit_wire_bytes(rank["elements"], RANKS, 8, rank["scales"]), 8 * rank["total"]
+        loss = {("all_reduce", "dp"): 2 * ring * 8}
+        for sent in rank["sent"][:AFTER]:
+            assert sent == {("all_reduce", "dp"): 2 * ring * (8 + 2 * 8), ("reduce_scatter", "dp"): ring * whole,
+                            ("all_gather", "dp"): ring * whole}
+        first, later = rank["sent"][AFTER:]
+        assert later == {**loss, ("all_to_all", "dp"): ring * wire, ("all_gather", "dp"): ring * (wire + whole)}
+        assert first == {**later, ("all_gather", "dp"): ring * (wire + 2 * whole)}
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--compress", "onebit", "--compress-after", "2"], "--compress onebit: compresses the data-parallel reduction"),
-    (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--zero", "1"],
-     "replaces ZeRO-0's all-reduce; zero is 1"),
+    (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--zero", "2"],
+     "replaces ZeRO-0's or ZeRO-1's reduction; zero is 2 (use zero 0 or 1)"),
+    (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--zero", "1", "--dtype", "bf16",
+      "--gather-dtype", "bf16"], "--compress onebit: averages fp32 momenta and gradients; leave --gather-dtype at fp32"),
+    (["--nproc", "4", "--compress", "zeroone", "--zero", "1", "--dp-shard", "2"],
+     "--compress zeroone: not with hybrid sharding (--dp-shard, --dp-replicate)"),
     (["--nproc", "2", "--compress", "onebit"], "--compress-after 0: 1-bit Adam freezes Adam's second moment"),
     (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--compress-rank", "8"],
      "--compress-rank 8: only with --compress powersgd"),
@@ -337,7 +376,7 @@ def test_a_zeroone_run_sends_the_formulas_bytes():
     (["--nproc", "2", "--compress", "onebit", "--compress-after", "2", "--var-update-scaler", "4"],
      "--var-update-scaler 4: only with --compress zeroone"),
     (["--nproc", "2", "--compress", "zeroone", "--var-update-scaler", "0"], "--var-update-scaler 0: must be >= 1"),
-    (["--nproc", "2", "--compress", "zeroone", "--zero", "1"], "--compress zeroone: replaces ZeRO-0's all-reduce"),
+    (["--nproc", "2", "--compress", "zeroone", "--zero", "3"], "--compress zeroone: replaces ZeRO-0's or ZeRO-1's"),
     (["--nproc", "4", "--tp", "2", "--compress", "zeroone"],
      "--compress zeroone: runs with data parallelism alone for now (tp and cp 1; beside a pipeline too)"),
 ])
@@ -356,11 +395,13 @@ def _saved_and_resumed(directory: str, settings: dict) -> tuple[list[float], lis
     return whole[save_at:], resumed["losses"]
 
 
-@pytest.mark.parametrize("settings", [COMPRESSED, ZEROONE], ids=["onebit", "zeroone"])
+@pytest.mark.parametrize("settings", [COMPRESSED, ZEROONE, {**COMPRESSED, "zero": 1}],
+                         ids=["onebit", "zeroone", "onebit-zero1"])
 def test_a_resumed_run_goes_on_bit_for_bit(tmp_path, settings):
     """The momentum, v and the step go with AdamW's state; each rank's worker error and its chunk
     of the server error with its own shard file: without them the resumed steps would differ (0/1
-    Adam's step count says which steps update v)."""
+    Adam's step count says which steps update v). Under ZeRO-1 each rank saves its shard of m, and
+    the resumed run gathers m whole before its first step."""
     for whole, resumed in run_on_ranks(_saved_and_resumed, RANKS, str(tmp_path / "ck"), settings):
         assert len(resumed) == STEPS - AFTER - 1
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole), rtol=1e-10, atol=0)
@@ -396,6 +437,35 @@ def test_the_planner_counts_the_formulas_bytes_and_the_error_buffers():
     gradients = b.memory_breakdown["gradients"] - a.memory_breakdown["gradients"]
     assert gradients == pytest.approx(onebit_error_bytes(cfg.num_params(), 64), rel=1e-6)
     assert b.fits and b.step_time_s < a.step_time_s
+
+
+def test_the_planner_prices_zero1s_parameter_gather_and_whole_momentum():
+    """Under ZeRO-1 the planner adds the uncompressed all-gather of the updated fp32 parameters to
+    the two 1-bit rounds (so ZeRO-1 saves memory, not bytes: the step is slower than ZeRO-0's),
+    shards v (and 0/1 Adam's m), and keeps 1-bit Adam's momentum whole beyond its shard."""
+    import dataclasses
+
+    from strata.model.presets import get_preset
+    from strata.plan.cost import estimate
+    from strata.plan.inputs import build_cluster, workload
+    from strata.rules.layout import Layout
+    cfg = get_preset("llama-1b")
+    work, cluster = workload(cfg, 512, 2048, "bf16"), build_cluster("A100-80G", 8, 8, None, "10gbe")
+    plain = Layout(dp=64, checkpointing="full", micro_batch=1)
+    onebit = dataclasses.replace(plain, compress="onebit", compress_after=100)
+    plans = {name: estimate(work, cluster, lay) for name, lay in (
+        ("plain", plain), ("onebit", onebit), ("onebit-zero1", dataclasses.replace(onebit, zero=1)),
+        ("zeroone-zero1", dataclasses.replace(onebit, zero=1, compress="zeroone", compress_after=0)))}
+    params = plans["plain"].comm_bytes["dp"] / (2 * 63 / 64 * 4)  # the fp32 padded buckets
+    for name in ("onebit-zero1", "zeroone-zero1"):
+        gathered = plans[name].comm_bytes["dp"] - plans["onebit"].comm_bytes["dp"]
+        assert gathered == pytest.approx(63 / 64 * 4 * params, rel=1e-9)
+        assert plans["onebit"].step_time_s < plans[name].step_time_s < plans["plain"].step_time_s
+        states = plans[name].memory_breakdown["optimizer_states"]
+        assert states == pytest.approx(plans["onebit"].memory_breakdown["optimizer_states"] / 64, rel=1e-6)
+    grads = {name: plans[name].memory_breakdown["gradients"] for name in plans}
+    assert grads["onebit-zero1"] - grads["onebit"] == pytest.approx(4 * cfg.num_params() * 63 / 64, rel=1e-6)
+    assert grads["zeroone-zero1"] - grads["onebit"] == pytest.approx(4 * cfg.num_params(), rel=1e-6)
 
 
 def test_the_planner_prices_zeroone_between_variance_updates_and_its_flat_gradient():
@@ -443,17 +513,18 @@ def _averaged_with_empty_rows() -> dict:
     """Two rounds of the compressed average of random momenta whose embedding rows past the first
     half are zero on every rank (the tokens no batch had): those rows, out and in both errors."""
     run = trainer.setup(train_config(**{**BASE, **COMPRESSED}))
-    strategy, embedding = run.parallel.sharding, run.model.embed.weight
+    averager, embedding = run.parallel.sharding.averager, run.model.embed.weight
     half = embedding.shape[0] // 2
-    generator = torch.Generator().manual_seed(1 + strategy.dp_rank)
+    generator = torch.Generator().manual_seed(1 + averager.dp_rank)
+    elements = sum(p.numel() for p in run.parallel.sharding.params)
     out = []
     for _ in range(2):
-        flat = torch.zeros_like(strategy.momentum)
-        flat[:strategy.elements] = torch.randn(strategy.elements, generator=generator, dtype=flat.dtype)
-        strategy._view(flat, embedding)[half:] = 0
-        strategy.average(flat)
-        out.append(strategy._view(flat, embedding).clone())
-    errors = strategy._view(strategy.worker_error, embedding)[half:].clone()
+        flat = averager.zeros()
+        flat[:elements] = torch.randn(elements, generator=generator, dtype=flat.dtype)
+        averager.view(flat, embedding)[half:] = 0
+        averager.average(flat)
+        out.append(averager.view(flat, embedding).clone())
+    errors = averager.view(averager.worker_error, embedding)[half:].clone()
     run.parallel.close()
     comm.close_streams()
     return {"averaged": out, "half": half, "worker_error": errors}

@@ -138,16 +138,19 @@ def _plain(model: str) -> list[float]:
     return run_on_ranks(_losses, RANKS, {"model": model})[0]
 
 
-@pytest.mark.parametrize("compress,schedule,v,model", [
-    ("onebit", "interleaved", 2, "tiny-gpt2"), ("onebit", "zb", 1, "tiny"), ("zeroone", "interleaved", 2, "tiny")])
-def test_pp2_dp2_follows_the_rule_per_stage_in_fp64(compress, schedule, v, model):
+@pytest.mark.parametrize("compress,schedule,v,model,zero", [
+    ("onebit", "interleaved", 2, "tiny-gpt2", 1), ("onebit", "zb", 1, "tiny", 0), ("zeroone", "interleaved", 2, "tiny", 1)])
+def test_pp2_dp2_follows_the_rule_per_stage_in_fp64(compress, schedule, v, model, zero):
     """The stages compress in the optimizer step, after the schedule and the tied embedding's sum,
     whatever order backward ran in: interleaved (a rank's two chunks, not adjacent layers, in one flat
     buffer), zb (weight gradients after the last backward); tiny-gpt2 has a tied embedding. Both rules
     under 1f1b on tiny-gpt2: the tied copies' test below. (gpipe and 1f1b differ from these only in
     the order backward runs, which the optimizer step never sees; they ran here until the suite
-    needed the time.)"""
-    settings = {**RULES[compress], **PIPELINE, "model": model, "schedule": schedule, "virtual_stages": v}
+    needed the time.) The interleaved cases run under ZeRO-1: each stage's shards updated from the
+    same whole m (1-bit Adam) or average gradient (0/1 Adam), the tied copies' shards cut by each
+    stage's own buckets."""
+    settings = {**RULES[compress], **PIPELINE, "model": model, "schedule": schedule, "virtual_stages": v,
+                "zero": zero}
     compressed = run_on_ranks(_losses, PP * RANKS, settings)
     assert_compressed_runs_follow_the_rule(compressed, pipeline_rule(model, compress, v), _plain(model), AFTER)
 
@@ -159,11 +162,12 @@ def _tied_copies(settings: dict) -> dict:
     average of it and what comes out, the copy after the step, and its errors at the end."""
     run = trainer.setup(train_config(**{**BASE, **settings}))
     strategy, tied = run.parallel.sharding, run.model.tied_weight()
+    averager = strategy.averager
     seen, losses, norms = [], [], []
     if tied is not None:
-        at = strategy.offsets[tied]
+        at = averager.offsets[tied]
         part = slice(at, at + tied.numel())
-        average, optimizer_step = strategy.average, run.optimizer.step
+        average, optimizer_step = averager.average, run.optimizer.step
 
         def spy_average(flat):
             seen.append(("into the average", flat[part].clone()))
@@ -174,7 +178,7 @@ def _tied_copies(settings: dict) -> dict:
             seen.append(("gradient", tied.grad.clone()))
             return optimizer_step(*args, **kwargs)
 
-        strategy.average, run.optimizer.step = spy_average, spy_step
+        averager.average, run.optimizer.step = spy_average, spy_step
     for step in range(STEPS):
         loss, norm, _ = trainer.train_step(run, step)
         losses.append(loss)
@@ -182,7 +186,7 @@ def _tied_copies(settings: dict) -> dict:
         if tied is not None:
             seen.append(("copy", tied.detach().clone()))
     width = onebit_padded(tied.numel(), RANKS) // RANKS if tied is not None else 0
-    errors = (strategy.worker_error[:RANKS * width].clone(), strategy.server_error[:width].clone())
+    errors = (averager.worker_error[:RANKS * width].clone(), averager.server_error[:width].clone())
     result = {"losses": losses, "norms": norms, "dp": strategy.dp_rank, "last": run.model.final_norm is not None,
               "seen": seen, "errors": errors}
     run.parallel.close()

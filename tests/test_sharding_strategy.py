@@ -16,6 +16,7 @@ from strata.model.transformer import build_model
 from strata.parallel.data import DataParallelSettings
 from strata.parallel.expert import ExpertSplit
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
+from strata.parallel.onebit_adam import OnebitReplicate, OnebitShardStates
 from strata.parallel.sharding import ShardingStrategy
 from strata.parallel.zero3 import ShardParameters
 
@@ -37,14 +38,15 @@ def _strategies(tmp_path):
     split = ExpertSplit(Replicate(params[:2], settings), Replicate(params[2:], settings), set())
     return {"zero0": Replicate(_params(), settings), "zero1": ShardOptimizerStates(_params(), settings),
             "zero2": ShardGradients(_params(), settings), "zero3": zero3, "zero3-offloaded": offloaded,
-            "experts": split}
+            "experts": split, "onebit-zero0": OnebitReplicate(_params(), settings, 2),
+            "zeroone-zero1": OnebitShardStates(_params(), settings, 0, scaler=16)}
 
 
 def test_the_protocol_names_what_the_callers_use():
     assert {"backward", "reduce_all", "grad_pairs", "grad_norm_pairs", "clip_", "optimizer_pieces", "stream_units",
             "separate_optimizer_targets", "prepare_step", "after_step", "overlap_gathers", "wait_parameters", "zero_grad", "in_memory",
             "full_state_dict", "stats", "close", "stage", "reduce_every_micro_batch", "offloaded", "params",
-            "expert_names"} == MEMBERS
+            "expert_names", "grads_partitioned"} == MEMBERS
 
 
 def test_every_strategy_is_a_sharding_strategy_and_counts_through_stats(tmp_path):
@@ -67,7 +69,8 @@ def test_every_strategy_is_a_sharding_strategy_and_counts_through_stats(tmp_path
         assert "peak_buffer_bytes" in strategies["zero3"].stats()
         assert "offloaded_bytes" not in strategies["zero3"].stats()
         assert strategies["zero3-offloaded"].stats()["offloaded_bytes"] > 0
-        assert [s.offloaded for s in strategies.values()] == [False, False, False, False, True, False]
+        assert [s.offloaded for s in strategies.values()] == [False, False, False, False, True, False, False, False]
+        assert [s.grads_partitioned for s in strategies.values()] == [False, True, True, True, True, False, False, True]
         assert all(not s.expert_names for s in strategies.values())
     finally:
         for strategy in strategies.values():

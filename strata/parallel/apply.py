@@ -28,7 +28,7 @@ from strata.parallel.context import apply_context_parallel
 from strata.parallel.data import DataParallel, DataParallelSettings
 from strata.parallel.expert import ExpertAxes, ExpertSplit, apply_expert_parallel, set_capacity
 from strata.parallel.gradients import Replicate, ShardGradients, ShardOptimizerStates
-from strata.parallel.onebit_adam import OnebitReplicate
+from strata.parallel.onebit_adam import OnebitReplicate, OnebitShardStates
 from strata.parallel.pipeline.stage import keep_stage, tied_copy
 from strata.parallel.powersgd import PowerSGDReplicate
 from strata.parallel.sharding import ShardingStrategy
@@ -115,10 +115,12 @@ def parallelize(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, 
                                          cfg.seed, [name for name, _ in trainable])
         elif lay.compress in ("onebit", "zeroone"):
             # beside a pipeline, a tied embedding's copies (first and last stage) a segment of their own
-            sharding = OnebitReplicate([p for _, p in trainable], settings, lay.compress_after,
-                                       lay.var_update_scaler if lay.compress == "zeroone" else 0,
-                                       model.tied_weight() if stage is not None else None,
-                                       tuple(m.weight for m in model.modules() if isinstance(m, nn.Embedding)))
+            # (ZeRO-0 or ZeRO-1, the stage's buckets and update around the same compressed average)
+            onebit_stage = OnebitShardStates if lay.zero == 1 else OnebitReplicate
+            sharding = onebit_stage([p for _, p in trainable], settings, lay.compress_after,
+                                    lay.var_update_scaler if lay.compress == "zeroone" else 0,
+                                    model.tied_weight() if stage is not None else None,
+                                    tuple(m.weight for m in model.modules() if isinstance(m, nn.Embedding)))
         else:
             sharding = BUCKET_STAGES[lay.zero]([p for _, p in trainable], settings)
         if SCHEDULES[lay.schedule].asynchronous and lay.zero == 0:  # weight stashing swaps the parameters' storage

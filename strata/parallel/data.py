@@ -196,7 +196,7 @@ class DataParallel:
             if self.stage == 0 and settings.ep_group is not None:
                 comm.all_reduce(experts, settings.ep_group, "ep")
             squares[0] += experts[0]  # split by tp like an MLP, when tp > 1
-        if self.stage > 0 and settings.dp_group is not None:  # each dp rank holds a disjoint part
+        if self.sharding.grads_partitioned and settings.dp_group is not None:  # each dp rank holds a disjoint part
             comm.all_reduce(squares, settings.dp_group, settings.group_name)
         if settings.tp_group is not None:
             split = squares[:1].clone()

@@ -144,6 +144,7 @@ class ExpertSplit:
         self.parts = (dense_part, expert_part)
         self.params = dense_part.params + expert_part.params
         self.stage = dense_part.stage
+        self.grads_partitioned = dense_part.grads_partitioned
         self.reduce_every_micro_batch = dense_part.reduce_every_micro_batch
         self.offloaded = False  # ZeRO-Infinity is ZeRO-3's, which parallelize() runs without this split
 

@@ -68,6 +68,10 @@ class _Buckets:
                                            limit=in_flight_limit(self.stage, reduces_in_place))
         self._wires: dict[int, torch.Tensor] = {}  # bucket index -> what is being reduced
 
+    @property
+    def grads_partitioned(self) -> bool:
+        return self.stage > 0
+
     def _gradient_dtype(self) -> torch.dtype:
         """What the stage collects gradients in: the weights' dtype (ZeRO-1/2 override it)."""
         return self.master_dtype

@@ -46,6 +46,10 @@ class ShardingStrategy(Protocol):
     offloaded: bool
     params: list[nn.Parameter]  # the model's trainable parameters it holds
     expert_names: AbstractSet[str]  # names of the expert parameters (empty without a mixture)
+    # each dp rank's gradients are its own part of the average (ZeRO-1/2/3), so their norms sum
+    # over the dp ranks; ZeRO-0's are the whole average on every rank, as are 1-bit Adam's own
+    # whole gradients on a compressed step
+    grads_partitioned: bool
 
     # --- backward -------------------------------------------------------------------------------
     def backward(self, sync: bool, final: bool = True) -> AbstractContextManager[None]:

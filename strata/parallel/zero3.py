@@ -74,6 +74,7 @@ class ShardParameters:
     offloaded, the tier they stream from (strata/memory/offloaded_shards.py)."""
 
     stage = 3
+    grads_partitioned = True
     reduce_every_micro_batch = True
     expert_names: frozenset[str] = frozenset()  # parallelize() keeps mixtures off ZeRO-3's path
 

@@ -81,7 +81,13 @@ def zero_seconds(cluster: Cluster, lay: Layout, parts: Parts, m: int, t_fwd: flo
         backward_bytes = ((k - 1) / k if k > 1 else ring) * gather_bytes
         return per_mb * m, exposed, (ring * (gather_bytes + grad_bytes) + backward_bytes) * m
     if lay.compress in ("onebit", "zeroone"):
-        return _onebit_seconds(cluster, parts, d, stride)
+        rounds, exposed, sent = _onebit_seconds(cluster, parts, d, stride)
+        if lay.zero == 0:
+            return rounds, exposed, sent
+        # ZeRO-1: the updated shards all-gathered after the step, uncompressed, behind the next
+        # forward as below (parallel/onebit_adam.py `OnebitShardStates`)
+        ag, first = one_by_one("all_gather", lay.gather_dtype)
+        return rounds + ag, exposed + first + max(0.0, ag - first - t_fwd), sent + ring * gather_bytes
     if parts.compressed is not None:
         return _powersgd_seconds(cluster, lay, parts, d, stride, t_bwd, grad_bytes)
     if lay.zero == 0:  # one all-reduce per bucket
@@ -137,7 +143,7 @@ ONEBIT_PASSES = 10
 
 
 def _onebit_seconds(cluster: Cluster, parts: Parts, d: int, stride: int) -> tuple[float, float, float]:
-    """--compress onebit (ZeRO-0, parallel/onebit_adam.py), after its warm-up: no gradient
+    """--compress onebit (ZeRO-0 or ZeRO-1, parallel/onebit_adam.py), after its warm-up: no gradient
     reduction; in the optimizer step, after backward, an all-to-all and an all-gather, each of
     rules/compression.onebit_wire_bytes (the momentum's signs, 8 a byte, and a fp32 scale per
     piece of a tensor in a chunk): exposed, as is the compression's work. The all-to-all is priced

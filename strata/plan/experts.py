@@ -61,6 +61,8 @@ def held_states(cfg: ModelConfig, lay: Layout, held: float, layers: float, preci
         extra = onebit_error_bytes(dense, lay.shards)
         if lay.compress == "zeroone":  # and 0/1 Adam's flat fp32 gradient, compressed in place
             extra += 4 * dense
+        elif lay.zero == 1:  # 1-bit Adam's fp32 momentum, whole on every rank: beyond ZeRO-1's shard of it
+            extra += 4 * dense * (1 - 1 / lay.shards)
         states = replace(states, grads=states.grads + extra)
     if not experts:
         return states

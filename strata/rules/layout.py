@@ -117,8 +117,9 @@ class Layout:
     capacity_factor: float | None = setting(None, "mixture of experts: each expert takes at most factor x tokens x k "
                                                   "/ n_experts of a micro-batch's tokens, the rest dropped (default: "
                                                   "dropless)")
-    compress: str = setting("none", "gradient compression for slow networks (zero 0; beside data parallelism, and "
-                                    "a synchronous pipeline's stages each compress their own): none | powersgd (each "
+    compress: str = setting("none", "gradient compression for slow networks (zero 0, onebit and zeroone also zero 1; "
+                                    "beside data parallelism, and a synchronous pipeline's stages each compress "
+                                    "their own): none | powersgd (each "
                                     "gradient matrix all-reduced as two rank --compress-rank factors, with error "
                                     "feedback and a warm start; Vogels et al. 2019) | onebit (1-bit Adam: after "
                                     "--compress-after steps of AdamW, v frozen and the momentum averaged as one sign "
@@ -330,8 +331,8 @@ def check_hybrid_sharding(layout: Layout) -> None:
 
 
 def check_compression(layout: Layout) -> None:
-    """PowerSGD (strata/parallel/powersgd.py) and 1-bit Adam (strata/parallel/onebit_adam.py)
-    replace ZeRO-0's all-reduce of fp32 gradients."""
+    """PowerSGD (strata/parallel/powersgd.py) replaces ZeRO-0's all-reduce of fp32 gradients;
+    1-bit and 0/1 Adam (strata/parallel/onebit_adam.py) ZeRO-0's or ZeRO-1's reduction."""
     if layout.compress not in COMPRESSIONS:
         raise ConfigError(f"valid: {', '.join(COMPRESSIONS)}", "compress", layout.compress)
     if layout.compress != "powersgd" and layout.compress_rank != 4:
@@ -354,8 +355,17 @@ def check_compression(layout: Layout) -> None:
             raise ConfigError("must be >= 1", name, getattr(layout, name))
     if layout.compress_after < 0:
         raise ConfigError("must be >= 0", "compress_after", layout.compress_after)
+    onebit = layout.compress in ("onebit", "zeroone")
     refusals = [(layout.replicas == 1, "compresses the data-parallel reduction, and dp is 1"),
-                (layout.zero != 0, f"replaces ZeRO-0's all-reduce; zero is {layout.zero} (use zero 0)"),
+                (layout.zero != 0 and not onebit, f"replaces ZeRO-0's all-reduce; zero is {layout.zero} (use zero 0)"),
+                # the 1-bit rules compress the momentum or the gradient whole on every rank: ZeRO-1
+                # shards the update after them; ZeRO-2/3 would have no whole gradient to compress
+                (layout.zero > 1 and onebit, f"replaces ZeRO-0's or ZeRO-1's reduction; zero is {layout.zero} "
+                                             f"(use zero 0 or 1)"),
+                (layout.gather_dtype != "fp32", f"averages fp32 momenta and gradients; leave --gather-dtype at fp32 "
+                                                f"(it is {layout.gather_dtype})"),
+                (layout.dp_shard is not None or layout.dp_replicate is not None,
+                 "not with hybrid sharding (--dp-shard, --dp-replicate): it compresses over every dp rank"),
                 (layout.reduce_dtype != "fp32", "compresses fp32 gradients; leave --reduce-dtype at fp32"),
                 (layout.ep > 1, "not with expert parallelism (the experts' reduction is apart)"),
                 # each rank would factor its own slice (tp) or a partial gradient of its chunks (cp):
@@ -366,7 +376,7 @@ def check_compression(layout: Layout) -> None:
                                                  "beside a pipeline too)"),
                 (layout.pp > 1 and SCHEDULES[layout.schedule].asynchronous,
                  f"not with schedule {layout.schedule} (the weight versions it stashes are not built for it)")]
-    if layout.compress in ("onebit", "zeroone"):  # an optimizer of its own, holding the moments on the device
+    if onebit:  # an optimizer of its own, holding the moments on the device
         refusals += [(layout.offload != "none", f"runs its own optimizer on the device; not with offload "
                                                 f"{layout.offload}"),
                      (SCHEDULES[layout.schedule].asynchronous, f"not with schedule {layout.schedule} (the "
