@@ -36,9 +36,11 @@ def test_days_device_hours_and_price_follow_the_throughput():
 
 def test_days_picks_the_first_node_count_that_finishes_in_time_and_says_so(capsys):
     """`--days` bisects the node count: the cluster it names trains the tokens in time with its
-    best layout, one node fewer does not (or runs nothing)."""
+    best layout, one node fewer does not (or runs nothing). 500B tokens: about a dozen nodes,
+    doubled to 16 and bisected between 8 and 16 (2T took 56 nodes: 12 searches of up to 512
+    devices and the check below on 440, for the same rule)."""
     assert strata_main(["plan", "--model", "llama3-8b", "--device", "H100-80G", "--nics-per-node", "8",
-                        "--global-batch", "512", "--seq-len", "4096", "--tokens", "2T", "--days", "10",
+                        "--global-batch", "512", "--seq-len", "4096", "--tokens", "500B", "--days", "10",
                         "--no-offload", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "(the fewest nodes within 10 days)" in out and "| days | device-hours |" in out
@@ -47,7 +49,7 @@ def test_days_picks_the_first_node_count_that_finishes_in_time_and_says_so(capsy
     assert float(days.replace(",", "")) <= 10 and nodes > 1
     work = workload(get_preset("llama3-8b"), 512, 4096, "bf16")
     fewer, _ = search(work, build_cluster("H100-80G", nodes - 1, 8, None, "ib-400", nics_per_node=8), offload=False)
-    assert not fewer or run_cost(fewer[0], 2e12).train_days > 10
+    assert not fewer or run_cost(fewer[0], 5e11).train_days > 10
 
 
 def test_the_bisection_finds_the_first_count_that_finishes():

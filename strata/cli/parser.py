@@ -279,7 +279,7 @@ def _calibrate(sub) -> None:
                           "fast spell)")
     cal.add_argument("--quick", action="store_true",
                      help="a rough profile in about a minute: shorter timings, fewer repeats of each collective, "
-                          "a 256 MiB disk test, one round")
+                          "a 256 MiB disk test, one round, one process measured once")
     cal.add_argument("--disk-dir", help="where to measure the disk: the --offload-dir you will train with "
                                         "(default: the temp directory's strata-offload)")
     cal.add_argument("--inference", action="store_true",

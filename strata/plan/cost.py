@@ -30,7 +30,7 @@ from strata.plan.experts import (
     moe_tp_collectives,
     updated_params,
 )
-from strata.plan.hardware import Device
+from strata.plan.hardware import Device, Kernels
 from strata.plan.links import Cluster, collective_seconds, core_split
 from strata.plan.memory import (
     ModelStates,
@@ -43,7 +43,14 @@ from strata.plan.memory import (
     pipelined_zero_bytes,
 )
 from strata.plan.offload import offload_cost, offloads
-from strata.plan.stages import StageLoad, bubble_seconds, micro_batches_in_flight, stage_loads
+from strata.plan.stages import (
+    StageLoad,
+    bubble_seconds,
+    distinct_stages,
+    micro_batches_in_flight,
+    micro_batches_in_flight_by_rank,
+    stage_loads,
+)
 from strata.plan.tensor import (
     GridCost,
     buffer_bytes,
@@ -57,7 +64,7 @@ from strata.plan.workload import Estimate, Workload, bucket_mb_for
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import unit_costs
 from strata.rules.pipeline_wire import activation_wire_bytes
-from strata.rules.schedules import SCHEDULES
+from strata.rules.schedules import SCHEDULES, ScheduleSpec
 
 
 def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
@@ -167,8 +174,7 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float,
     clock a power cap leaves; the blocks' matmuls of the FP8 peak with fp8_peak)."""
     device = cluster.device
     if cluster.efficiency is None:
-        return unit_seconds(w, device.kernels, peak, device.memory_bandwidth, fp8_peak), \
-            best_gemm_efficiency(w, device.kernels, peak, device.memory_bandwidth, fp8_peak)
+        return _kernel_seconds(w, device.kernels, peak, device.memory_bandwidth, fp8_peak)
     rate = peak * cluster.efficiency * device.kernels.clock_factor
     matmul_rate = rate if fp8_peak is None else fp8_peak * cluster.efficiency * device.kernels.clock_factor
     costs = unit_costs(w.model, w.seq_len)
@@ -179,51 +185,104 @@ def _unit_seconds(w: StepWork, cluster: Cluster, peak: float,
             UnitSeconds(head, 2 * head, 0.0)), cluster.efficiency * device.kernels.clock_factor
 
 
-def _ranks_memory(work: Workload, lay: Layout, terms: _Terms, loads: tuple[StageLoad, ...]) -> list[dict[str, float]]:
-    """Each pipeline rank's memory by kind, worked out once per distinct (load, micro-batches in
-    flight, weight versions): a deep pipeline has many equal ranks."""
-    spec, by_kind = SCHEDULES[lay.schedule], {}
+@lru_cache(maxsize=1024)
+def _kernel_seconds(w: StepWork, kernels: Kernels, peak: float, bandwidth: float,
+                    fp8_peak: float | None) -> tuple[tuple[UnitSeconds, ...], float]:
+    """unit_seconds and best_gemm_efficiency of one micro-batch's work on these kernels: the same
+    for every layout of the same shapes (they differ in ZeRO stage, schedule, checkpointing,
+    offload...), so worked out once for the thousands a search prices."""
+    return unit_seconds(w, kernels, peak, bandwidth, fp8_peak), best_gemm_efficiency(w, kernels, peak, bandwidth, fp8_peak)
+
+
+def _peak_rank_memory(work: Workload, lay: Layout, terms: _Terms, loads: tuple[StageLoad, ...],
+                      distinct: tuple[StageLoad, ...], stage_of_rank: tuple[int, ...]) -> dict[str, float]:
+    """The memory by kind of the pipeline rank that holds the most (the first of them, where
+    several do). What a rank holds besides its activations depends on its load alone, so it is
+    worked out once per distinct load (plan/stages.distinct_stages); a rank then adds its micro-
+    batches in flight (one look-up of the simulated schedule for all ranks) and weight versions.
+    Each rank's total is summed as sum(memory.values()) would sum it, in the same order, so the
+    rank chosen is the one a max over every rank's dict chooses; only its dict is built."""
+    spec = SCHEDULES[lay.schedule]
+    in_flight = micro_batches_in_flight_by_rank(lay, terms.micro_batches)
+    held: list[_StageMemory | None] = [None] * len(distinct)
+    peak_values, peak_total = (), 0.0
     for rank, load in enumerate(loads):
-        key = (load, micro_batches_in_flight(lay, terms.micro_batches, rank),
-               spec.versions(lay.pp, rank) if spec.asynchronous else 0)
-        if key not in by_kind:
-            by_kind[key] = _rank_memory(work, lay, terms, rank, load)
-    return list(by_kind.values())
+        index = stage_of_rank[rank]
+        stage = held[index]
+        if stage is None:
+            stage = held[index] = _stage_memory(work, lay, terms, load)
+        values = _rank_memory_values(lay, terms, spec, rank, load, in_flight[rank], stage)
+        total = sum(values)
+        if rank == 0 or total > peak_total:  # max()'s rule: a later rank replaces only when larger
+            peak_values, peak_total = values, total
+    return dict(zip(_memory_kinds(spec), peak_values))
 
 
 def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
     """Bytes one pipeline rank holds at its peak, by kind."""
+    spec = SCHEDULES[lay.schedule]
+    in_flight = micro_batches_in_flight(lay, terms.micro_batches, rank)
+    values = _rank_memory_values(lay, terms, spec, rank, load, in_flight, _stage_memory(work, lay, terms, load))
+    return dict(zip(_memory_kinds(spec), values))
+
+
+def _memory_kinds(spec: ScheduleSpec) -> tuple[str, ...]:
+    """The kinds of a rank's memory, in the order its total adds them."""
+    kinds = ("weights", "gradients", "optimizer_states", "activations", "buffers")
+    return kinds + ("weight_versions",) if spec.asynchronous else kinds
+
+
+@dataclass(frozen=True)
+class _StageMemory:
+    """What every rank of a given load holds, whatever its micro-batches in flight: its states, its
+    buffers, and the activations of the embedding's output (first stage) and of the head (last)."""
+    weights: float
+    gradients: float
+    optimizer_states: float
+    edge_activations: float
+    buffers: float
+
+
+def _stage_memory(work: Workload, lay: Layout, terms: _Terms, load: StageLoad) -> _StageMemory:
     cfg, t = work.model, lay.tp
     states = _held_states(cfg, lay, load, terms.precision, terms.optimizer)
-    activations = terms.activation_per_layer * load.layers * micro_batches_in_flight(lay, terms.micro_batches, rank)
     split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
-    activations += (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
+    edge_activations = (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
         (head_bytes(cfg, lay, work.seq_len, terms.act_bytes, work.logits_chunk_bytes) if load.last else 0)
-    memory = {"weights": states.weights, "gradients": states.grads,
-              "optimizer_states": 0.0 if lay.offload != "none" else states.optimizer,
-              "activations": activations, "buffers": _buffers(cfg, lay, t, load, bucket_mb_for(work, lay))
-              + pipelined_zero_bytes(lay.zero, lay.pp, lay.reshard_after_forward, load.params / t, lay.gather_dtype,
-                                     lay.reduce_dtype) + hpz_bytes(lay, load.params / t)}
+    weights, gradients = states.weights, states.grads
+    optimizer_states = 0.0 if lay.offload != "none" else states.optimizer
+    buffers = _buffers(cfg, lay, t, load, bucket_mb_for(work, lay)) + \
+        pipelined_zero_bytes(lay.zero, lay.pp, lay.reshard_after_forward, load.params / t, lay.gather_dtype,
+                             lay.reduce_dtype) + hpz_bytes(lay, load.params / t)
     if lay.tp_mode != "1d":
-        memory["buffers"] += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
+        buffers += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
     if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
-        memory["weights"] = memory["gradients"] = 0.0  # is read in ahead of its gather (two at once)
-        memory["buffers"] += 2 * 4 * max(cfg.unit_params()) / t / lay.shards
+        weights = gradients = 0.0  # is read in ahead of its gather (two at once)
+        buffers += 2 * 4 * max(cfg.unit_params()) / t / lay.shards
+    return _StageMemory(weights, gradients, optimizer_states, edge_activations, buffers)
+
+
+def _rank_memory_values(lay: Layout, terms: _Terms, spec: ScheduleSpec, rank: int, load: StageLoad,
+                        in_flight: float, stage: _StageMemory) -> tuple[float, ...]:
+    """A rank's memory in _memory_kinds' order: its stage's, with the activations of the micro-
+    batches it holds at its peak."""
+    activations = terms.activation_per_layer * load.layers * in_flight + stage.edge_activations
     if lay.offload_activations != "none":  # only the block being recomputed has its input back
-        memory["activations"] -= terms.activation_per_layer * (load.layers - 1)
-    spec = SCHEDULES[lay.schedule]
+        activations -= terms.activation_per_layer * (load.layers - 1)
+    values = (stage.weights, stage.gradients, stage.optimizer_states, activations, stage.buffers)
     if spec.asynchronous:
         # The stashed copies of the stage's weights the layers compute with (parallel/pipeline/
         # versions.py): delay + 1 (2 for 2BW, p - rank for PipeDream) besides the optimizer's, in the
         # parameters' dtype (fp32 masters unless gathered in bf16).
         compute_bytes = 2 if lay.gather_dtype == "bf16" else 4
-        memory["weight_versions"] = spec.versions(lay.pp, rank) * load.params / t * compute_bytes
-    return memory
+        values += (spec.versions(lay.pp, rank) * load.params / lay.tp * compute_bytes,)
+    return values
 
 
-@lru_cache(maxsize=4096)
 def _held_states(cfg: ModelConfig, lay: Layout, load: StageLoad, precision: str, optimizer: str | float) -> ModelStates:
-    """The model states of a stage's rank (the same for every rank of equal stages)."""
+    """The model states of a stage's rank (the same for every rank of equal stages: _peak_rank_memory
+    asks once per distinct load). Not cached: a search asks once per layout and load, and hashing
+    a layout for a cache that never hits costs more than the count."""
     return held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.moe_layers,
                        precision, optimizer)
 
@@ -287,9 +346,10 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     cfg, lay, s = work.model, layout, work.seq_len
     terms = _terms(work, cluster, lay, rate_scale)
     loads = stage_loads(cfg, lay.pp, lay.virtual_stages, s)
-    memory = max(_ranks_memory(work, lay, terms, loads), key=lambda kinds: sum(kinds.values()))
-    times = {load: _rank_time(cluster, lay, terms, load) for load in set(loads)}  # equal stages, equal times
-    ranks = [times[load] for load in loads]
+    distinct, stage_of_rank = distinct_stages(cfg, lay.pp, lay.virtual_stages, s)
+    memory = _peak_rank_memory(work, lay, terms, loads, distinct, stage_of_rank)
+    times = [_rank_time(cluster, lay, terms, load) for load in distinct]  # equal stages, equal times
+    ranks = [times[index] for index in stage_of_rank]
     slowest_rank = max(range(len(ranks)), key=lambda rank: ranks[rank].total)
     slowest = ranks[slowest_rank]
     m, t, p, v = terms.micro_batches, lay.tp, lay.pp, lay.virtual_stages
@@ -341,8 +401,9 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
         exposed_io += max(0.0, off.optimizer_s - optimizer)
         step += exposed_io
     tokens_per_step = work.global_batch * s
-    params, attention = cfg.matmul_params(), 2 * cfg.attention_products(s)
-    blocks = cfg.blocks_matmul_params()  # what full checkpointing runs again: the blocks, not the head
+    counts = _model_counts(cfg, s)
+    params, attention = counts.matmul_params, 2 * counts.attention_products
+    blocks = counts.blocks_matmul_params  # what full checkpointing runs again: the blocks, not the head
     recomputed = {"none": 0, "selective": attention, "full": 2 * blocks + attention}[lay.checkpointing]
     hardware_flops = tokens_per_step * (6 * params + 3 * attention + recomputed)
     world = lay.world_size
@@ -356,10 +417,10 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
                  comm_bytes, compute_s=m * slowest.compute + gradient_passes, bubble=bubble_time / step,
                  step_time_s=step, tokens_per_s=tokens_per_step / step,
                  tflops_per_device=hardware_flops / step / world / 1e12,
-                 mfu=tokens_per_step * cfg.flops_per_token(s) / step / world / terms.peak,
+                 mfu=tokens_per_step * counts.flops_per_token / step / world / terms.peak,
                  kernel_ceiling=terms.kernel_ceiling,
                  exposed_comm_s=exposed, optimizer_s=optimizer, tier_bytes=tiers, io_s=io, exposed_io_s=exposed_io,
-                 total_params=cfg.num_params(), active_params=cfg.active_params(),
+                 total_params=counts.num_params, active_params=counts.active_params,
                  all_to_all_s=comm_seconds.get("ep", 0.0), all_to_all_bytes=comm_bytes.get("ep", 0.0),
                  ep_crosses_nodes=terms.all_to_all.crosses_nodes,
                  all_to_all_across_s=comm_seconds.get("ep", 0.0) * terms.across, seq_len=s, busy_s=busy,
@@ -368,6 +429,24 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     return e
 
 
+
+
+@dataclass(frozen=True)
+class _ModelCounts:
+    """What _estimate reads of the model for every layout: the same model methods' answers,
+    counted once per model and sequence length rather than once per layout searched."""
+    num_params: int
+    active_params: int
+    flops_per_token: int
+    matmul_params: int
+    attention_products: int
+    blocks_matmul_params: int
+
+
+@lru_cache(maxsize=256)
+def _model_counts(cfg: ModelConfig, seq_len: int) -> _ModelCounts:
+    return _ModelCounts(cfg.num_params(), cfg.active_params(), cfg.flops_per_token(seq_len), cfg.matmul_params(),
+                        cfg.attention_products(seq_len), cfg.blocks_matmul_params())
 
 
 def _tier_overflow(device: Device, tiers: dict[str, float]) -> list[str]:

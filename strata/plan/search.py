@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from strata.errors import ConfigError
+from strata.model.config import ModelConfig
 from strata.plan.context import context_degrees, context_lines, data_parallel_twin, searched_micro_batches
 from strata.plan.cost import Cluster, Estimate, Workload, estimate
 from strata.plan.experts import expert_degrees, moe_lines
 from strata.rules.checkpointing import PLANNED_MODES
-from strata.rules.layout import ZERO_STAGES, Layout, check_layout
+from strata.rules.layout import ZERO_STAGES, Layout, check_layout, check_tensor_parallel
 from strata.rules.schedules import SCHEDULES
 from strata.rules.tensor_modes import grid_of
 
@@ -58,7 +59,8 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
         for p in divisors(world // t):
             for c, cp_mode in context_degrees(work.model, world // (t * p)):
                 d = world // (t * p * c)
-                modes = _tensor_modes(t) if c == 1 else [m for m in _tensor_modes(t) if m[1] == "1d"]
+                modes = _tensor_modes(work.model, t) if c == 1 else \
+                    [m for m in _tensor_modes(work.model, t) if m[1] == "1d"]
                 for v, schedule in _schedules(work.model.n_layers, p, allow_async):
                     for zero in ZERO_STAGES:
                         for b in searched_micro_batches(c, MICRO_BATCHES):
@@ -103,12 +105,20 @@ def node_shards(lay: Layout, per_node: int | None) -> int | None:
     return shard if 2 <= shard < lay.dp and lay.dp % shard == 0 else None
 
 
-def _tensor_modes(t: int) -> list[tuple[bool, str, int]]:
+def _tensor_modes(cfg: ModelConfig, t: int) -> list[tuple[bool, str, int]]:
     """(sequence parallelism, tp_mode, tp_depth) worth trying on t ranks: 1-D with and without
-    sequence parallelism, and every grid t makes (2-D on q², 3-D on q³, 2.5-D on q² x d)."""
+    sequence parallelism where the model splits t ways, and every grid t makes (2-D on q², 3-D on
+    q³, 2.5-D on q² x d). 1-D where it does not (t not dividing the heads, say) is left out here
+    rather than built into thousands of layouts that check_layout would refuse one by one: it
+    refuses every layout with tp_mode 1d whose check_tensor_parallel fails, so `layouts` yields
+    the same layouts either way."""
     if t == 1:
         return [(False, "1d", 1)]
-    found = [(False, "1d", 1), (True, "1d", 1)]
+    try:
+        check_tensor_parallel(cfg, t)
+        found = [(False, "1d", 1), (True, "1d", 1)]
+    except ConfigError:
+        found = []
     for mode in ("2d", "3d"):
         try:
             grid_of(mode, t)

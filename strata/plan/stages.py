@@ -44,6 +44,25 @@ def stage_loads(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[StageLo
     return tuple(loads)
 
 
+@lru_cache(maxsize=512)
+def distinct_stages(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[tuple[StageLoad, ...], tuple[int, ...]]:
+    """stage_loads' distinct loads, in the order the ranks first hold them, and for each rank the
+    index of its load among them: a deep pipeline's middle stages are equal, so what depends on the
+    load alone (its time, what it holds whatever its micro-batches in flight) is worked out once
+    per distinct load, without hashing every rank's load in every estimate."""
+    loads = stage_loads(cfg, p, v, seq_len)
+    distinct = list(dict.fromkeys(loads))
+    return tuple(distinct), tuple(distinct.index(load) for load in loads)
+
+
+def micro_batches_in_flight_by_rank(lay: Layout, m: int) -> tuple[float, ...]:
+    """micro_batches_in_flight of every pipeline rank, from one look-up of the simulated schedule
+    (the cost model asks for all of them for every layout)."""
+    if lay.pp == 1:
+        return (1,)
+    return profile(lay.schedule, lay.pp, m, lay.virtual_stages).in_flight
+
+
 def micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:
     """Micro-batches whose activations pipeline rank `rank` holds at its peak: from strata's own
     schedule, simulated (GPipe all m; 1F1B p - rank; ZB-H1 p, its weight gradients hold them

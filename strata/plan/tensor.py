@@ -6,6 +6,7 @@ the parameters a rank holds and the grids' transient buffers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from strata.model.config import ModelConfig
 from strata.plan.links import Cluster, collective_seconds
@@ -44,21 +45,44 @@ class GridCost:
 
 def grid_cost(cfg: ModelConfig, grid: TensorGrid, tokens: int, e: ElementBytes, cluster: Cluster) -> GridCost:
     """A grid's traffic by part, each collective timed on the link its sub-group crosses."""
+
+    def priced(part: _PartCollectives) -> Part:
+        total = 0.0
+        for op, per_call, calls, size, stride in part.collectives:
+            total += calls * collective_seconds(cluster, op, per_call, size, stride)
+        return Part(part.bytes, total)
+
+    return GridCost(*(priced(part) for part in _grid_collectives(cfg, grid, tokens, e, cluster.devices_per_node)))
+
+
+@dataclass(frozen=True)
+class _PartCollectives:
+    """One part of a grid's traffic: the bytes a rank sends, and each collective it enters as
+    (op, bytes per call, calls, size, stride of the evenly spaced group it is timed as)."""
+    bytes: float
+    collectives: tuple[tuple[str, float, int, int, int], ...]
+
+
+@lru_cache(maxsize=1024)
+def _grid_collectives(cfg: ModelConfig, grid: TensorGrid, tokens: int, e: ElementBytes,
+                      per_node: int) -> tuple[_PartCollectives, ...]:
+    """grid_cost's parts in GridCost's order, before any link prices them: the same for every
+    layout of this grid and micro-batch (the search prices thousands), so counted once."""
     parts = grid_parts(cfg, grid, tokens, e)
 
-    def priced(traffic: GridTraffic) -> Part:
-        total = 0.0
+    def collectives(traffic: GridTraffic) -> _PartCollectives:
+        found = []
         for (kind, op), nbytes in traffic.bytes.items():
             members, calls = members_of(grid, kind), traffic.calls[(kind, op)]
             size = len(members)
             if calls and size > 1:  # back from the ring volume to the tensor each call moves
                 per_call = nbytes / calls / ((2 if op == "all_reduce" else 1) * (size - 1) / size)
-                total += calls * collective_seconds(cluster, op, per_call, *spread(members, cluster.devices_per_node))
-        return Part(traffic.total, total)
+                found.append((op, per_call, calls, *spread(members, per_node)))
+        return _PartCollectives(traffic.total, tuple(found))
 
-    return GridCost(priced(parts.first), priced(parts.block), priced(parts.again), priced(parts.last),
-                    priced(one_call_per_group(parts.first_step)), priced(one_call_per_group(parts.block_step)),
-                    priced(one_call_per_group(parts.last_step)))
+    return (collectives(parts.first), collectives(parts.block), collectives(parts.again), collectives(parts.last),
+            collectives(one_call_per_group(parts.first_step)), collectives(one_call_per_group(parts.block_step)),
+            collectives(one_call_per_group(parts.last_step)))
 
 
 def element_bytes(lay: Layout, act_bytes: int, gather_bytes: int) -> ElementBytes:
@@ -133,9 +157,11 @@ def stage_seconds(cluster: Cluster, lay: Layout, grid: GridCost | None, collecti
     calls = layers * megatron_block_collectives(sp, full) + \
         (first * first_volumes + last * last_volumes) / per_call
     loss = 3 * tokens * 4  # the vocabulary-parallel loss's three numbers per token
-    seconds = calls * collective_s + \
-        last * (collective_seconds(cluster, "all_reduce", tokens * 4, t, 1) +
-                     collective_seconds(cluster, "all_reduce", 2 * tokens * 4, t, 1))
+    # the loss's two all-reduces, on the last stage only (not timed for the others: the search asks
+    # for every stage of every layout)
+    loss_seconds = collective_seconds(cluster, "all_reduce", tokens * 4, t, 1) + \
+        collective_seconds(cluster, "all_reduce", 2 * tokens * 4, t, 1) if last else 0.0
+    seconds = calls * collective_s + loss_seconds
     tp_bytes = calls * per_call * (t - 1) / t * tp_message + last * 2 * (t - 1) / t * loss
     if not sp:
         return seconds, tp_bytes, 0.0, 0.0

@@ -246,33 +246,49 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float], times:
     action's start and finish (what the planner's thousands of calls do not read).
 
     Each action is visited once: a rank runs until an input is missing, then waits on it, and the
-    action that produces it wakes the rank (the times do not depend on the order ranks are run)."""
-    keys = [[(a.kind, a.microbatch, a.chunk) for a in actions] for actions in schedule]  # hashed fast
-    finish: dict[tuple, float] = {}
-    start_at: dict[tuple, float] = {}
+    action that produces it wakes the rank (the times do not depend on the order ranks are run).
+    Actions are numbered (kind, micro-batch, chunk) -> one int, so that finish times sit in a list
+    and an input is found by arithmetic on its number: the planner simulates schedules of tens of
+    thousands of actions."""
+    if any(not 0 <= a.chunk < num_chunks or a.microbatch < 0 for actions in schedule for a in actions):
+        raise ValueError(f"a schedule of {num_chunks} chunks: every action's chunk in 0..{num_chunks - 1}, "
+                         f"its micro-batch 0 or more")
+    microbatches = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
+    per_kind = microbatches * num_chunks  # numbers of one kind: micro-batch * num_chunks + chunk
+    numbers = [[_KIND_INDEX[a.kind] * per_kind + a.microbatch * num_chunks + a.chunk for a in actions]
+               for actions in schedule]
+    finish: list[float | None] = [None] * (len(_KINDS) * per_kind)
+    start_at: dict[int, float] = {}
     clock = [0.0] * len(schedule)
     position = [0] * len(schedule)
     busy = [0.0] * len(schedule)
     split_backward = any(a.kind == "W" for actions in schedule for a in actions)
     duration = {kind: cost[kind] if split_backward or kind != "B" else cost["B"] + cost.get("W", 0)
                 for kind in ("F", "B", "W") if kind in cost}
+    seconds = [duration.get(kind) for kind in _KINDS]  # by kind index (None: not in the costs)
+    forward_kind, backward_kind = _KIND_INDEX["F"], _KIND_INDEX["B"]
+    backward, weight = backward_kind * per_kind, _KIND_INDEX["W"] * per_kind  # the first number of each
     last = num_chunks - 1
-    waiting: dict[tuple, list[int]] = {}  # an action not run yet -> the ranks blocked on it
+    waiting: dict[int, list[int]] = {}  # an action not run yet -> the ranks blocked on it
     runnable = list(range(len(schedule)))
     while runnable:
         r = runnable.pop()
-        ranks_keys, pos, clock_r = keys[r], position[r], clock[r]
-        while pos < len(ranks_keys):
-            key = ranks_keys[pos]
-            kind, i, c = key
-            # its inputs, as the docstring says, written out: this loop is the planner's hot path
-            first = ("F", i, c - 1) if kind == "F" and c > 0 else ("F", i, c) if kind == "B" else \
-                ("B", i, c) if kind == "W" else None
-            second = ("B", i, c + 1) if kind == "B" and c < last else None
+        ranks_numbers, pos, clock_r = numbers[r], position[r], clock[r]
+        while pos < len(ranks_numbers):
+            number = ranks_numbers[pos]
+            kind, c = number // per_kind, number % num_chunks
+            # its inputs, as the docstring says, by number: this loop is the planner's hot path.
+            # F(i, c) needs F(i, c-1); B(i, c) F(i, c) and B(i, c+1); W(i, c) B(i, c)
+            if kind == forward_kind:
+                first, second = (number - 1 if c > 0 else None), None
+            elif kind == backward_kind:
+                first, second = number - backward, (number + 1 if c < last else None)
+            else:
+                first, second = number - (weight - backward), None
             ready = True
             for dep in (first, second):
                 if dep is not None:
-                    done = finish.get(dep)
+                    done = finish[dep]
                     if done is None:
                         waiting.setdefault(dep, []).append(r)
                         ready = False
@@ -282,12 +298,15 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float], times:
             if not ready:
                 break
             if times:
-                start_at[key] = clock_r
-            clock_r += duration[kind]
-            finish[key] = clock_r
-            busy[r] += duration[kind]
+                start_at[number] = clock_r
+            took = seconds[kind]
+            if took is None:  # a kind the costs leave out
+                raise KeyError(_KINDS[kind])
+            clock_r += took
+            finish[number] = clock_r
+            busy[r] += took
             pos += 1
-            woken = waiting.pop(key, None)
+            woken = waiting.pop(number, None)
             if woken:
                 runnable.extend(woken)
         position[r], clock[r] = pos, clock_r
@@ -295,9 +314,13 @@ def simulate(schedule: Schedule, num_chunks: int, cost: dict[str, float], times:
         raise Deadlock({r: schedule[r][position[r]] for r in range(len(schedule)) if position[r] < len(schedule[r])})
     if not times:
         return Simulation({}, {}, busy, max(clock))
-    by_action = {a: (a.kind, a.microbatch, a.chunk) for actions in schedule for a in actions}
-    return Simulation({a: start_at[k] for a, k in by_action.items()}, {a: finish[k] for a, k in by_action.items()},
+    by_action = {a: n for actions, ranks_numbers in zip(schedule, numbers) for a, n in zip(actions, ranks_numbers)}
+    return Simulation({a: start_at[n] for a, n in by_action.items()}, {a: finish[n] for a, n in by_action.items()},
                       busy, max(clock))
+
+
+_KINDS = ("F", "B", "W")  # simulate's numbering of the actions' kinds
+_KIND_INDEX = {kind: index for index, kind in enumerate(_KINDS)}
 
 
 def _stuck_ranks(schedule: Schedule, num_chunks: int) -> list[int]:

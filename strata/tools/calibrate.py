@@ -59,16 +59,22 @@ class Effort:
     """How long each measurement runs. The default is what the planner's bench was checked with;
     --quick is a rough profile in about a minute (smoke tests, a first look at a machine)."""
     rate_s: float = 1.0  # the matmul rate's and the memory bandwidth's timing, each
-    step_window_s: float = 2.0  # each of the STEP_WINDOWS windows of --model's steps
+    step_window_s: float = 2.0  # each of the step_windows windows of --model's steps
     # repeats of each collective and size, their median kept: with 16, a 16-256 KiB all-reduce
     # between two processes came out anywhere from 0.7 to 4.6 ms within one calibration
     collective_repeats: int = 32
     disk_bytes: int = 2 << 30  # written, synced and read back
     grid_sweeps: int = 3  # times the kernels' grid of training steps is timed (calibrate_kernels.kernel_costs)
+    step_windows: int = STEP_WINDOWS  # windows of --model's steps a process count runs, the first a warm-up
+    # one process measured after every round of the larger counts too, not only before them: its
+    # numbers (the reference every share is taken against) the median of runs that bracket them
+    one_process_after_rounds: bool = True
 
 
+# --quick: shorter timings, three windows of steps kept (a median still), and one process measured
+# once, before the others: about two thirds of the time of quick's first version, for a rough profile
 FULL, QUICK = Effort(), Effort(rate_s=0.25, step_window_s=0.5, collective_repeats=8, disk_bytes=256 << 20,
-                               grid_sweeps=1)
+                               grid_sweeps=1, step_windows=4, one_process_after_rounds=False)
 
 
 def matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
@@ -162,7 +168,7 @@ def worker(out: str, model: str, effort: Effort = FULL) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     measured = []
     for measure in (lambda: matmul_rate(effort.rate_s), lambda: memory_bandwidth(effort.rate_s),
-                    *[lambda: model_step_seconds(model, seconds=effort.step_window_s)] * STEP_WINDOWS):
+                    *[lambda: model_step_seconds(model, seconds=effort.step_window_s)] * effort.step_windows):
         if world > 1:  # every process measures at once: they share the cores and the memory
             dist.barrier()
         measured.append(torch.tensor([measure()], dtype=torch.float64))
@@ -325,9 +331,10 @@ def calibrate(max_procs: int, model: str, out: str, disk_dir: str | None = None,
     # between and after them, and each number is the median of its runs (`combined`): one
     # process is the reference every share is taken against, and the machine's speed moves over
     # minutes (two calibrations two hours apart put four processes at 0.93 and 0.78 of an even
-    # split of the cores).
+    # split of the cores). --quick (one_process_after_rounds False) measures one process before them only.
     counts = [n for n in (2, 4, 8, 16) if n <= max_procs]
-    sizes = [1] + [n for _ in range(rounds) for n in (*counts, 1)]
+    after = (1,) if effort.one_process_after_rounds else ()
+    sizes = [1] + [n for _ in range(rounds) for n in (*counts, *after)]
     runs: dict[int, list[dict]] = {}
     references = []  # REFERENCE_STEP, timed in each one-process round: the level the kernels are fitted at
     with tempfile.TemporaryDirectory() as tmp:
