@@ -468,6 +468,24 @@ def test_the_planner_prices_zero1s_parameter_gather_and_whole_momentum():
     assert grads["zeroone-zero1"] - grads["onebit"] == pytest.approx(4 * cfg.num_params(), rel=1e-6)
 
 
+def test_the_search_offers_onebit_under_zero0_and_zero1_and_powersgd_under_zero0():
+    """plan/search's compressed twins: each ZeRO-0 and ZeRO-1 layout of data parallelism (and
+    pipelines) gets 1-bit Adam, each ZeRO-0 one PowerSGD too; none under ZeRO-2/3 or with tp."""
+    import dataclasses
+    from collections import Counter
+
+    from strata.model.presets import get_preset
+    from strata.plan.inputs import workload
+    from strata.plan.search import layouts
+    offered = list(layouts(workload(get_preset("llama-1b"), 64, 2048, "bf16"), 8, offload=False))
+    kinds = Counter((lay.compress, lay.zero) for lay in offered if lay.compress != "none")
+    assert set(kinds) == {("powersgd", 0), ("onebit", 0), ("onebit", 1)} and kinds["onebit", 1] > 0
+    plain = [lay for lay in offered if lay.compress == "none" and lay.tp == lay.cp == 1 and lay.zero < 2
+             and lay.dp > 1 and lay.dp_shard is None]
+    twins = {dataclasses.replace(lay, compress="onebit", compress_after=1) for lay in plain}
+    assert twins == {lay for lay in offered if lay.compress == "onebit"}
+
+
 def test_the_planner_prices_zeroone_between_variance_updates_and_its_flat_gradient():
     """0/1 Adam's steps that leave v alone send 1-bit Adam's two rounds (the planner prices those, a
     long run's steady state: the steps updating v are about kappa log2(T / kappa) of T), and its

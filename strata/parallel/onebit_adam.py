@@ -19,8 +19,9 @@ From step `after` on, Adam's second moment v is frozen (DeepSpeed's freeze_step)
 ZeRO-1 shards v and the update, not the compression: m stays whole on every rank (step 1 needs it:
 each rank's own gradient goes into all of it), and the averaged m is whole on every rank after step
 3. Each rank updates its ZeRO-1 shard with its shard of v, and ZeRO-1's all-gather of the updated
-parameters follows, uncompressed: Ψ(N-1)/N elements a step beside the 1-bit collectives' 2Ψ/32.
-So it saves memory (v, and under 0/1 Adam m, 1/N each), not bytes: ZeRO-0 sends less. The warm-up's
+parameters follows, uncompressed: 4Ψ(N-1)/N bytes a step (fp32) beside the two 1-bit rounds'
+about 2Ψ/8 (N-1)/N. So it saves memory (v, and under 0/1 Adam m, 1/N each), not bytes: ZeRO-0
+sends less. The warm-up's
 AdamW updates this rank's shard of m only; the first compressed step of a process (after the
 warm-up, or after a resume) all-gathers m once (`_whole_momentum`). DeepSpeed runs its 1-bit
 optimizers without ZeRO.

@@ -73,7 +73,7 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
                                                           sequence_parallel=sp, schedule=schedule, reduce_dtype=transfers[0], gather_dtype=transfers[1],
                                                           tp_mode=mode, tp_depth=depth, ep=ep, cp=c, cp_mode=cp_mode)
                                             yield flat
-                                            if compress and zero == 0 and d > 1 and t == c == ep == 1:  # dp (and pp)
+                                            if compress and zero < 2 and d > 1 and t == c == ep == 1:  # dp (and pp)
                                                 yield from _compressed(flat)
                                             if zero == 3 and p > 1:  # a stage's units kept gathered through its micro-batches
                                                 yield replace(flat, reshard_after_forward=False)
@@ -85,11 +85,13 @@ def _candidates(work: Workload, world: int, offload: bool, transfers: tuple[str,
 
 
 def _compressed(lay: Layout) -> Iterator[Layout]:
-    """ZeRO-0's compressed twins, for slow networks: PowerSGD at rank 4 (the issue's and Vogels et al.'s
-    choice) and 1-bit Adam after a warm-up step (the planner prices the steps after it), both also
-    beside a synchronous pipeline (each stage compresses its own parameters over its dp group)."""
+    """ZeRO-0's and ZeRO-1's compressed twins, for slow networks: PowerSGD at rank 4 (the issue's and
+    Vogels et al.'s choice; ZeRO-0 only) and 1-bit Adam after a warm-up step (the planner prices the
+    steps after it), both also beside a synchronous pipeline (each stage compresses its own
+    parameters over its dp group)."""
     if lay.pp == 1 or not SCHEDULES[lay.schedule].asynchronous:
-        yield replace(lay, compress="powersgd", compress_rank=4)
+        if lay.zero == 0:
+            yield replace(lay, compress="powersgd", compress_rank=4)
         yield replace(lay, compress="onebit", compress_after=1)
 
 
