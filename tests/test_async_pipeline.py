@@ -103,15 +103,16 @@ def test_p_stages_equal_the_single_process_run_of_their_rule_in_fp64(p):
 
 
 def _planned_versions(schedule: str, p: int, stage: int) -> float:
-    from strata.plan.cost import _rank_memory, _terms, stage_loads
+    from strata.plan.cost import _terms, stage_loads
     from strata.plan.inputs import build_cluster, workload
+    from strata.plan.rank_memory import rank_memory
     from strata.rules.layout import Layout
     model = get_preset("tiny")
     work = workload(model, _settings(schedule, p)["global_batch"], 32, "fp32")
     layout = Layout(pp=p, micro_batch=1, schedule=schedule)
     terms = _terms(work, build_cluster("A100-80G", 1, p, None, "ib-200"), layout, 1.0)
     load = stage_loads(model, p, 1, 32)[stage]
-    return _rank_memory(work, layout, terms, stage, load)["weight_versions"]
+    return rank_memory(work, layout, terms, stage, load)["weight_versions"]
 
 
 def _composed(schedule: str, extra: dict) -> dict:

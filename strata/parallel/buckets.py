@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strata.distributed import comm
 from strata.rules import buckets as buckets_rule
 
 
@@ -88,3 +89,42 @@ def flat_parameters(buckets: list[Bucket], total: int, sample: torch.Tensor, dty
             end = offset + p.numel()
         buffer[end:bucket.start + bucket.size].zero_()
     return buffer
+
+
+@torch.no_grad()
+def broadcast_parameters(buckets: list[Bucket], group, group_name: str = "dp") -> None:
+    """Copy rank 0's parameters to every rank of the group, so all replicas start identical; one
+    broadcast per bucket, through a buffer of one bucket's size."""
+    for bucket in buckets:
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        comm.broadcast(flat, 0, group, group_name)
+        for p, piece in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
+            p.copy_(piece.view_as(p))
+
+
+class GradientBuffer:
+    """One flat gradient buffer that buckets are reduced from, each parameter's gradient a view into
+    it once collected. A step starts with no gradients (`release`): autograd hands backward's
+    gradient over without a copy, the first micro-batch's hook copies it into the buffer (one read
+    and one write: cheaper than zeroing the buffer every step and adding into it), and the view
+    becomes `.grad`: later micro-batches add into it in place, and the reduction, clipping and
+    the optimizer read it."""
+
+    def __init__(self, buckets: list[Bucket], total: int, sample: torch.Tensor):
+        self.flat = torch.zeros(total, dtype=sample.dtype, device=sample.device)  # padding stays zero
+        self.views = {p: self.flat[offset:offset + p.numel()].view_as(p)
+                      for bucket in buckets for p, offset in zip(bucket.params, bucket.offsets)}
+        self.release()
+
+    def collect(self, bucket: Bucket, param: nn.Parameter) -> None:
+        """Make sure the buffer holds `param`'s gradient (zeros when none reached it); idempotent."""
+        view = self.views[param]
+        if param.grad is None:
+            view.zero_()
+        elif param.grad is not view:
+            view.copy_(param.grad)
+        param.grad = view
+
+    def release(self) -> None:
+        for param in self.views:
+            param.grad = None

@@ -37,7 +37,16 @@ from torch import nn
 
 from strata.distributed import comm
 from strata.parallel.bucket_reductions import BucketReductions
-from strata.parallel.buckets import Bucket, Piece, bucket_elements, flat_parameters, plan_buckets, shard_pieces
+from strata.parallel.buckets import (
+    Bucket,
+    GradientBuffer,
+    Piece,
+    broadcast_parameters,
+    bucket_elements,
+    flat_parameters,
+    plan_buckets,
+    shard_pieces,
+)
 from strata.parallel.parameter_gathers import ParameterGathers
 from strata.parallel.sharding import gather_shards, pair_norms, sharded_optimizer_pieces, tensor_bytes
 from strata.rules.buckets import in_flight_limit
@@ -67,10 +76,6 @@ class _Buckets:
                                            lambda b: self._finish(b), hooked=self.group is not None,
                                            limit=in_flight_limit(self.stage, reduces_in_place))
         self._wires: dict[int, torch.Tensor] = {}  # bucket index -> what is being reduced
-
-    @property
-    def grads_partitioned(self) -> bool:
-        return self.stage > 0
 
     def _gradient_dtype(self) -> torch.dtype:
         """What the stage collects gradients in: the weights' dtype (ZeRO-1/2 override it)."""
@@ -158,6 +163,7 @@ class Replicate(_Buckets):
     """ZeRO-0: every rank holds and updates the whole model; a bucket is all-reduced."""
 
     stage = 0
+    grads_partitioned = False  # every rank holds the whole average
 
     def __init__(self, params: list[nn.Parameter], settings):
         super().__init__(params, settings)
@@ -221,6 +227,8 @@ class _ShardedBuckets(_Buckets):
     apart (`masters`, with `master_grads` under ZeRO-1): the optimizer updates the masters, each
     is cast into its place in the buffer, and the all-gather moves bf16. Gradients arrive in bf16
     (no casts under autocast: the weights are bf16 already)."""
+
+    grads_partitioned = True  # each rank reduces its own shard
 
     def __init__(self, params: list[nn.Parameter], settings):
         super().__init__(params, settings)
@@ -413,42 +421,3 @@ class ShardGradients(_ShardedBuckets):
     def _grads_bytes(self) -> int:
         return tensor_bytes(g for g, _ in self.grad_pairs())
 
-
-# --- flat buffers ---------------------------------------------------------------------------------
-@torch.no_grad()
-def broadcast_parameters(buckets: list[Bucket], group, group_name: str = "dp") -> None:
-    """Copy rank 0's parameters to every rank of the group, so all replicas start identical; one
-    broadcast per bucket, through a buffer of one bucket's size."""
-    for bucket in buckets:
-        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
-        comm.broadcast(flat, 0, group, group_name)
-        for p, piece in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
-            p.copy_(piece.view_as(p))
-
-
-class GradientBuffer:
-    """One flat gradient buffer that buckets are reduced from, each parameter's gradient a view into
-    it once collected. A step starts with no gradients (`release`): autograd hands backward's
-    gradient over without a copy, the first micro-batch's hook copies it into the buffer (one read
-    and one write: cheaper than zeroing the buffer every step and adding into it), and the view
-    becomes `.grad`: later micro-batches add into it in place, and the reduction, clipping and
-    the optimizer read it."""
-
-    def __init__(self, buckets: list[Bucket], total: int, sample: torch.Tensor):
-        self.flat = torch.zeros(total, dtype=sample.dtype, device=sample.device)  # padding stays zero
-        self.views = {p: self.flat[offset:offset + p.numel()].view_as(p)
-                      for bucket in buckets for p, offset in zip(bucket.params, bucket.offsets)}
-        self.release()
-
-    def collect(self, bucket: Bucket, param: nn.Parameter) -> None:
-        """Make sure the buffer holds `param`'s gradient (zeros when none reached it); idempotent."""
-        view = self.views[param]
-        if param.grad is None:
-            view.zero_()
-        elif param.grad is not view:
-            view.copy_(param.grad)
-        param.grad = view
-
-    def release(self) -> None:
-        for param in self.views:
-            param.grad = None

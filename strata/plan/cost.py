@@ -14,57 +14,31 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from strata.model.config import ModelConfig
-from strata.plan.buckets import collective_parts, staged
+from strata.plan.buckets import collective_parts
 from strata.plan.compute import StepWork, UnitSeconds, attention_flops, best_gemm_efficiency, fp8_flops, unit_seconds
-from strata.plan.context import NO_CONTEXT, ContextComm, context_comm, extra_activation_bytes
+from strata.plan.context import context_comm, extra_activation_bytes
 from strata.plan.data_parallel import BYTES, data_parallel_seconds, gradient_pass_seconds, optimizer_seconds
 from strata.plan.experts import (
-    NO_ALL_TO_ALL,
-    AllToAll,
     across_seconds,
     activation_change,
     all_to_all,
     expert_group,
     expert_share,
-    held_states,
     moe_tp_collectives,
     updated_params,
 )
 from strata.plan.hardware import Device, Kernels
 from strata.plan.links import Cluster, collective_seconds, core_split
-from strata.plan.memory import (
-    ModelStates,
-    activation_bytes_per_layer,
-    device_overhead,
-    head_bytes,
-    hpz_bytes,
-    optimizer_rate,
-    overhead_note,
-    pipelined_zero_bytes,
-)
+from strata.plan.memory import activation_bytes_per_layer, device_overhead, optimizer_rate, overhead_note
 from strata.plan.offload import offload_cost, offloads
-from strata.plan.stages import (
-    StageLoad,
-    bubble_seconds,
-    distinct_stages,
-    micro_batches_in_flight,
-    micro_batches_in_flight_by_rank,
-    stage_loads,
-)
-from strata.plan.tensor import (
-    GridCost,
-    buffer_bytes,
-    element_bytes,
-    grid_cost,
-    overlapped_tp_seconds,
-    params_held,
-    stage_seconds,
-)
+from strata.plan.rank_memory import peak_rank_memory
+from strata.plan.stages import StageLoad, bubble_seconds, distinct_stages, stage_loads
+from strata.plan.tensor import element_bytes, grid_cost, overlapped_tp_seconds, params_held, stage_seconds
+from strata.plan.terms import Terms
 from strata.plan.workload import Estimate, Workload, bucket_mb_for
 from strata.rules.layout import Layout
 from strata.rules.pipeline_cut import unit_costs
 from strata.rules.pipeline_wire import activation_wire_bytes
-from strata.rules.schedules import SCHEDULES, ScheduleSpec
 
 
 def log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
@@ -97,32 +71,7 @@ def estimate(work: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     return e
 
 
-@dataclass(frozen=True)
-class _Terms:
-    """What every pipeline rank of a layout shares: sizes of one micro-batch, rates, message times."""
-    act_bytes: int  # bytes per activation element
-    precision: str  # mixed | fp32: how the model states are counted
-    micro_batches: int  # per pipeline per step
-    tokens: int  # per micro-batch on one rank: micro-batch x sequence / cp
-    d_model: int
-    peak: float  # FLOP/s of the device in the run's precision
-    units: tuple[UnitSeconds, UnitSeconds, UnitSeconds]  # embedding, block, head: one micro-batch on one rank
-    kernel_ceiling: float
-    activation_per_layer: float  # bytes one block keeps for backward, per micro-batch
-    tp_message: float  # bytes of one tensor-parallel collective
-    pp_message: float  # bytes sent between stages per micro-batch (rules/pipeline_wire.py's dtype)
-    pp_send_s: float
-    tp_collective_s: float  # 1-D: one collective of tp_message
-    grid: GridCost | None  # 2-D, 2.5-D, 3-D: bytes and seconds by part (plan/tensor.py)
-    all_to_all: AllToAll = NO_ALL_TO_ALL  # a mixture's all-to-alls per MoE layer (plan/experts.py)
-    moe_tp: tuple[float, float] = (0.0, 0.0)  # (seconds, bytes) an MoE layer adds to 1-D tp's collectives
-    across: float = 0.0  # the all-to-all's time split over two nodes, over its time here (explain)
-    context: ContextComm = NO_CONTEXT  # context parallelism's traffic per attention layer (plan/context.py)
-    optimizer: str | float = "adamw"  # its name, or its state bytes per parameter of this model (Adafactor)
-    tp_overlap: bool = False  # Workload.tp_overlap
-
-
-def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> _Terms:
+def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> Terms:
     cfg, b, s, t = work.model, lay.micro_batch, work.seq_len, lay.tp
     act_bytes = BYTES["bf16" if work.precision in ("bf16", "fp16") else "fp32"]
     peak = cluster.device.peak_flops.get(work.precision, max(cluster.device.peak_flops.values()))
@@ -154,13 +103,13 @@ def _terms(work: Workload, cluster: Cluster, lay: Layout, rate_scale: float) -> 
                  if lay.pp > 1 else 0.0)
     if grid is not None:
         e = element_bytes(lay, act_bytes, BYTES[lay.gather_dtype])
-        return _Terms(**terms, tp_collective_s=0.0, grid=grid_cost(cfg, grid, tokens, e, cluster))
+        return Terms(**terms, tp_collective_s=0.0, grid=grid_cost(cfg, grid, tokens, e, cluster))
     op = "all_gather" if lay.sequence_parallel else "all_reduce"
     moe_tp = [(n * collective_seconds(cluster, "all_reduce", nbytes, t, 1), n * 2 * (t - 1) / t * nbytes)
               for nbytes, n in moe_tp_collectives(cfg, tokens, act_bytes)] if t > 1 else []
     a2a = all_to_all(cfg, lay, cluster, tokens, act_bytes)
     block = units[1]
-    return _Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1) / rate_scale, grid=None,
+    return Terms(**terms, tp_collective_s=collective_seconds(cluster, op, tp_message, t, 1) / rate_scale, grid=None,
                   all_to_all=a2a, moe_tp=(sum(x for x, _ in moe_tp), sum(y for _, y in moe_tp)),
                   across=across_seconds(cfg, lay, cluster, tokens, act_bytes, a2a),
                   context=context_comm(cfg, lay, cluster, b * s, act_bytes, block.attention_forward,
@@ -194,99 +143,6 @@ def _kernel_seconds(w: StepWork, kernels: Kernels, peak: float, bandwidth: float
     return unit_seconds(w, kernels, peak, bandwidth, fp8_peak), best_gemm_efficiency(w, kernels, peak, bandwidth, fp8_peak)
 
 
-def _peak_rank_memory(work: Workload, lay: Layout, terms: _Terms, loads: tuple[StageLoad, ...],
-                      distinct: tuple[StageLoad, ...], stage_of_rank: tuple[int, ...]) -> dict[str, float]:
-    """The memory by kind of the pipeline rank that holds the most (the first of them, where
-    several do). What a rank holds besides its activations depends on its load alone, so it is
-    worked out once per distinct load (plan/stages.distinct_stages); a rank then adds its micro-
-    batches in flight (one look-up of the simulated schedule for all ranks) and weight versions.
-    Each rank's total is summed as sum(memory.values()) would sum it, in the same order, so the
-    rank chosen is the one a max over every rank's dict chooses; only its dict is built."""
-    spec = SCHEDULES[lay.schedule]
-    in_flight = micro_batches_in_flight_by_rank(lay, terms.micro_batches)
-    held: list[_StageMemory | None] = [None] * len(distinct)
-    peak_values, peak_total = (), 0.0
-    for rank, load in enumerate(loads):
-        index = stage_of_rank[rank]
-        stage = held[index]
-        if stage is None:
-            stage = held[index] = _stage_memory(work, lay, terms, load)
-        values = _rank_memory_values(lay, terms, spec, rank, load, in_flight[rank], stage)
-        total = sum(values)
-        if rank == 0 or total > peak_total:  # max()'s rule: a later rank replaces only when larger
-            peak_values, peak_total = values, total
-    return dict(zip(_memory_kinds(spec), peak_values))
-
-
-def _rank_memory(work: Workload, lay: Layout, terms: _Terms, rank: int, load: StageLoad) -> dict[str, float]:
-    """Bytes one pipeline rank holds at its peak, by kind."""
-    spec = SCHEDULES[lay.schedule]
-    in_flight = micro_batches_in_flight(lay, terms.micro_batches, rank)
-    values = _rank_memory_values(lay, terms, spec, rank, load, in_flight, _stage_memory(work, lay, terms, load))
-    return dict(zip(_memory_kinds(spec), values))
-
-
-def _memory_kinds(spec: ScheduleSpec) -> tuple[str, ...]:
-    """The kinds of a rank's memory, in the order its total adds them."""
-    kinds = ("weights", "gradients", "optimizer_states", "activations", "buffers")
-    return kinds + ("weight_versions",) if spec.asynchronous else kinds
-
-
-@dataclass(frozen=True)
-class _StageMemory:
-    """What every rank of a given load holds, whatever its micro-batches in flight: its states, its
-    buffers, and the activations of the embedding's output (first stage) and of the head (last)."""
-    weights: float
-    gradients: float
-    optimizer_states: float
-    edge_activations: float
-    buffers: float
-
-
-def _stage_memory(work: Workload, lay: Layout, terms: _Terms, load: StageLoad) -> _StageMemory:
-    cfg, t = work.model, lay.tp
-    states = _held_states(cfg, lay, load, terms.precision, terms.optimizer)
-    split = t if lay.tp_mode != "1d" else 1  # the grid cuts the embedding's output too
-    edge_activations = (terms.tokens * cfg.d_model * terms.act_bytes / split if load.first else 0) + \
-        (head_bytes(cfg, lay, work.seq_len, terms.act_bytes, work.logits_chunk_bytes) if load.last else 0)
-    weights, gradients = states.weights, states.grads
-    optimizer_states = 0.0 if lay.offload != "none" else states.optimizer
-    buffers = _buffers(cfg, lay, t, load, bucket_mb_for(work, lay)) + \
-        pipelined_zero_bytes(lay.zero, lay.pp, lay.reshard_after_forward, load.params / t, lay.gather_dtype,
-                             lay.reduce_dtype) + hpz_bytes(lay, load.params / t)
-    if lay.tp_mode != "1d":
-        buffers += buffer_bytes(cfg, lay.grid, terms.tokens, terms.act_bytes)
-    if lay.offload_params != "none":  # the shards and their gradients wait in the tier; a unit's shard
-        weights = gradients = 0.0  # is read in ahead of its gather (two at once)
-        buffers += 2 * 4 * max(cfg.unit_params()) / t / lay.shards
-    return _StageMemory(weights, gradients, optimizer_states, edge_activations, buffers)
-
-
-def _rank_memory_values(lay: Layout, terms: _Terms, spec: ScheduleSpec, rank: int, load: StageLoad,
-                        in_flight: float, stage: _StageMemory) -> tuple[float, ...]:
-    """A rank's memory in _memory_kinds' order: its stage's, with the activations of the micro-
-    batches it holds at its peak."""
-    activations = terms.activation_per_layer * load.layers * in_flight + stage.edge_activations
-    if lay.offload_activations != "none":  # only the block being recomputed has its input back
-        activations -= terms.activation_per_layer * (load.layers - 1)
-    values = (stage.weights, stage.gradients, stage.optimizer_states, activations, stage.buffers)
-    if spec.asynchronous:
-        # The stashed copies of the stage's weights the layers compute with (parallel/pipeline/
-        # versions.py): delay + 1 (2 for 2BW, p - rank for PipeDream) besides the optimizer's, in the
-        # parameters' dtype (fp32 masters unless gathered in bf16).
-        compute_bytes = 2 if lay.gather_dtype == "bf16" else 4
-        values += (spec.versions(lay.pp, rank) * load.params / lay.tp * compute_bytes,)
-    return values
-
-
-def _held_states(cfg: ModelConfig, lay: Layout, load: StageLoad, precision: str, optimizer: str | float) -> ModelStates:
-    """The model states of a stage's rank (the same for every rank of equal stages: _peak_rank_memory
-    asks once per distinct load). Not cached: a search asks once per layout and load, and hashing
-    a layout for a cache that never hits costs more than the count."""
-    return held_states(cfg, lay, params_held(cfg, lay, load.params, load.layers, load.first, load.last), load.moe_layers,
-                       precision, optimizer)
-
-
 @dataclass(frozen=True)
 class _RankTime:
     """One pipeline rank's time for one micro-batch: forward and backward (each with half of the
@@ -311,7 +167,7 @@ class _RankTime:
         return self.forward + self.backward
 
 
-def _rank_time(cluster: Cluster, lay: Layout, terms: _Terms, load: StageLoad) -> _RankTime:
+def _rank_time(cluster: Cluster, lay: Layout, terms: Terms, load: StageLoad) -> _RankTime:
     p = lay.pp
     embedding, block, head = terms.units
     units = ((embedding, load.first), (block, load.layers), (head, load.last))
@@ -347,7 +203,7 @@ def _estimate(work: Workload, cluster: Cluster, layout: Layout, rate_scale: floa
     terms = _terms(work, cluster, lay, rate_scale)
     loads = stage_loads(cfg, lay.pp, lay.virtual_stages, s)
     distinct, stage_of_rank = distinct_stages(cfg, lay.pp, lay.virtual_stages, s)
-    memory = _peak_rank_memory(work, lay, terms, loads, distinct, stage_of_rank)
+    memory = peak_rank_memory(work, lay, terms, loads, distinct, stage_of_rank)
     times = [_rank_time(cluster, lay, terms, load) for load in distinct]  # equal stages, equal times
     ranks = [times[index] for index in stage_of_rank]
     slowest_rank = max(range(len(ranks)), key=lambda rank: ranks[rank].total)
@@ -454,29 +310,3 @@ def _tier_overflow(device: Device, tiers: dict[str, float]) -> list[str]:
     room = {"host": device.host_memory_bytes or 0.0, "disk": device.disk_bytes}
     return [f"does not fit: its {tier} tier would hold {held / 1e9:.1f} GB per device, and has {room[tier] / 1e9:.1f} GB"
             for tier, held in tiers.items() if held > room[tier]]
-
-
-def _buffers(cfg: ModelConfig, lay: Layout, t: int, load: StageLoad, bucket_mb: float) -> float:
-    """What the layout adds besides states and activations.
-
-    ZeRO-2: the staging buffers of full gradients it keeps for its buckets (in the reduce dtype;
-    plan/buckets.staged): a mixture's experts, reduced over their own group, have their own.
-
-    ZeRO-3: its gathered units (one in use, one prefetched, in the gather dtype) and one unit's
-    staged gradients (in the reduce dtype), at the size of the largest unit (the embedding or the
-    head, for most models); with tied embeddings the embedding stays gathered from its forward to
-    the head's backward as well."""
-    if lay.zero == 2:
-        dense, experts = expert_share(cfg, lay, load.params / t, load.moe_layers)
-        split = False if experts else None
-        # each bucket as the runtime pads it: aligned, a multiple of its group's shards
-        held = staged(collective_parts(cfg, lay, load.layers, load.first, load.last, split, dense, bucket_mb))
-        if experts and expert_group(lay)[0] > 1:  # (a group of one rank: ZeRO-0, nothing staged)
-            held += staged(collective_parts(cfg, lay, load.layers, load.first, load.last, True, experts, bucket_mb))
-        return held * BYTES[lay.reduce_dtype]
-    if lay.zero < 3:
-        return 0.0
-    embedding, block, head = cfg.unit_params()
-    largest = max(embedding, block, head) / t
-    tied = embedding / t * BYTES[lay.gather_dtype] if cfg.tie_embeddings else 0.0
-    return largest * (2 * BYTES[lay.gather_dtype] + BYTES[lay.reduce_dtype]) + tied

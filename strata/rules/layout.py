@@ -358,12 +358,10 @@ def check_compression(layout: Layout) -> None:
     onebit = layout.compress in ("onebit", "zeroone")
     refusals = [(layout.replicas == 1, "compresses the data-parallel reduction, and dp is 1"),
                 (layout.zero != 0 and not onebit, f"replaces ZeRO-0's all-reduce; zero is {layout.zero} (use zero 0)"),
-                # the 1-bit rules compress the momentum or the gradient whole on every rank: ZeRO-1
-                # shards the update after them; ZeRO-2/3 would have no whole gradient to compress
-                (layout.zero > 1 and onebit, f"replaces ZeRO-0's or ZeRO-1's reduction; zero is {layout.zero} "
-                                             f"(use zero 0 or 1)"),
-                (layout.gather_dtype != "fp32", f"averages fp32 momenta and gradients; leave --gather-dtype at fp32 "
-                                                f"(it is {layout.gather_dtype})"),
+                # the 1-bit rules compress the whole momentum or gradient: ZeRO-1 shards the update
+                # after them, ZeRO-2/3 keep no whole gradient
+                (layout.zero > 1, f"replaces ZeRO-0's or ZeRO-1's reduction; zero is {layout.zero} (use zero 0 or 1)"),
+                (layout.gather_dtype != "fp32", "averages fp32 momenta and gradients; leave --gather-dtype at fp32"),
                 (layout.dp_shard is not None or layout.dp_replicate is not None,
                  "not with hybrid sharding (--dp-shard, --dp-replicate): it compresses over every dp rank"),
                 (layout.reduce_dtype != "fp32", "compresses fp32 gradients; leave --reduce-dtype at fp32"),
