@@ -171,10 +171,13 @@ def _on_two_nodes(args, prefix: str, subnet: str, slots: int, runs: dict[str, li
 
 def link(args) -> None:
     results = {}
-    for name, steps in _on_two_nodes(args, "c", "10.233.9", 1, {
-            # 0/1 Adam with kappa 1: v's whole steps are 1, 2, 4, 8, .. (with the default 16, the first 16)
-            name: ["--micro-batch", "2", "--global-batch", "4", *flags(run, 2),
-                   *(["--var-update-scaler", "1"] if run[0] == "zeroone" else [])] for name, run in RUNS.items()}):
+    shape = ["--micro-batch", "2", "--global-batch", "4"]
+    runs = {name: [*shape, *flags(run, 2), *(["--var-update-scaler", "1"] if run[0] == "zeroone" else [])]
+            for name, run in RUNS.items()}  # 0/1 Adam with kappa 1: v's whole steps 1, 2, 4, 8, .. (kappa 16: 1-16)
+    # under ZeRO-1 the 1-bit rounds are followed by the parameters' all-gather, uncompressed
+    runs.update({"uncompressed, ZeRO-1": [*shape, "--zero", "1"],
+                 "1-bit Adam, ZeRO-1": [*shape, *flags(RUNS["1-bit Adam"], 2), "--zero", "1"]})
+    for name, steps in _on_two_nodes(args, "c", "10.233.9", 1, runs):
         results[name] = (statistics.median(r["step_time_s"] for r in steps),
                          statistics.median(dp_bytes(r) for r in steps))  # 0/1 Adam: its compressed steps'
     base = results["uncompressed"][0]
