@@ -486,6 +486,30 @@ def test_the_search_offers_onebit_under_zero0_and_zero1_and_powersgd_under_zero0
     assert twins == {lay for lay in offered if lay.compress == "onebit"}
 
 
+def test_parallel_autos_search_prices_the_users_compression():
+    """--parallel auto keeps the user's --compress (train/auto.KEPT, with --offload and the rest):
+    the search sets it on every candidate, so each is priced as it will run (its dp bytes the 1-bit
+    rounds', not the uncompressed layout's), and what cannot run with it (tp, ZeRO-2/3) is not offered."""
+    import dataclasses
+
+    from strata.model.presets import get_preset
+    from strata.plan.cost import estimate
+    from strata.plan.inputs import build_cluster, workload
+    from strata.plan.search import search
+    from strata.rules.layout import Layout
+    from strata.train.auto import KEPT
+    kept = {name: getattr(Layout(), name) for name in KEPT} | {"compress": "onebit", "compress_after": 2}
+    work, cluster = workload(get_preset("llama-1b"), 64, 2048, "bf16"), build_cluster("A100-80G", 1, 8, None, "ib-200")
+    ranked, rejected = search(work, cluster, offload=False, compress=False, kept=kept)
+    assert ranked and {(e.layout.compress, e.layout.compress_after, e.layout.tp) for e in ranked + rejected} == {
+        ("onebit", 2, 1)}
+    assert {e.layout.zero for e in ranked} == {0, 1}
+    best = ranked[0]
+    plain = estimate(work, cluster, dataclasses.replace(best.layout, compress="none", compress_after=0))
+    assert best.comm_bytes["dp"] < plain.comm_bytes["dp"]
+    assert len({e.layout for e in ranked + rejected}) == len(ranked + rejected)
+
+
 def test_the_planner_prices_zeroone_between_variance_updates_and_its_flat_gradient():
     """0/1 Adam's steps that leave v alone send 1-bit Adam's two rounds (the planner prices those, a
     long run's steady state: the steps updating v are about kappa log2(T / kappa) of T), and its

@@ -28,7 +28,7 @@ def divisors(n: int) -> list[int]:
 
 def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
             allow_async: bool = False, params_offload: bool = False, per_node: int | None = None,
-            compress: bool = True) -> Iterator[Layout]:
+            compress: bool = True, kept: dict | None = None) -> Iterator[Layout]:
     """Every layout of `world` devices strata runs for this model and batch: the candidates below,
     each passed through the trainer's own layout check. transfers: the (reduce, gather) dtypes the
     run asked for; a layout they do not apply to (bf16 reductions without dp, bf16 gathers
@@ -38,10 +38,18 @@ def layouts(work: Workload, world: int, offload: bool = True, transfers: tuple[s
     tries only when nothing else fits. per_node: devices a node holds, to offer hybrid sharding
     (ZeRO over a node's dp ranks, replicated across nodes) where dp crosses nodes. compress: offer
     data parallelism's compressed twins too (`strata plan` does; `--parallel auto` keeps the user's
-    --compress, so it is not offered there)."""
+    --compress, so it is not offered there). kept: fields set on every candidate (`--parallel
+    auto`'s, the user's own: --compress, --offload, ...), so each is priced as it will run; the
+    candidates that differ only in them are one."""
     candidates = _infinity_candidates(work, world, offload, transfers) if params_offload else \
         _candidates(work, world, offload, transfers, allow_async, per_node, compress)
+    seen: set[Layout] = set()
     for layout in candidates:
+        if kept:
+            layout = replace(layout, **kept)
+            if layout in seen:
+                continue
+            seen.add(layout)
         try:
             check_layout(work.model, layout, world, work.seq_len, work.global_batch)
         except ConfigError:
@@ -173,12 +181,14 @@ def refusal(e: Estimate) -> str | None:
 
 
 def search(work: Workload, cluster: Cluster, offload: bool = True, transfers: tuple[str, str] = ("fp32", "fp32"),
-           allow_async: bool = False, compress: bool = True) -> tuple[list[Estimate], list[Estimate]]:
+           allow_async: bool = False, compress: bool = True, kept: dict | None = None
+           ) -> tuple[list[Estimate], list[Estimate]]:
     """(runnable layouts fastest first, the rest: not fitting or refused, smallest memory first).
     Parameter offload (ZeRO-Infinity) is offered only when nothing else fits, as a last resort: it
-    trades device memory for transfers over PCIe or from disk on every step."""
+    trades device memory for transfers over PCIe or from disk on every step. kept: see `layouts`."""
     ranked, rejected = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers, allow_async,
-                                                         per_node=cluster.devices_per_node, compress=compress))
+                                                         per_node=cluster.devices_per_node, compress=compress,
+                                                         kept=kept))
     if not ranked and offload:
         last_resort, still = _estimates(work, cluster, layouts(work, cluster.world, offload, transfers,
                                                                params_offload=True))

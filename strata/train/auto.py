@@ -56,11 +56,12 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
     work = workload(model, global_batch, cfg.seq_len, precision, bucket_mb=cfg.bucket_mb)
     cluster = local_cluster(world_size)
     transfers = (cfg.layout.reduce_dtype, cfg.layout.gather_dtype)
-    ranked, rejected = search(work, cluster, offload=False, transfers=transfers,
-                              allow_async=cfg.allow_async, compress=False)  # --compress is the user's (kept)
+    # the user's own settings (--compress, --offload, ...) on every candidate: priced as they will run
+    kept = {name: getattr(cfg.layout, name) for name in KEPT}
+    ranked, rejected = search(work, cluster, offload=False, transfers=transfers, allow_async=cfg.allow_async,
+                              compress=False, kept=kept)
     for e in ranked:
-        chosen = replace(cfg, parallel="manual", global_batch=global_batch,
-                         layout=replace(e.layout, **{name: getattr(cfg.layout, name) for name in KEPT}))
+        chosen = replace(cfg, parallel="manual", global_batch=global_batch, layout=e.layout)
         try:
             check_run_layout(chosen, world_size, model)
         except ConfigError:
