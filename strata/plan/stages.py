@@ -56,20 +56,17 @@ def distinct_stages(cfg: ModelConfig, p: int, v: int, seq_len: int) -> tuple[tup
 
 
 def micro_batches_in_flight_by_rank(lay: Layout, m: int) -> tuple[float, ...]:
-    """micro_batches_in_flight of every pipeline rank, from one look-up of the simulated schedule
-    (the cost model asks for all of them for every layout)."""
+    """Micro-batches whose activations each pipeline rank holds at its peak, from one look-up of
+    strata's own schedule, simulated (GPipe all m; 1F1B p - rank; ZB-H1 p, its weight gradients
+    hold them longer; interleaving about 1 + (p-1)/(p·v) times 1F1B's, Narayanan et al. 2021)."""
     if lay.pp == 1:
         return (1,)
     return profile(lay.schedule, lay.pp, m, lay.virtual_stages).in_flight
 
 
 def micro_batches_in_flight(lay: Layout, m: int, rank: int) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak: from strata's own
-    schedule, simulated (GPipe all m; 1F1B p - rank; ZB-H1 p, its weight gradients hold them
-    longer; interleaving about 1 + (p-1)/(p·v) times 1F1B's, Narayanan et al. 2021)."""
-    if lay.pp == 1:
-        return 1
-    return profile(lay.schedule, lay.pp, m, lay.virtual_stages).in_flight[rank]
+    """micro_batches_in_flight_by_rank's answer for pipeline rank `rank`."""
+    return micro_batches_in_flight_by_rank(lay, m)[rank]
 
 
 def bubble_seconds(lay: Layout, m: int, per_micro_batch: float) -> float:

@@ -55,11 +55,10 @@ def choose(cfg: TrainConfig, world_size: int, model) -> tuple[TrainConfig, list[
         resumed["global_batch"] if resumed else cfg.layout.micro_batch * world_size
     work = workload(model, global_batch, cfg.seq_len, precision, bucket_mb=cfg.bucket_mb)
     cluster = local_cluster(world_size)
-    transfers = (cfg.layout.reduce_dtype, cfg.layout.gather_dtype)
-    # the user's own settings (--compress, --offload, ...) on every candidate: priced as they will run
+    # the user's own settings (--compress, --offload, the transfer dtypes, ...) on every candidate:
+    # priced as they will run
     kept = {name: getattr(cfg.layout, name) for name in KEPT}
-    ranked, rejected = search(work, cluster, offload=False, transfers=transfers, allow_async=cfg.allow_async,
-                              compress=False, kept=kept)
+    ranked, rejected = search(work, cluster, offload=False, allow_async=cfg.allow_async, compress=False, kept=kept)
     for e in ranked:
         chosen = replace(cfg, parallel="manual", global_batch=global_batch, layout=e.layout)
         try:
